@@ -1,0 +1,405 @@
+"""Flow-GRPO: online reinforcement learning of a flow-matching text-to-image model, in one loop.
+
+Each iteration samples G images for each of P prompts with a stochastic (SDE) sampler that records
+the log-probability of every trained transition, scores the images, turns rewards into group-relative
+advantages, and takes PPO-clip steps on the policy (a LoRA on the transformer). Math: ALGORITHM.md.
+
+Launch (the same file everywhere; parallelism lives in engine.py only):
+    python flowgrpo.py --model tiny                                  # 1 CPU: random-weight model, ~1 minute
+    python flowgrpo.py --model qwen-image                            # 1 GPU (Qwen/Qwen-Image or --model-path)
+    torchrun --nproc_per_node=8 flowgrpo.py --model qwen-image       # 8 GPUs on one machine
+
+Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code:
+1. The transition log-prob is the exact Gaussian log-density, averaged over latent elements, for both
+   `sde` and `cps` (the public code uses −(x' − μ)² for `cps`): a clip range means the same trust
+   region for both samplers.
+2. The KL to the reference is the exact per-step Gaussian KL mean((μ_θ − μ_ref)²) / (2·std²); the public
+   code divides by s_t² instead of std² = s_t²·|dt|.
+3. Window mode draws one window per iteration, shared by all images and ranks (seeded by the iteration).
+4. Micro-batches are the rollout's chunks, trained in a shuffled order but never re-mixed, so the first
+   update of every iteration runs the same shapes and kernels as the rollout and is exactly on-policy
+   (`train/logp_gap` == 0 in float32); the public code re-shuffles images across micro-batches.
+5. Every image draws its noise from its own generator, seeded by (seed, iteration, image index): the
+   images do not change with the number of ranks or the micro-batch size.
+6. Qwen-Image's LoRA targets omit `to_out.0` and `to_add_out` (vLLM-Omni cannot serve adapters on them).
+7. No EMA of the policy weights (the Qwen-Image recipe runs without it).
+8. `--model tiny` is a toy recipe (32×32 images, 4 steps, a cheap image-space reward, a large clip range
+   and learning rate) chosen so that learning is visible on a CPU within a minute.
+"""
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import engine as eng
+import models
+import prompts as prompt_sets
+import rewards
+import rollout
+import scheduler as sch
+
+
+@dataclass(frozen=True)
+class Args:
+    """Flow-GRPO training. Defaults are the public Qwen-Image recipe (ALGORITHM.md §7); `--model tiny`
+    switches every default to the CPU toy recipe before your flags apply."""
+    model: Literal["tiny", "qwen-image"] = "qwen-image"
+    """model family: `tiny` (random weights built in code, CPU, no downloads) or `qwen-image`"""
+    model_path: str | None = None
+    """hub id or local pipeline directory (default: Qwen/Qwen-Image; `tiny` builds its own)"""
+    run_dir: str | None = None
+    """output directory (default: runs/<model>-<reward>-<timestamp>)"""
+    seed: int = 0
+    """seed of the model init (tiny), LoRA init, prompt order, windows and all sampling noise"""
+    iterations: int = 300
+    """total number of iterations (rollout + update)"""
+    prompts: str = "ocr"
+    """prompt set: a built-in name (ocr, general) or a .txt / .jsonl file"""
+    reward: str = "ocr"
+    """reward name, or weighted list `ocr=1.0,pickscore=0.5`, or `remote=http://host:port`"""
+    group_size: int = 16
+    """G: images per prompt; advantages compare images within a group"""
+    prompts_per_iteration: int = 32
+    """P: prompts per iteration (P·G images per iteration, split over ranks)"""
+    micro_batch: int = 4
+    """images per transformer call, in rollout and in training"""
+    optimizer_steps: int = 1
+    """optimizer steps per iteration (the iteration's micro-batches are split evenly among them)"""
+    height: int = 512
+    """image height in pixels"""
+    width: int = 512
+    """image width in pixels"""
+    num_steps: int = 10
+    """sampling steps in rollout (training-time denoising reduction)"""
+    eval_steps: int = 50
+    """ODE steps for evaluation images"""
+    cfg_scale: float = 4.0
+    """true-CFG scale w (1 = no CFG, one transformer pass per step)"""
+    negative_prompt: str = " "
+    """negative prompt for true CFG"""
+    sde_type: Literal["sde", "cps"] = "sde"
+    """stochastic sampler: Flow-GRPO's marginal-preserving SDE or coefficients-preserving sampling"""
+    noise_level: float = 1.2
+    """SDE noise level a (> 0)"""
+    window: int = 2
+    """trained SDE steps per image, consecutive; 0 = full mode (every step but the last)"""
+    window_range: tuple[int, int] = (0, 5)
+    """[lo, hi): the window lies inside these step indices"""
+    clip_range: float = 1e-4
+    """PPO clip ε on the probability ratio"""
+    adv_clip: float = 5.0
+    """advantages are clipped to [−adv_clip, adv_clip]"""
+    std: Literal["global", "group"] = "global"
+    """normalise advantages by the whole batch's reward std or by each group's"""
+    kl_beta: float = 0.0
+    """β of the KL to the reference model (adapter disabled); 0 skips the reference pass"""
+    lr: float = 3e-4
+    """AdamW learning rate"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip; a non-finite norm skips the step"""
+    lora_rank: int = 64
+    """LoRA rank r"""
+    lora_alpha: float = 128
+    """LoRA α (scale α / r)"""
+    lora_targets: tuple[str, ...] = models.QwenImage.lora_targets
+    """transformer module names that get a LoRA"""
+    eval_every: int = 20
+    """evaluate (ODE, fixed seeds, eval prompts) every this many iterations and at the end; 0 = never"""
+    eval_images: int = 8
+    """evaluation images (one per eval prompt)"""
+    wandb: bool = True
+    """log to wandb on rank 0 (offline unless WANDB_MODE or WANDB_API_KEY says otherwise)"""
+
+
+RECIPES = {
+    "qwen-image": Args(),
+    "tiny": Args(model="tiny", iterations=30, prompts="general", reward="brightness", group_size=8,
+                 prompts_per_iteration=4, micro_batch=8, height=32, width=32, num_steps=4, eval_steps=8,
+                 cfg_scale=1.0, noise_level=0.7, window=0, window_range=(0, 3), clip_range=0.2, lr=1e-2,
+                 lora_rank=8, lora_alpha=16, eval_every=20, eval_images=8),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """`--model` picks the recipe whose values become the defaults; the other flags override them."""
+    argv = sys.argv[1:] if argv is None else argv
+    model = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+                  if a.split("=")[0] == "--model" and ("=" in a or i + 1 < len(argv))), "tiny")
+    return tyro.cli(Args, default=RECIPES.get(model, RECIPES["tiny"]), args=argv)
+
+
+def check_args(a: Args) -> None:
+    """Reject impossible configurations before anything is built; each message names the flag."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+    need(a.group_size >= 2, f"--group-size must be >= 2 (advantages compare images of a prompt), got {a.group_size}")
+    for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
+                    ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations)):
+        need(v >= 1, f"{flag} must be >= 1, got {v}")
+    for flag, v in (("--lr", a.lr), ("--noise-level", a.noise_level), ("--clip-range", a.clip_range),
+                    ("--lora-rank", a.lora_rank), ("--max-grad-norm", a.max_grad_norm)):
+        need(v > 0, f"{flag} must be > 0, got {v}")
+    need(a.cfg_scale >= 1, f"--cfg-scale must be >= 1 (1 = no CFG), got {a.cfg_scale}")
+    need(a.kl_beta >= 0 and a.weight_decay >= 0, "--kl-beta and --weight-decay must be >= 0")
+    need(a.sde_type != "cps" or a.noise_level < 1, f"--noise-level must be in (0, 1) for cps, got {a.noise_level}")
+    sch.check_window(a.num_steps, a.window, a.window_range)
+    sch.check_window(a.eval_steps, 0, (0, 0))
+    multiple = models.RESOLUTION_MULTIPLE[a.model]
+    for flag, side in (("--height", a.height), ("--width", a.width)):
+        need(side > 0 and side % multiple == 0, f"{flag} must be a positive multiple of {multiple} for "
+                                                f"--model {a.model} (VAE downsampling × 2×2 patches), got {side}")
+    rewards.check_reward_spec(a.reward)
+    prompt_sets.check_prompts(a.prompts)
+
+
+def batch_arithmetic(a: Args, world_size: int) -> dict:
+    """Derived sizes, asserted: images per iteration → per rank → micro-batches → optimizer steps."""
+    images = a.prompts_per_iteration * a.group_size
+    if images % world_size or (images // world_size) % a.micro_batch:
+        raise ValueError(f"P·G = {a.prompts_per_iteration}·{a.group_size} = {images} images per iteration must split "
+                         f"into {world_size} rank(s) × whole micro-batches of {a.micro_batch}: choose P·G divisible "
+                         f"by {world_size * a.micro_batch} (--prompts-per-iteration, --group-size, --micro-batch)")
+    per_rank = images // world_size
+    micro = per_rank // a.micro_batch
+    if micro % a.optimizer_steps:
+        raise ValueError(f"--optimizer-steps {a.optimizer_steps} must divide the {micro} micro-batches per rank")
+    if a.eval_images % world_size:
+        raise ValueError(f"--eval-images {a.eval_images} must be divisible by the world size {world_size}")
+    return dict(images_per_iteration=images, ranks=world_size, images_per_rank=per_rank, micro_batch=a.micro_batch,
+                micro_batches_per_rank=micro, optimizer_steps=a.optimizer_steps,
+                micro_batches_per_optimizer_step=micro // a.optimizer_steps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages and the policy loss (pure functions; tests/test_loop.py checks them by hand)
+
+def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: float) -> tuple[torch.Tensor, float]:
+    """A_i = (r_i − mean of i's group) / (σ + 1e-4), clipped; σ = std of the whole batch or of i's group.
+    r, group: (N,) over the whole iteration (all ranks). Returns (A (N,), fraction of zero-std groups)."""
+    r = r.double()
+    adv, zero = torch.zeros_like(r), 0
+    for g in group.unique():
+        idx = group == g
+        sigma = r.std(unbiased=False) if std == "global" else r[idx].std(unbiased=False)
+        adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4)
+        zero += int(r[idx].std(unbiased=False) == 0)
+    return adv.clamp(-clip, clip).float(), zero / len(group.unique())
+
+
+def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torch.Tensor, dict]:
+    """PPO-clip loss (and optional KL) of trained transition j for a micro-batch of b images."""
+    x, x_next, sigma, sigma_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
+    kw = dict(sigma_max=mb.sigma_max, noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
+    v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
+    _, logp, mean, std = sch.step(v, x, sigma, sigma_next, **kw)  # logp: (b,)
+    delta = logp - mb.log_probs[:, j]
+    ratio = torch.exp(delta)
+    adv = mb.advantages
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range)).mean()
+    stats = {"gap": delta.detach().abs().mean().item(), "clipfrac": ((ratio - 1).abs() > a.clip_range).float().mean().item(),
+             "approx_kl": 0.5 * (delta.detach() ** 2).mean().item(), "policy_loss": loss.item(), "kl": 0.0}
+    if a.kl_beta > 0:
+        with torch.no_grad(), engine.reference():
+            v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
+            _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, **kw)
+        kl = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.dim()))) / (2 * std.reshape(-1) ** 2)
+        loss = loss + a.kl_beta * kl.mean()
+        stats["kl"] = kl.mean().item()
+    return loss, stats
+
+
+def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, iteration: int, progress: bool) -> dict:
+    """PPO-clip updates over this rank's images: `optimizer_steps` steps, each accumulating gradients over
+    its micro-batches × trained steps. Micro-batches are the rollout chunks in a shuffled order."""
+    n_micro, per_step, W = arith["micro_batches_per_rank"], arith["micro_batches_per_optimizer_step"], len(batch.sigmas) - 1
+    order = torch.randperm(n_micro, generator=torch.Generator().manual_seed(a.seed * 7919 + iteration)).tolist()
+    logs, gap = [], None
+    bar = tqdm(total=n_micro * W, desc="train", unit="step", disable=not progress, leave=False)
+    for k in range(a.optimizer_steps):
+        for m in order[k * per_step:(k + 1) * per_step]:
+            mb = batch.chunk(m * a.micro_batch, (m + 1) * a.micro_batch)
+            for j in range(W):
+                loss, stats = policy_loss(model, engine, mb, j, a)
+                (loss / (W * per_step)).backward()  # mean over trained steps and micro-batches
+                logs.append(stats)
+                bar.update()
+            gap = sum(s["gap"] for s in logs[-W:]) / W if gap is None else gap  # first micro-batch: on-policy
+        grad_norm, skipped = engine.step()
+        logs[-1] |= {"grad_norm": grad_norm, "skipped": float(skipped)}
+    bar.close()
+    mean = lambda key: float(np.mean([s[key] for s in logs if key in s]))
+    return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
+            "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
+            "train/skipped_steps": engine.skipped_steps}
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run leaves behind: metrics.jsonl, reward_curve.png, sample grids (rank 0 only)
+
+def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
+    """Images (N, 3, H, W) in [0, 1] side by side, up to 4 per row, each captioned `prompt | reward`."""
+    from PIL import Image, ImageDraw
+    n, _, h, w = images.shape
+    cell, cols = max(w, 160), min(n, 4)
+    grid = Image.new("RGB", (cols * cell, ((n + cols - 1) // cols) * (cell + 28)), "white")
+    for i, (img, cap) in enumerate(zip(images, captions)):
+        pil = Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+        x, y = (i % cols) * cell, (i // cols) * (cell + 28)
+        grid.paste(pil.resize((cell, cell * h // w), Image.NEAREST), (x, y))
+        ImageDraw.Draw(grid).text((x + 2, y + cell * h // w + 2), cap[:40] + ("\n" + cap[40:80] if len(cap) > 40 else ""), fill="black")
+    grid.save(path)
+
+
+def plot_curve(path: str, rows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    it = [r["iteration"] for r in rows]
+    mean, std = np.array([r["reward/mean"] for r in rows]), np.array([r["reward/std"] for r in rows])
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(it, mean, label="train reward (mean over the iteration)")
+    ax.fill_between(it, mean - std, mean + std, alpha=0.2, label="± std")
+    ev = [(r["iteration"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
+    if ev:
+        ax.plot(*zip(*ev), "o--", label="eval reward (ODE, fixed seeds)")
+    ax.set_xlabel("iteration"), ax.set_ylabel("reward"), ax.legend(fontsize=8), ax.grid(alpha=0.3)
+    fig.tight_layout(), fig.savefig(path), plt.close(fig)
+
+
+def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, run_dir: str, wandb_run) -> dict:
+    """ODE samples of the eval prompts with fixed seeds, split over ranks; grid and scores on rank 0."""
+    share = a.eval_images // engine.world_size
+    mine = evalset[engine.rank * share:(engine.rank + 1) * share]
+    images = rollout.sample_ode(model, [p for p, _ in mine], num_steps=a.eval_steps, height=a.height, width=a.width,
+                                cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, seed=a.seed,
+                                chunk=a.micro_batch)
+    scores, _ = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
+    scores = engine.all_gather(torch.as_tensor(scores, dtype=torch.float32, device=engine.device)).cpu()
+    images = engine.all_gather(images.to(engine.device)).cpu()
+    if engine.is_main:
+        captions = [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())]
+        path = os.path.join(run_dir, "samples", f"eval_{it:05d}.png")
+        save_grid(path, images, captions)
+        if wandb_run:
+            import wandb
+            wandb_run.log({"eval/samples": wandb.Image(path)}, step=it)
+    return {"eval/reward_mean": scores.mean().item()}
+
+
+def open_wandb(a: Args, run_dir: str, arith: dict):
+    import wandb
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    return wandb.init(project="flowgrpo", dir=run_dir, mode=mode, config=dataclasses.asdict(a) | arith,
+                      name=os.path.basename(run_dir))
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+def main(a: Args) -> list[dict]:
+    check_args(a)  # before any model is built or process group joined
+    rank, world, device = eng.init_distributed()
+    arith = batch_arithmetic(a, world)
+    prompt_set = prompt_sets.load_prompts(a.prompts)
+    trainset, evalset = prompt_set.train, prompt_set.eval
+    evalset = [evalset[i % len(evalset)] for i in range(a.eval_images)]
+    rewards.check_prompts_for_reward(a.reward, [p for p, _ in trainset + evalset])
+    if rank == 0:
+        print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
+
+    # --- build: model → engine (LoRA, optimizer) → reward → prompt sampler ------------------------
+    model = models.load_model(a.model, a.model_path, device, seed=a.seed)
+    engine = eng.Engine(model, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets,
+                        lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed)
+    reward_fn = rewards.make_reward(a.reward)
+    sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
+    stamp = engine.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
+    run_dir = a.run_dir or os.path.join("runs", f"{a.model}-{a.reward.replace('/', '_')}-{stamp}")
+    wandb_run, rows = None, []
+    if engine.is_main:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(a) | {"run_dir": run_dir, "batch_arithmetic": arith}, f, indent=2)
+        wandb_run = open_wandb(a, run_dir, arith) if a.wandb else None
+    lo = engine.rank * arith["images_per_rank"]
+    mine = torch.arange(lo, lo + arith["images_per_rank"])  # this rank's global image indices
+
+    bar = tqdm(range(a.iterations), desc="iterations", disable=not engine.is_main)
+    for it in bar:
+        # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks -------------
+        chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
+        group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
+        steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it)
+
+        # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images --------
+        t0 = time.perf_counter()
+        model.transformer.eval()
+        batch = rollout.sample(model, [chosen[g][0] for g in group], [chosen[g][1] for g in group], group, mine,
+                               steps=steps, num_steps=a.num_steps, height=a.height, width=a.width,
+                               cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, noise_level=a.noise_level,
+                               sde_type=a.sde_type, seed=a.seed, iteration=it, chunk=a.micro_batch,
+                               progress=engine.is_main)
+        t1 = time.perf_counter()
+
+        # --- 3. rewards, gathered over ranks --------------------------------------------------------
+        scores, info = reward_fn(batch.images, batch.prompts, batch.metadata)
+        r_all = engine.all_gather(torch.as_tensor(scores, dtype=torch.float32, device=engine.device)).cpu()
+        g_all = engine.all_gather(batch.group.to(engine.device)).cpu()
+        t2 = time.perf_counter()
+
+        # --- 4. group-relative advantages over the whole iteration; keep this rank's slice ---------
+        adv, zero_std = group_advantages(r_all, g_all, std=a.std, clip=a.adv_clip)
+        batch.advantages = adv[engine.rank * len(mine):(engine.rank + 1) * len(mine)].to(engine.device)
+
+        # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation ---------------
+        model.transformer.train()
+        stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, it, engine.is_main))
+        t3 = time.perf_counter()
+
+        # --- 6. log ---------------------------------------------------------------------------------
+        comps = {f"reward/{k}/mean": float(engine.all_gather(torch.as_tensor(v, dtype=torch.float32,
+                                                                             device=engine.device)).mean())
+                 for k, v in info.items()}
+        row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
+               "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
+               "perf/rollout_s": t1 - t0, "perf/reward_s": t2 - t1, "perf/train_s": t3 - t2}
+
+        # --- 7. eval every K iterations and at the end ----------------------------------------------
+        if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
+            model.transformer.eval()
+            row |= evaluate(model, engine, reward_fn, evalset, a, it, run_dir, wandb_run)
+        if engine.is_main:
+            rows.append(row)
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            plot_curve(os.path.join(run_dir, "reward_curve.png"), rows)
+            if wandb_run:
+                wandb_run.log(row, step=it)
+            bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
+
+    # --- 8. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
+    engine.export_lora(os.path.join(run_dir, "lora"))
+    if wandb_run:
+        wandb_run.finish()
+    engine.close()
+    return rows
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    try:
+        check_args(args)
+    except ValueError as e:  # a clear one-line error, before anything is built
+        sys.exit(f"flowgrpo.py: error: {e}")
+    main(args)

@@ -1,0 +1,130 @@
+"""flowgrpo.py: advantages, the on-policy check, start-up validation, and a real CLI run that learns."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import engine as eng
+import flowgrpo
+import models
+import rollout
+import scheduler as sch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = flowgrpo.RECIPES["tiny"]
+
+
+# ---- advantages ------------------------------------------------------------------------------------
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 4.0])
+    g = torch.tensor([0, 0, 1, 1, 2, 2])
+    adv, zero = flowgrpo.group_advantages(r, g, std="group", clip=5.0)
+    # group 0: mean 2, std 1 → ∓1; group 1: all equal → 0; group 2: mean 2, std 2 → ∓1
+    expected = [-1 / (1 + 1e-4), 1 / (1 + 1e-4), 0, 0, -2 / (2 + 1e-4), 2 / (2 + 1e-4)]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    assert zero == pytest.approx(1 / 3)
+    adv, _ = flowgrpo.group_advantages(r, g, std="global", clip=5.0)
+    sigma = r.std(unbiased=False).item()  # sqrt(4/3)
+    torch.testing.assert_close(adv, torch.tensor([-1, 1, 0, 0, -2, 2]) / (sigma + 1e-4))
+    adv, _ = flowgrpo.group_advantages(torch.tensor([0.0, 0, 0, 100]), torch.tensor([0, 0, 0, 0]), std="group", clip=1.5)
+    assert adv.tolist() == pytest.approx([-0.57735, -0.57735, -0.57735, 1.5], abs=1e-4)  # clipped at 1.5
+
+
+def test_ppo_clip_objective_by_hand():
+    """At ratio 1 the loss is −mean(A); beyond the clip the gradient vanishes on the advantageous side."""
+    model = models.load_model("tiny", None, "cpu", seed=0)
+    engine = eng.Engine(model, lora_rank=4, lora_alpha=4, lora_targets=model.lora_targets, lr=1e-3,
+                        weight_decay=0, max_grad_norm=1.0, seed=0)
+    batch = rollout.sample(model, ["a cat"] * 4, [{}] * 4, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4, height=32,
+                           width=32, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
+                           iteration=0, chunk=4)
+    batch.advantages = torch.tensor([1.0, -1.0, 2.0, 0.5])
+    args = dataclasses.replace(TINY, clip_range=0.2)
+    loss, stats = flowgrpo.policy_loss(model, engine, batch, 0, args)
+    assert stats["gap"] == 0 and stats["clipfrac"] == 0
+    assert loss.item() == pytest.approx(-batch.advantages.mean().item(), abs=1e-6)
+
+
+# ---- on-policy: the first update recomputes exactly the rollout's log-probs ---------------------------
+@pytest.mark.parametrize("window,cfg", [(0, 1.0), (2, 1.0), (2, 3.0)])
+def test_first_update_is_exactly_on_policy(window, cfg):
+    args = dataclasses.replace(TINY, window=window, window_range=(0, 3), cfg_scale=cfg, group_size=4,
+                               prompts_per_iteration=2, micro_batch=4, optimizer_steps=2)
+    model = models.load_model("tiny", None, "cpu", seed=0)
+    engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2,
+                        weight_decay=0, max_grad_norm=1.0, seed=0)
+    steps = sch.trained_steps(args.num_steps, window, args.window_range, seed=1)
+    batch = rollout.sample(model, ["a cat"] * 4 + ["a tall house"] * 4, [{}] * 8, [0] * 4 + [1] * 4, range(8),
+                           steps=steps, num_steps=args.num_steps, height=32, width=32, cfg_scale=cfg,
+                           negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0, iteration=0, chunk=4)
+    assert batch.log_probs.shape == (8, len(steps))
+    batch.advantages = torch.linspace(-1, 1, 8)
+    arith = flowgrpo.batch_arithmetic(args, 1)
+    stats = flowgrpo.train_on(model, engine, batch, args, arith, iteration=0, progress=False)
+    assert stats["train/logp_gap"] == 0.0  # bitwise: same weights, shapes and kernels as the rollout
+    assert stats["train/grad_norm"] > 0
+    # the check can fail: after the two optimizer steps the policy has moved
+    _, after = flowgrpo.policy_loss(model, engine, batch.chunk(0, 4), 0, args)
+    assert after["gap"] > 0
+
+
+# ---- start-up validation: before any model is built ----------------------------------------------
+@pytest.mark.parametrize("change,flag", [
+    (dict(group_size=1), "--group-size"), (dict(window=4), "--window"), (dict(window=2, window_range=(2, 4)), "--window-range"),
+    (dict(height=36), "--height"), (dict(width=0), "--width"), (dict(reward="no_such_reward"), "reward"),
+    (dict(lr=0.0), "--lr"), (dict(lr=-1e-3), "--lr"), (dict(noise_level=0.0), "--noise-level"),
+    (dict(sde_type="cps", noise_level=1.0), "--noise-level"), (dict(prompts="/no/such/file.txt"), "file.txt"),
+])
+def test_impossible_configurations_fail_with_the_flag_named(change, flag):
+    with pytest.raises(ValueError, match=flag):
+        flowgrpo.check_args(dataclasses.replace(TINY, **change))
+
+
+def test_batch_arithmetic_is_derived_and_checked():
+    a = dataclasses.replace(TINY, prompts_per_iteration=4, group_size=8, micro_batch=4, optimizer_steps=2)
+    assert flowgrpo.batch_arithmetic(a, 2) == dict(images_per_iteration=32, ranks=2, images_per_rank=16, micro_batch=4,
+                                                   micro_batches_per_rank=4, optimizer_steps=2,
+                                                   micro_batches_per_optimizer_step=2)
+    with pytest.raises(ValueError, match="divisible by 24"):
+        flowgrpo.batch_arithmetic(a, 3)
+    with pytest.raises(ValueError, match="--optimizer-steps 3"):
+        flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3), 1)
+
+
+def _cli(*flags, timeout=600):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), *flags], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=os.environ | {"WANDB_MODE": "offline"})
+
+
+@pytest.mark.parametrize("flags,needle", [(["--group-size", "1"], "--group-size"), (["--model", "sd9"], "--model"),
+                                          (["--lr", "0"], "--lr"), (["--reward", "nope"], "nope")])
+def test_cli_rejects_bad_input_before_building_anything(flags, needle):
+    out = _cli("--model", "tiny", *flags) if flags[0] != "--model" else _cli(*flags)
+    assert out.returncode != 0
+    assert needle in out.stderr
+    assert "batch arithmetic" not in out.stdout  # stopped before the model was built
+
+
+# ---- the real script, through its CLI: it learns and leaves its files ------------------------------
+def test_tiny_run_learns_and_writes_its_run_directory(tmp_path):
+    run = tmp_path / "run"
+    out = _cli("--model", "tiny", "--run-dir", str(run), "--seed", "0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == TINY.iterations
+    for key in ("iteration", "reward/mean", "reward/std", "train/logp_gap", "train/clipfrac", "train/approx_kl",
+                "train/policy_loss", "train/grad_norm", "perf/rollout_s", "perf/train_s"):
+        assert all(key in r for r in rows), key
+    assert all(r["train/logp_gap"] == 0 for r in rows)  # every iteration's first update is exactly on-policy
+    first = sum(r["reward/mean"] for r in rows[:3]) / 3
+    last = sum(r["reward/mean"] for r in rows[-3:]) / 3
+    noise = rows[0]["reward/std"]
+    assert last - first > 3 * noise, (first, last, noise)  # stated margin: three within-batch stds
+    assert (run / "args.json").exists() and (run / "reward_curve.png").stat().st_size > 5000
+    assert sorted(os.listdir(run / "samples")) == [f"eval_{0:05d}.png", f"eval_{20:05d}.png", f"eval_{29:05d}.png"]
+    assert (run / "lora" / "pytorch_lora_weights.safetensors").exists()
+    assert (run / "wandb").is_dir()
