@@ -1,0 +1,149 @@
+"""Prompt sets: `.txt` / `.jsonl` files, the built-in `ocr` and `general` sets, and a resumable sampler.
+
+`load_prompts(spec)` takes a path ending in `.txt` (one prompt per line, blank lines skipped) or `.jsonl`
+(one `{"prompt": ..., **metadata}` object per line; the metadata is handed to the reward), or a built-in
+name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: with fewer than 20 prompts the
+eval set is the whole file (too few to hold any out); otherwise every 10th prompt (the 10th, 20th, ...)
+is held out for eval and never trained on. The built-in sets have their own disjoint eval splits.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# The built-in OCR set: every scene x every phrase. Eval phrases never appear in training, so eval
+# measures rendering of unseen text rather than memorised strings.
+_SCENES = [
+    'a wooden sign in a pine forest that reads "{}"', 'a neon sign glowing above a bar door saying "{}"',
+    'a chalkboard menu outside a cafe with "{}" written on it', 'a birthday cake with "{}" piped in icing',
+    'a white t-shirt printed with the words "{}"', 'a protest placard held high in a crowd, reading "{}"',
+    'a vintage travel poster with the title "{}"', 'a street graffiti mural spelling "{}" on a brick wall',
+    'a coffee mug on a desk with "{}" printed on its side', 'a book cover with the title "{}" in bold letters',
+    'a highway billboard at sunset that says "{}"', 'a handwritten note on yellow paper saying "{}"',
+    'a storefront window with "{}" painted in gold letters', 'a cinema marquee announcing "{}"',
+    'a license plate that reads "{}"', 'a sand castle on a beach with "{}" written in the sand',
+    'a laptop screen showing a slide titled "{}"', 'a vintage typewriter page with "{}" typed on it',
+    'a cereal box on a kitchen table with the brand name "{}"', 'a sticky note on a fridge that says "{}"',
+    'a hot air balloon with "{}" painted on it', 'a tote bag with "{}" embroidered on the front',
+    'a retro arcade machine with "{}" on the marquee', 'a banner across a city street reading "{}"',
+    'a glass bottle with a paper label that says "{}"', 'a classroom whiteboard with "{}" written in marker',
+    'a road sign on a desert highway that reads "{}"', 'a stone monument engraved with the words "{}"',
+    'a cardboard box stamped with "{}"', 'a smartphone lock screen displaying "{}"',
+    'a pizza box lid with "{}" printed on it', 'a snowy mountain cabin with a carved sign reading "{}"',
+]
+_TRAIN_PHRASES = [
+    "OPEN", "HELLO WORLD", "FRESH BREAD", "NO PARKING", "EXIT", "SALE", "GOOD MORNING", "THANK YOU", "COFFEE",
+    "WELCOME HOME", "STOP", "DREAM BIG", "FLOW GRPO", "CLOSED", "HAPPY BIRTHDAY", "ROCK AND ROLL", "BOOKS",
+    "SUMMER VIBES", "DANGER", "PIZZA", "LOVE", "MOUNTAIN VIEW", "NIGHT SHIFT", "STAY CURIOUS",
+]
+_EVAL_PHRASES = ["KEEP OUT", "FREE HUGS", "SEA BREEZE", "LEMONADE", "GAME OVER", "TEA TIME", "NORTH", "BE KIND"]
+
+_GENERAL = [
+    "a red fox sitting in fresh snow at dawn", "a bowl of ramen with a soft-boiled egg, top-down photo",
+    "an astronaut riding a horse on the moon", "a lighthouse on a cliff during a storm",
+    "a cozy reading nook with a cat asleep on a blanket", "a watercolor painting of a venetian canal",
+    "a futuristic city skyline at night with flying cars", "a close-up of a dewdrop on a green leaf",
+    "an old fisherman mending a net, black and white portrait", "a field of sunflowers under a blue sky",
+    "a steaming cup of coffee on a rainy windowsill", "a medieval castle on a hill surrounded by fog",
+    "a golden retriever puppy playing with a ball", "a minimalist living room with large windows",
+    "a hummingbird drinking from a red flower", "a snowy mountain range reflected in a lake",
+    "a basket of fresh strawberries on a wooden table", "a vintage red car parked on a cobblestone street",
+    "an oil painting of a ship in rough seas", "a desert landscape with a lone cactus at sunset",
+    "a child flying a kite on a windy beach", "a bustling night market with paper lanterns",
+    "a bookshelf filled with colorful old books", "a tiger walking through tall grass",
+    "a plate of pancakes with maple syrup and berries", "a treehouse in a giant oak tree",
+    "a jellyfish glowing in the deep ocean", "a pixel art castle with a dragon",
+    "a robot watering plants in a greenhouse", "a mountain cabin with smoke rising from the chimney",
+    "a bicycle leaning against a yellow wall", "a bowl of fruit in the style of Cezanne",
+    "an owl perched on a branch under a full moon", "a train crossing a stone bridge in autumn",
+    "a chess board mid-game, shallow depth of field", "a waterfall in a lush tropical jungle",
+    "a portrait of a woman with freckles in soft window light", "a sailboat on a calm lake at sunrise",
+    "a snowman wearing a red scarf", "a busy kitchen in a restaurant, motion blur",
+    "an isometric illustration of a small island town", "a pair of hiking boots on a rocky trail",
+    "a koi pond with lily pads", "a violin resting on sheet music",
+    "a city street in the rain reflecting neon lights", "a hedgehog holding a tiny umbrella",
+    "a glass of orange juice on a sunny breakfast table", "a hot air balloon over a green valley",
+]
+
+@dataclass
+class PromptSet:
+    train: list[tuple[str, dict]]
+    eval: list[tuple[str, dict]]
+
+def _hold_out(pairs, every: int) -> PromptSet:
+    """Every `every`-th pair (the every-th, 2*every-th, ...) for eval, the rest for training."""
+    return PromptSet([x for i, x in enumerate(pairs) if i % every != every - 1], pairs[every - 1::every])
+
+BUILTIN = {
+    "ocr": lambda: PromptSet([(s.format(p), {}) for s in _SCENES for p in _TRAIN_PHRASES],
+                             [(s.format(p), {}) for s in _SCENES[::4] for p in _EVAL_PHRASES]),
+    "general": lambda: _hold_out([(p, {}) for p in _GENERAL], 6),
+}
+
+def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
+    """All (prompt, metadata) pairs of a `.txt` or `.jsonl` file, in file order."""
+    path = Path(path)
+    if path.suffix not in (".txt", ".jsonl"):
+        raise ValueError(f"--prompts: {path}: expected a .txt or .jsonl file or one of {sorted(BUILTIN)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts: prompt file {path} does not exist")
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts: prompt file {path} has no prompts (empty or only blank lines)")
+    if path.suffix == ".txt":
+        return [(line.strip(), {}) for _, line in lines]
+    out = []
+    for n, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}); each line must be an object "
+                             '{"prompt": "...", ...metadata}') from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ValueError(f'{path}:{n}: each line must be a JSON object with a non-empty string "prompt"')
+        out.append((row.pop("prompt").strip(), row))
+    return out
+
+def load_prompts(spec: str) -> PromptSet:
+    """A built-in set by name (`ocr`, `general`) or a `.txt`/`.jsonl` file (eval split: module docstring)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]()
+    pairs = read_prompt_file(spec)
+    return PromptSet(pairs, list(pairs)) if len(pairs) < 20 else _hold_out(pairs, 10)
+
+def check_prompts(spec: str) -> PromptSet:
+    """Start-up validation: loading is cheap, so this just loads (and returns the set)."""
+    return load_prompts(spec)
+
+class PromptSampler:
+    """Which prompts iteration i trains on: a function of (seed, iteration, k) only, so a resumed run
+    needs no other state. Position p = iteration*k + j walks a fresh permutation per epoch
+    (p // n), i.e. every prompt is used once per epoch (without replacement) when k is constant."""
+
+    def __init__(self, n: int, seed: int):
+        if n < 1:
+            raise ValueError("PromptSampler: need at least one prompt")
+        if seed < 0:
+            raise ValueError(f"PromptSampler: seed must be >= 0, got {seed}")
+        self.n, self.seed, self._cache = n, seed, (None, None)
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if self._cache[0] != epoch:
+            self._cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n))
+        return self._cache[1]
+
+    def sample(self, iteration: int, k: int) -> list[int]:
+        positions = range(iteration * k, (iteration + 1) * k)
+        return [int(self._perm(p // self.n)[p % self.n]) for p in positions]
+
+    def state_dict(self) -> dict:
+        return {"n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"checkpoint's prompt sampler was over {state['n']} prompts, this run has {self.n}: "
+                             "resume with the same prompt set")
+        self.seed, self._cache = state["seed"], (None, None)

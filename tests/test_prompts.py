@@ -1,0 +1,100 @@
+"""Prompt sets (files and built-ins, train/eval splits) and the resumable prompt sampler."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import prompts  # noqa: E402
+import rewards  # noqa: E402
+
+
+def test_builtin_ocr_set():
+    s = prompts.load_prompts("ocr")
+    train, ev = [p for p, _ in s.train], [p for p, _ in s.eval]
+    assert len(set(train)) == len(train) >= 500 and len(set(ev)) == len(ev) > 0
+    assert not set(train) & set(ev)
+    # Held out by phrase: no eval target text is ever trained on.
+    assert not {rewards.ocr_target(p) for p in train} & {rewards.ocr_target(p) for p in ev}
+    rewards.check_prompts_for_reward("ocr", train + ev)  # every prompt has quoted text
+    assert all(m == {} for _, m in s.train + s.eval)
+
+
+def test_builtin_general_set():
+    s = prompts.load_prompts("general")
+    train, ev = [p for p, _ in s.train], [p for p, _ in s.eval]
+    assert 30 <= len(train) + len(ev) <= 60 and len(ev) >= 4
+    assert len(set(train + ev)) == len(train + ev)  # distinct, and eval disjoint from train
+
+
+def test_txt_file_small_and_large(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("a cat\n\n   \nA dog  \r\n")
+    s = prompts.load_prompts(str(small))
+    assert s.train == [("a cat", {}), ("A dog", {})] and s.eval == s.train  # too few to hold out
+    big = tmp_path / "big.txt"
+    big.write_text("\n".join(f"prompt {i}" for i in range(35)) + "\n")
+    s = prompts.load_prompts(str(big))
+    assert [p for p, _ in s.eval] == ["prompt 9", "prompt 19", "prompt 29"]  # every 10th held out
+    assert len(s.train) == 32 and not {p for p, _ in s.train} & {p for p, _ in s.eval}
+
+
+def test_jsonl_file_passes_metadata(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a sign \\"OPEN\\"", "text": "OPEN", "id": 3}\n\n{"prompt": "a cat"}\n')
+    s = prompts.load_prompts(str(f))
+    assert s.train == [('a sign "OPEN"', {"text": "OPEN", "id": 3}), ("a cat", {})]
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "ok"}', "", '{"prompt": "ok", }'], r"p\.jsonl:3: not valid JSON"),
+    (['{"prompt": "ok"}', '{"text": "no prompt key"}'], r"p\.jsonl:2: .*non-empty string \"prompt\""),
+    (['["a list"]'], r"p\.jsonl:1: "),
+    (['{"prompt": ""}'], r"p\.jsonl:1: "),
+    (['{"prompt": 7}'], r"p\.jsonl:1: "),
+])
+def test_malformed_jsonl_names_the_line(tmp_path, lines, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        prompts.load_prompts(str(f))
+
+
+def test_missing_empty_and_unknown_prompt_specs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.txt does not exist"):
+        prompts.load_prompts(str(tmp_path / "nope.txt"))
+    for name, text in [("empty.txt", ""), ("blank.txt", "\n  \n"), ("empty.jsonl", "\n")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"{name} has no prompts"):
+            prompts.check_prompts(str(tmp_path / name))
+    with pytest.raises(ValueError, match=r"expected a \.txt or \.jsonl file or one of \['general', 'ocr'\]"):
+        prompts.load_prompts("prompts.csv")
+
+
+def test_sampler_epochs_without_replacement_and_determinism():
+    s = prompts.PromptSampler(10, seed=3)
+    epoch = s.sample(0, 5) + s.sample(1, 5)
+    assert sorted(epoch) == list(range(10))  # each prompt once per epoch
+    assert sorted(s.sample(2, 5) + s.sample(3, 5)) == list(range(10))
+    assert s.sample(2, 5) + s.sample(3, 5) != epoch  # a new permutation per epoch
+    # k not dividing n: positions run on across epochs; 7 iterations of 3 cover 2 whole epochs + 1.
+    picks = [i for it in range(7) for i in prompts.PromptSampler(10, 3).sample(it, 3)]
+    assert sorted(picks[:20]) == sorted(list(range(10)) * 2)
+    assert prompts.PromptSampler(10, 4).sample(0, 10) != prompts.PromptSampler(10, 3).sample(0, 10)
+    assert prompts.PromptSampler(1000, 0).sample(5, 64) == prompts.PromptSampler(1000, 0).sample(5, 64)
+
+
+def test_sampler_resume_needs_only_the_iteration():
+    straight = prompts.PromptSampler(37, seed=11)
+    expected = [straight.sample(i, 8) for i in range(12)]
+    state = prompts.PromptSampler(37, seed=11).state_dict()
+    resumed = prompts.PromptSampler(37, seed=0)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON round trip
+    assert [resumed.sample(i, 8) for i in range(6, 12)] == expected[6:]
+    with pytest.raises(ValueError, match="over 37 prompts, this run has 40"):
+        prompts.PromptSampler(40, seed=11).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        prompts.PromptSampler(5, seed=-1)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        prompts.PromptSampler(0, seed=1)
