@@ -16,9 +16,10 @@ Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code:
 2. The KL to the reference is the exact per-step Gaussian KL mean((μ_θ − μ_ref)²) / (2·std²); the public
    code divides by s_t² instead of std² = s_t²·|dt|.
 3. Window mode draws one window per iteration, shared by all images and ranks (seeded by the iteration).
-4. Micro-batches are the rollout's chunks, trained in a shuffled order but never re-mixed, so the first
-   update of every iteration runs the same shapes and kernels as the rollout and is exactly on-policy
-   (`train/logp_gap` == 0 in float32); the public code re-shuffles images across micro-batches.
+4. Images are shuffled once, when they are assigned to optimizer steps and ranks; micro-batches are the
+   rollout's chunks, never re-mixed, so the first update of every iteration runs the same shapes and
+   kernels as the rollout and is exactly on-policy (`train/logp_gap` == 0 in float32). The public code
+   re-shuffles images (and timesteps) after the rollout.
 5. Every image draws its noise from its own generator, seeded by (seed, iteration, image index): the
    images do not change with the number of ranks or the micro-batch size.
 6. Qwen-Image's LoRA targets omit `to_out.0` and `to_add_out` (vLLM-Omni cannot serve adapters on them).
@@ -113,6 +114,24 @@ class Args:
     """LoRA α (scale α / r)"""
     lora_targets: tuple[str, ...] = models.QwenImage.lora_targets
     """transformer module names that get a LoRA"""
+    full_finetune: bool = False
+    """train every transformer weight instead of a LoRA (use --offload for optimizer-state offload)"""
+    mixed_precision: bool = True
+    """FSDP2 mixed precision: bf16 compute and gathers, fp32 gradient reduction and fp32 trained weights"""
+    offload: bool = False
+    """FSDP2 CPU offload of the sharded parameters, gradients and optimizer state"""
+    activation_checkpointing: bool = True
+    """recompute each transformer block's activations in backward instead of storing them"""
+    compile: bool = False
+    """torch.compile each transformer block"""
+    shard_text_encoder: bool = False
+    """shard the frozen text encoder with FSDP2 too (saves memory on every rank)"""
+    checkpoint_every: int = 20
+    """write a checkpoint every this many iterations and at the end; 0 = only at the end"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep in <run-dir>/checkpoints"""
+    resume: str | None = None
+    """continue from a checkpoint directory, or `auto` for the newest complete one in --run-dir"""
     eval_every: int = 20
     """evaluate (ODE, fixed seeds, eval prompts) every this many iterations and at the end; 0 = never"""
     eval_images: int = 8
@@ -126,7 +145,8 @@ RECIPES = {
     "tiny": Args(model="tiny", iterations=30, prompts="general", reward="brightness", group_size=8,
                  prompts_per_iteration=4, micro_batch=8, height=32, width=32, num_steps=4, eval_steps=8,
                  cfg_scale=1.0, noise_level=0.7, window=0, window_range=(0, 3), clip_range=0.2, lr=1e-2,
-                 lora_rank=8, lora_alpha=16, eval_every=20, eval_images=8),
+                 lora_rank=8, lora_alpha=16, mixed_precision=False, activation_checkpointing=False,
+                 checkpoint_every=10, eval_every=20, eval_images=8),
 }
 
 
@@ -152,6 +172,8 @@ def check_args(a: Args) -> None:
         need(v > 0, f"{flag} must be > 0, got {v}")
     need(a.cfg_scale >= 1, f"--cfg-scale must be >= 1 (1 = no CFG), got {a.cfg_scale}")
     need(a.kl_beta >= 0 and a.weight_decay >= 0, "--kl-beta and --weight-decay must be >= 0")
+    need(a.keep_checkpoints >= 1 and a.checkpoint_every >= 0, "--keep-checkpoints >= 1, --checkpoint-every >= 0")
+    need(not (a.full_finetune and a.kl_beta > 0), "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
     need(a.sde_type != "cps" or a.noise_level < 1, f"--noise-level must be in (0, 1) for cps, got {a.noise_level}")
     sch.check_window(a.num_steps, a.window, a.window_range)
     sch.check_window(a.eval_steps, 0, (0, 0))
@@ -161,24 +183,39 @@ def check_args(a: Args) -> None:
                                                 f"--model {a.model} (VAE downsampling × 2×2 patches), got {side}")
     rewards.check_reward_spec(a.reward)
     prompt_sets.check_prompts(a.prompts)
+    if a.resume:
+        eng.resolve_resume(a.resume, a.run_dir, fingerprint(a))
+
+
+def fingerprint(a: Args) -> dict:
+    """What a checkpoint must share with the run that resumes it (the trained weights' shapes)."""
+    return dict(model=a.model, full_finetune=a.full_finetune, lora_rank=None if a.full_finetune else a.lora_rank,
+                lora_targets=None if a.full_finetune else sorted(a.lora_targets))
 
 
 def batch_arithmetic(a: Args, world_size: int) -> dict:
-    """Derived sizes, asserted: images per iteration → per rank → micro-batches → optimizer steps."""
-    images = a.prompts_per_iteration * a.group_size
-    if images % world_size or (images // world_size) % a.micro_batch:
+    """Derived sizes, asserted: images per iteration → optimizer steps → ranks → micro-batches."""
+    images, k = a.prompts_per_iteration * a.group_size, a.optimizer_steps
+    if images % (k * world_size * a.micro_batch):
         raise ValueError(f"P·G = {a.prompts_per_iteration}·{a.group_size} = {images} images per iteration must split "
-                         f"into {world_size} rank(s) × whole micro-batches of {a.micro_batch}: choose P·G divisible "
-                         f"by {world_size * a.micro_batch} (--prompts-per-iteration, --group-size, --micro-batch)")
-    per_rank = images // world_size
-    micro = per_rank // a.micro_batch
-    if micro % a.optimizer_steps:
-        raise ValueError(f"--optimizer-steps {a.optimizer_steps} must divide the {micro} micro-batches per rank")
+                         f"into {k} optimizer step(s) × {world_size} rank(s) × whole micro-batches of {a.micro_batch}: "
+                         f"choose P·G divisible by {k * world_size * a.micro_batch} (--prompts-per-iteration, "
+                         "--group-size, --optimizer-steps, --micro-batch)")
     if a.eval_images % world_size:
         raise ValueError(f"--eval-images {a.eval_images} must be divisible by the world size {world_size}")
+    per_rank = images // world_size
     return dict(images_per_iteration=images, ranks=world_size, images_per_rank=per_rank, micro_batch=a.micro_batch,
-                micro_batches_per_rank=micro, optimizer_steps=a.optimizer_steps,
-                micro_batches_per_optimizer_step=micro // a.optimizer_steps)
+                micro_batches_per_rank=per_rank // a.micro_batch, optimizer_steps=k,
+                micro_batches_per_optimizer_step=per_rank // a.micro_batch // k)
+
+
+def image_assignment(a: Args, world_size: int, iteration: int) -> torch.Tensor:
+    """(world, images per rank) global image indices (image i shows prompt i // G): a seeded shuffle of the
+    iteration's images, cut into optimizer steps, each step split evenly over the ranks. Optimizer step k
+    trains the same images whatever the world size, so 1 process and N ranks take the same steps."""
+    perm = torch.randperm(a.prompts_per_iteration * a.group_size,
+                          generator=torch.Generator().manual_seed(a.seed * 7919 + iteration))
+    return perm.view(a.optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,15 +256,15 @@ def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torc
     return loss, stats
 
 
-def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, iteration: int, progress: bool) -> dict:
+def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress: bool) -> dict:
     """PPO-clip updates over this rank's images: `optimizer_steps` steps, each accumulating gradients over
-    its micro-batches × trained steps. Micro-batches are the rollout chunks in a shuffled order."""
+    its micro-batches × trained steps. Micro-batches are the rollout's chunks, in order (the images were
+    shuffled when they were assigned), so the first one is exactly what the rollout computed."""
     n_micro, per_step, W = arith["micro_batches_per_rank"], arith["micro_batches_per_optimizer_step"], len(batch.sigmas) - 1
-    order = torch.randperm(n_micro, generator=torch.Generator().manual_seed(a.seed * 7919 + iteration)).tolist()
     logs, gap = [], None
     bar = tqdm(total=n_micro * W, desc="train", unit="step", disable=not progress, leave=False)
     for k in range(a.optimizer_steps):
-        for m in order[k * per_step:(k + 1) * per_step]:
+        for m in range(k * per_step, (k + 1) * per_step):
             mb = batch.chunk(m * a.micro_batch, (m + 1) * a.micro_batch)
             for j in range(W):
                 loss, stats = policy_loss(model, engine, mb, j, a)
@@ -248,16 +285,19 @@ def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, iteratio
 # What a run leaves behind: metrics.jsonl, reward_curve.png, sample grids (rank 0 only)
 
 def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
-    """Images (N, 3, H, W) in [0, 1] side by side, up to 4 per row, each captioned `prompt | reward`."""
+    """Images (N, 3, H, W) in [0, 1], up to 4 per row, each captioned `prompt | reward` (wrapped)."""
+    import textwrap
     from PIL import Image, ImageDraw
     n, _, h, w = images.shape
-    cell, cols = max(w, 160), min(n, 4)
-    grid = Image.new("RGB", (cols * cell, ((n + cols - 1) // cols) * (cell + 28)), "white")
+    cell, cols, text_h = max(w, 192), min(n, 4), 40
+    grid = Image.new("RGB", (cols * cell, ((n + cols - 1) // cols) * (cell * h // w + text_h)), "white")
     for i, (img, cap) in enumerate(zip(images, captions)):
         pil = Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-        x, y = (i % cols) * cell, (i // cols) * (cell + 28)
+        x, y = (i % cols) * cell, (i // cols) * (cell * h // w + text_h)
         grid.paste(pil.resize((cell, cell * h // w), Image.NEAREST), (x, y))
-        ImageDraw.Draw(grid).text((x + 2, y + cell * h // w + 2), cap[:40] + ("\n" + cap[40:80] if len(cap) > 40 else ""), fill="black")
+        prompt, _, score = cap.rpartition(" | ")
+        lines = textwrap.wrap(prompt, width=cell // 6)[:2] + [f"| {score}"]
+        ImageDraw.Draw(grid).multiline_text((x + 2, y + cell * h // w + 1), "\n".join(lines), fill="black", spacing=1)
     grid.save(path)
 
 
@@ -297,11 +337,11 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, run_dir: str, 
     return {"eval/reward_mean": scores.mean().item()}
 
 
-def open_wandb(a: Args, run_dir: str, arith: dict):
+def open_wandb(a: Args, run_dir: str, arith: dict, run_id: str | None):
     import wandb
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     return wandb.init(project="flowgrpo", dir=run_dir, mode=mode, config=dataclasses.asdict(a) | arith,
-                      name=os.path.basename(run_dir))
+                      name=os.path.basename(run_dir), id=run_id, resume="allow" if run_id else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,27 +358,43 @@ def main(a: Args) -> list[dict]:
     if rank == 0:
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
 
-    # --- build: model → engine (LoRA, optimizer) → reward → prompt sampler ------------------------
+    # --- build: model → engine (LoRA, FSDP2, optimizer) → reward → prompts → resume -----------------
     model = models.load_model(a.model, a.model_path, device, seed=a.seed)
-    engine = eng.Engine(model, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets,
-                        lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed)
+    engine = eng.Engine(model, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets, lr=a.lr,
+                        weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed,
+                        full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,
+                        compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
+                        shard_text_encoder=a.shard_text_encoder)
     reward_fn = rewards.make_reward(a.reward)
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
     stamp = engine.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
     run_dir = a.run_dir or os.path.join("runs", f"{a.model}-{a.reward.replace('/', '_')}-{stamp}")
-    wandb_run, rows = None, []
+    start, state = 0, {}
+    if a.resume:  # --iterations stays the total: continue after the checkpoint's iteration
+        ckpt = eng.resolve_resume(a.resume, a.run_dir, fingerprint(a))
+        state = engine.load_checkpoint(ckpt)
+        start, engine.skipped_steps = state["iteration"] + 1, state["skipped_steps"]
+        sampler.load_state_dict(state["sampler"])
+        run_dir = a.run_dir or os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    wandb_run, rows, metrics = None, [], os.path.join(run_dir, "metrics.jsonl")
     if engine.is_main:
         os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(a) | {"run_dir": run_dir, "batch_arithmetic": arith}, f, indent=2)
-        wandb_run = open_wandb(a, run_dir, arith) if a.wandb else None
-    lo = engine.rank * arith["images_per_rank"]
-    mine = torch.arange(lo, lo + arith["images_per_rank"])  # this rank's global image indices
+        if start:  # drop lines logged after the checkpoint by the interrupted run
+            rows = [r for r in map(json.loads, open(metrics)) if r["iteration"] < start]
+            with open(metrics + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            os.replace(metrics + ".tmp", metrics)
+        wandb_run = open_wandb(a, run_dir, arith, state.get("wandb_id")) if a.wandb else None
 
-    bar = tqdm(range(a.iterations), desc="iterations", disable=not engine.is_main)
+    bar = tqdm(range(start, a.iterations), desc="iterations", disable=not engine.is_main, initial=start,
+               total=a.iterations)
     for it in bar:
         # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks -------------
         chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
+        assignment = image_assignment(a, engine.world_size, it)  # (world, B) global image indices
+        mine = assignment[engine.rank]
         group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
         steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it)
 
@@ -354,17 +410,17 @@ def main(a: Args) -> list[dict]:
 
         # --- 3. rewards, gathered over ranks --------------------------------------------------------
         scores, info = reward_fn(batch.images, batch.prompts, batch.metadata)
-        r_all = engine.all_gather(torch.as_tensor(scores, dtype=torch.float32, device=engine.device)).cpu()
-        g_all = engine.all_gather(batch.group.to(engine.device)).cpu()
+        gathered = engine.all_gather(torch.as_tensor(scores, dtype=torch.float32, device=engine.device)).cpu()
+        r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image index
         t2 = time.perf_counter()
 
-        # --- 4. group-relative advantages over the whole iteration; keep this rank's slice ---------
-        adv, zero_std = group_advantages(r_all, g_all, std=a.std, clip=a.adv_clip)
-        batch.advantages = adv[engine.rank * len(mine):(engine.rank + 1) * len(mine)].to(engine.device)
+        # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ----------
+        adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std, clip=a.adv_clip)
+        batch.advantages = adv[mine].to(engine.device)
 
         # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation ---------------
         model.transformer.train()
-        stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, it, engine.is_main))
+        stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, engine.is_main))
         t3 = time.perf_counter()
 
         # --- 6. log ---------------------------------------------------------------------------------
@@ -381,14 +437,21 @@ def main(a: Args) -> list[dict]:
             row |= evaluate(model, engine, reward_fn, evalset, a, it, run_dir, wandb_run)
         if engine.is_main:
             rows.append(row)
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            with open(metrics, "a") as f:
                 f.write(json.dumps(row) + "\n")
             plot_curve(os.path.join(run_dir, "reward_curve.png"), rows)
             if wandb_run:
                 wandb_run.log(row, step=it)
             bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
 
-    # --- 8. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
+        # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration) --
+        if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):
+            loop_state = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
+                          "wandb_id": wandb_run.id if wandb_run else None}
+            engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{eng.CKPT_PREFIX}{it:06d}"), loop_state,
+                                   fingerprint(a), a.keep_checkpoints)
+
+    # --- 9. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
     engine.export_lora(os.path.join(run_dir, "lora"))
     if wandb_run:
         wandb_run.finish()
@@ -400,6 +463,6 @@ if __name__ == "__main__":
     args = parse_args()
     try:
         check_args(args)
-    except ValueError as e:  # a clear one-line error, before anything is built
+    except (ValueError, FileNotFoundError) as e:  # a clear one-line error, before anything is built
         sys.exit(f"flowgrpo.py: error: {e}")
     main(args)

@@ -64,7 +64,7 @@ def test_first_update_is_exactly_on_policy(window, cfg):
     assert batch.log_probs.shape == (8, len(steps))
     batch.advantages = torch.linspace(-1, 1, 8)
     arith = flowgrpo.batch_arithmetic(args, 1)
-    stats = flowgrpo.train_on(model, engine, batch, args, arith, iteration=0, progress=False)
+    stats = flowgrpo.train_on(model, engine, batch, args, arith, progress=False)
     assert stats["train/logp_gap"] == 0.0  # bitwise: same weights, shapes and kernels as the rollout
     assert stats["train/grad_norm"] > 0
     # the check can fail: after the two optimizer steps the policy has moved
@@ -80,7 +80,7 @@ def test_first_update_is_exactly_on_policy(window, cfg):
     (dict(sde_type="cps", noise_level=1.0), "--noise-level"), (dict(prompts="/no/such/file.txt"), "file.txt"),
 ])
 def test_impossible_configurations_fail_with_the_flag_named(change, flag):
-    with pytest.raises(ValueError, match=flag):
+    with pytest.raises((ValueError, FileNotFoundError), match=flag):
         flowgrpo.check_args(dataclasses.replace(TINY, **change))
 
 
@@ -89,10 +89,19 @@ def test_batch_arithmetic_is_derived_and_checked():
     assert flowgrpo.batch_arithmetic(a, 2) == dict(images_per_iteration=32, ranks=2, images_per_rank=16, micro_batch=4,
                                                    micro_batches_per_rank=4, optimizer_steps=2,
                                                    micro_batches_per_optimizer_step=2)
-    with pytest.raises(ValueError, match="divisible by 24"):
+    with pytest.raises(ValueError, match="32 images per iteration .* 2 optimizer step.* 3 rank.*divisible by 24"):
         flowgrpo.batch_arithmetic(a, 3)
-    with pytest.raises(ValueError, match="--optimizer-steps 3"):
+    with pytest.raises(ValueError, match="divisible by 12"):
         flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3), 1)
+
+
+def test_image_assignment_is_world_size_invariant_per_optimizer_step():
+    a = dataclasses.replace(TINY, prompts_per_iteration=4, group_size=4, micro_batch=2, optimizer_steps=2)
+    one, two = flowgrpo.image_assignment(a, 1, 7), flowgrpo.image_assignment(a, 2, 7)
+    assert sorted(one.flatten().tolist()) == list(range(16)) and two.shape == (2, 8)
+    for k in range(2):  # optimizer step k: the same images on one rank as on two
+        assert sorted(one[0, 8 * k:8 * k + 8].tolist()) == sorted(two[:, 4 * k:4 * k + 4].flatten().tolist())
+    assert not torch.equal(one, flowgrpo.image_assignment(a, 1, 8))  # reshuffled every iteration
 
 
 def _cli(*flags, timeout=600):
@@ -101,7 +110,8 @@ def _cli(*flags, timeout=600):
 
 
 @pytest.mark.parametrize("flags,needle", [(["--group-size", "1"], "--group-size"), (["--model", "sd9"], "--model"),
-                                          (["--lr", "0"], "--lr"), (["--reward", "nope"], "nope")])
+                                          (["--lr", "0"], "--lr"), (["--reward", "nope"], "nope"),
+                                          (["--prompts", "/no/such.txt"], "/no/such.txt")])
 def test_cli_rejects_bad_input_before_building_anything(flags, needle):
     out = _cli("--model", "tiny", *flags) if flags[0] != "--model" else _cli(*flags)
     assert out.returncode != 0
