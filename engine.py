@@ -84,7 +84,8 @@ class Engine:
         #      so a block's parameters are gathered just before it runs and freed right after.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
             else MixedPrecisionPolicy()
-        kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload
+                  else OffloadPolicy())  # pinned memory needs an accelerator
         for block in net.transformer_blocks:
             fully_shard(block, **kw)
         fully_shard(net, **kw)

@@ -2,6 +2,7 @@
 a crash while writing a checkpoint, LoRA export into a fresh diffusers pipeline, and bad --resume input."""
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -227,3 +228,17 @@ def test_bad_resume_input(straight, tmp_path):
                           good], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "lora_rank: checkpoint 8, this run 4" in out.stderr
     assert "batch arithmetic" not in out.stdout  # refused before anything was built
+
+
+@pytest.mark.parametrize("flags,ranks", [(["--mixed-precision", "--offload", "--activation-checkpointing"], 2),
+                                         (["--full-finetune", "--offload"], 1)])
+def test_memory_options_train(flags, ranks, tmp_path):
+    """bf16 mixed precision + CPU offload + activation checkpointing under FSDP2 (2 ranks); full fine-tuning
+    with offloaded optimizer state. (`--compile` also ran here once, ~4 min on CPU: not part of the suite.)"""
+    run = tmp_path / "run"
+    launch(run, "--iterations", "2", *flags, ranks=ranks)
+    for r in rows(run):
+        assert all(math.isfinite(v) for k, v in r.items() if isinstance(v, float)), r
+        assert r["train/grad_norm"] > 0 and r["train/skipped_steps"] == 0
+    assert (run / "checkpoints" / "iter_000001" / "meta.json").exists()
+    assert (run / "lora").exists() != ("--full-finetune" in flags)  # no adapter to export when all weights train
