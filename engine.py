@@ -132,13 +132,12 @@ class Engine:
             self.model.transformer.enable_adapters()
 
     # --- collectives -------------------------------------------------------------------------
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's (n, ...) tensor in rank order: (world·n, ...)."""
-        if self.world_size == 1:
-            return x
+    def all_gather(self, x) -> torch.Tensor:
+        """Every rank's (n, ...) tensor or array, concatenated in rank order: (world·n, ...), on the CPU."""
+        x = torch.as_tensor(x).to(self.device).contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        dist.all_gather(parts, x)
+        return torch.cat(parts).cpu()
 
     def broadcast_object(self, obj):
         """Rank 0's value of a small picklable object (e.g. the run directory's time stamp)."""

@@ -5,27 +5,24 @@ the log-probability of every trained transition, scores the images, turns reward
 advantages, and takes PPO-clip steps on the policy (a LoRA on the transformer). Math: ALGORITHM.md.
 
 Launch (the same file everywhere; parallelism lives in engine.py only):
-    python flowgrpo.py --model tiny                                  # 1 CPU: random-weight model, ~1 minute
-    python flowgrpo.py --model qwen-image                            # 1 GPU (Qwen/Qwen-Image or --model-path)
-    torchrun --nproc_per_node=8 flowgrpo.py --model qwen-image       # 8 GPUs on one machine
+    python flowgrpo.py --model tiny                              # 1 CPU: random-weight model, ~1 minute
+    python flowgrpo.py --model qwen-image                        # 1 GPU (Qwen/Qwen-Image or --model-path)
+    torchrun --nproc_per_node=8 flowgrpo.py --model qwen-image   # 8 GPUs; add --nnodes/--rdzv-endpoint for more
 
 Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code:
-1. The transition log-prob is the exact Gaussian log-density, averaged over latent elements, for both
-   `sde` and `cps` (the public code uses −(x' − μ)² for `cps`): a clip range means the same trust
-   region for both samplers.
-2. The KL to the reference is the exact per-step Gaussian KL mean((μ_θ − μ_ref)²) / (2·std²); the public
-   code divides by s_t² instead of std² = s_t²·|dt|.
-3. Window mode draws one window per iteration, shared by all images and ranks (seeded by the iteration).
-4. Images are shuffled once, when they are assigned to optimizer steps and ranks; micro-batches are the
-   rollout's chunks, never re-mixed, so the first update of every iteration runs the same shapes and
-   kernels as the rollout and is exactly on-policy (`train/logp_gap` == 0 in float32). The public code
-   re-shuffles images (and timesteps) after the rollout.
-5. Every image draws its noise from its own generator, seeded by (seed, iteration, image index): the
-   images do not change with the number of ranks or the micro-batch size.
-6. Qwen-Image's LoRA targets omit `to_out.0` and `to_add_out` (vLLM-Omni cannot serve adapters on them).
+1. The log-prob is the exact Gaussian log-density (averaged over latent elements) for `sde` and `cps`
+   alike (the public `cps` uses −(x' − μ)²): a clip range means the same trust region for both.
+2. The KL to the reference is the exact Gaussian KL mean((μ_θ − μ_ref)²) / (2·std²) (public: / s_t²).
+3. Window mode draws one window per iteration, shared by all images and ranks.
+4. Images are shuffled only when assigned to optimizer steps and ranks; micro-batches are the rollout's
+   chunks, never re-mixed, so each iteration's first update runs the rollout's shapes and kernels and is
+   exactly on-policy (`train/logp_gap` == 0 in float32). The public code re-shuffles after the rollout.
+5. Each image's noise comes from its own generator, seeded by (seed, iteration, image index): images do
+   not depend on the number of ranks or the micro-batch size.
+6. Qwen-Image's LoRA targets omit `to_out.0` (vLLM-Omni cannot serve it) and `to_add_out`.
 7. No EMA of the policy weights (the Qwen-Image recipe runs without it).
-8. `--model tiny` is a toy recipe (32×32 images, 4 steps, a cheap image-space reward, a large clip range
-   and learning rate) chosen so that learning is visible on a CPU within a minute.
+8. `--model tiny` is a toy recipe (32×32, 4 steps, a cheap image-space reward, large clip range and
+   learning rate) chosen so that learning is visible on a CPU within a minute.
 """
 import dataclasses
 import json
@@ -45,6 +42,7 @@ import models
 import prompts as prompt_sets
 import rewards
 import rollout
+import runlog
 import scheduler as sch
 
 
@@ -72,6 +70,10 @@ class Args:
     """P: prompts per iteration (P·G images per iteration, split over ranks)"""
     micro_batch: int = 4
     """images per transformer call, in rollout and in training"""
+    rollout: Literal["local", "vllm-omni"] = "local"
+    """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni_pipeline.py"""
+    rollout_url: str | None = None
+    """vLLM-Omni server URLs for `--rollout vllm-omni`, comma-separated (http://HOST:PORT,...)"""
     optimizer_steps: int = 1
     """optimizer steps per iteration (the iteration's micro-batches are split evenly among them)"""
     height: int = 512
@@ -183,6 +185,7 @@ def check_args(a: Args) -> None:
                                                 f"--model {a.model} (VAE downsampling × 2×2 patches), got {side}")
     rewards.check_reward_spec(a.reward)
     prompt_sets.check_prompts(a.prompts)
+    rollout.check_backend(a.rollout, a.rollout_url)
     if a.resume:
         eng.resolve_resume(a.resume, a.run_dir, fingerprint(a))
 
@@ -218,8 +221,7 @@ def image_assignment(a: Args, world_size: int, iteration: int) -> torch.Tensor:
     return perm.view(a.optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
 
 
-# ----------------------------------------------------------------------------------------------
-# Advantages and the policy loss (pure functions; tests/test_loop.py checks them by hand)
+# ---- advantages and the policy loss (tests/test_loop.py checks them by hand) ------------------------
 
 def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: float) -> tuple[torch.Tensor, float]:
     """A_i = (r_i − mean of i's group) / (σ + 1e-4), clipped; σ = std of the whole batch or of i's group.
@@ -281,71 +283,22 @@ def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress
             "train/skipped_steps": engine.skipped_steps}
 
 
-# ----------------------------------------------------------------------------------------------
-# What a run leaves behind: metrics.jsonl, reward_curve.png, sample grids (rank 0 only)
+# ---- evaluation ------------------------------------------------------------------------------------
 
-def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
-    """Images (N, 3, H, W) in [0, 1], up to 4 per row, each captioned `prompt | reward` (wrapped)."""
-    import textwrap
-    from PIL import Image, ImageDraw
-    n, _, h, w = images.shape
-    cell, cols, text_h = max(w, 192), min(n, 4), 40
-    grid = Image.new("RGB", (cols * cell, ((n + cols - 1) // cols) * (cell * h // w + text_h)), "white")
-    for i, (img, cap) in enumerate(zip(images, captions)):
-        pil = Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-        x, y = (i % cols) * cell, (i // cols) * (cell * h // w + text_h)
-        grid.paste(pil.resize((cell, cell * h // w), Image.NEAREST), (x, y))
-        prompt, _, score = cap.rpartition(" | ")
-        lines = textwrap.wrap(prompt, width=cell // 6)[:2] + [f"| {score}"]
-        ImageDraw.Draw(grid).multiline_text((x + 2, y + cell * h // w + 1), "\n".join(lines), fill="black", spacing=1)
-    grid.save(path)
-
-
-def plot_curve(path: str, rows: list[dict]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    it = [r["iteration"] for r in rows]
-    mean, std = np.array([r["reward/mean"] for r in rows]), np.array([r["reward/std"] for r in rows])
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(it, mean, label="train reward (mean over the iteration)")
-    ax.fill_between(it, mean - std, mean + std, alpha=0.2, label="± std")
-    ev = [(r["iteration"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
-    if ev:
-        ax.plot(*zip(*ev), "o--", label="eval reward (ODE, fixed seeds)")
-    ax.set_xlabel("iteration"), ax.set_ylabel("reward"), ax.legend(fontsize=8), ax.grid(alpha=0.3)
-    fig.tight_layout(), fig.savefig(path), plt.close(fig)
-
-
-def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, run_dir: str, wandb_run) -> dict:
-    """ODE samples of the eval prompts with fixed seeds, split over ranks; grid and scores on rank 0."""
+def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.RunLog) -> dict:
+    """ODE samples of the eval prompts with fixed seeds, split over ranks; the captioned grid on rank 0."""
     share = a.eval_images // engine.world_size
     mine = evalset[engine.rank * share:(engine.rank + 1) * share]
     images = rollout.sample_ode(model, [p for p, _ in mine], num_steps=a.eval_steps, height=a.height, width=a.width,
                                 cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, seed=a.seed,
                                 chunk=a.micro_batch)
     scores, _ = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
-    scores = engine.all_gather(torch.as_tensor(scores, dtype=torch.float32, device=engine.device)).cpu()
-    images = engine.all_gather(images.to(engine.device)).cpu()
-    if engine.is_main:
-        captions = [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())]
-        path = os.path.join(run_dir, "samples", f"eval_{it:05d}.png")
-        save_grid(path, images, captions)
-        if wandb_run:
-            import wandb
-            wandb_run.log({"eval/samples": wandb.Image(path)}, step=it)
+    scores, images = engine.all_gather(scores), engine.all_gather(images)
+    log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())])
     return {"eval/reward_mean": scores.mean().item()}
 
 
-def open_wandb(a: Args, run_dir: str, arith: dict, run_id: str | None):
-    import wandb
-    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    return wandb.init(project="flowgrpo", dir=run_dir, mode=mode, config=dataclasses.asdict(a) | arith,
-                      name=os.path.basename(run_dir), id=run_id, resume="allow" if run_id else None)
-
-
-# ----------------------------------------------------------------------------------------------
-# The loop
+# ---- the loop --------------------------------------------------------------------------------------
 
 def main(a: Args) -> list[dict]:
     check_args(a)  # before any model is built or process group joined
@@ -376,17 +329,9 @@ def main(a: Args) -> list[dict]:
         start, engine.skipped_steps = state["iteration"] + 1, state["skipped_steps"]
         sampler.load_state_dict(state["sampler"])
         run_dir = a.run_dir or os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
-    wandb_run, rows, metrics = None, [], os.path.join(run_dir, "metrics.jsonl")
-    if engine.is_main:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(a) | {"run_dir": run_dir, "batch_arithmetic": arith}, f, indent=2)
-        if start:  # drop lines logged after the checkpoint by the interrupted run
-            rows = [r for r in map(json.loads, open(metrics)) if r["iteration"] < start]
-            with open(metrics + ".tmp", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-            os.replace(metrics + ".tmp", metrics)
-        wandb_run = open_wandb(a, run_dir, arith, state.get("wandb_id")) if a.wandb else None
+    backend = rollout.make_backend(a.rollout, a.rollout_url, run_dir, engine)  # local, or vLLM-Omni servers
+    log = runlog.RunLog(run_dir, dataclasses.asdict(a) | {"run_dir": run_dir, "batch_arithmetic": arith},
+                        enabled=engine.is_main, start=start, use_wandb=a.wandb, wandb_id=state.get("wandb_id"))
 
     bar = tqdm(range(start, a.iterations), desc="iterations", disable=not engine.is_main, initial=start,
                total=a.iterations)
@@ -401,7 +346,8 @@ def main(a: Args) -> list[dict]:
         # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images --------
         t0 = time.perf_counter()
         model.transformer.eval()
-        batch = rollout.sample(model, [chosen[g][0] for g in group], [chosen[g][1] for g in group], group, mine,
+        backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
+        batch = backend.sample(model, [chosen[g][0] for g in group], [chosen[g][1] for g in group], group, mine,
                                steps=steps, num_steps=a.num_steps, height=a.height, width=a.width,
                                cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, noise_level=a.noise_level,
                                sde_type=a.sde_type, seed=a.seed, iteration=it, chunk=a.micro_batch,
@@ -410,7 +356,7 @@ def main(a: Args) -> list[dict]:
 
         # --- 3. rewards, gathered over ranks --------------------------------------------------------
         scores, info = reward_fn(batch.images, batch.prompts, batch.metadata)
-        gathered = engine.all_gather(torch.as_tensor(scores, dtype=torch.float32, device=engine.device)).cpu()
+        gathered = engine.all_gather(scores)  # (P·G,) in assignment order
         r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image index
         t2 = time.perf_counter()
 
@@ -424,9 +370,7 @@ def main(a: Args) -> list[dict]:
         t3 = time.perf_counter()
 
         # --- 6. log ---------------------------------------------------------------------------------
-        comps = {f"reward/{k}/mean": float(engine.all_gather(torch.as_tensor(v, dtype=torch.float32,
-                                                                             device=engine.device)).mean())
-                 for k, v in info.items()}
+        comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
         row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
                "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
                "perf/rollout_s": t1 - t0, "perf/reward_s": t2 - t1, "perf/train_s": t3 - t2}
@@ -434,29 +378,23 @@ def main(a: Args) -> list[dict]:
         # --- 7. eval every K iterations and at the end ----------------------------------------------
         if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
             model.transformer.eval()
-            row |= evaluate(model, engine, reward_fn, evalset, a, it, run_dir, wandb_run)
-        if engine.is_main:
-            rows.append(row)
-            with open(metrics, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            plot_curve(os.path.join(run_dir, "reward_curve.png"), rows)
-            if wandb_run:
-                wandb_run.log(row, step=it)
-            bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
+            row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
+        log.log(row)
+        bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
 
         # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration) --
         if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):
             loop_state = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
-                          "wandb_id": wandb_run.id if wandb_run else None}
+                          "wandb_id": log.wandb_id}
             engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{eng.CKPT_PREFIX}{it:06d}"), loop_state,
                                    fingerprint(a), a.keep_checkpoints)
 
     # --- 9. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
     engine.export_lora(os.path.join(run_dir, "lora"))
-    if wandb_run:
-        wandb_run.finish()
+    backend.close()
+    log.close()
     engine.close()
-    return rows
+    return log.rows
 
 
 if __name__ == "__main__":

@@ -301,16 +301,8 @@ class AsyncRewards:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 # ---------------------------------------------------------------- the registry: one line per reward
-REWARDS = {
-    "jpeg_compressibility": jpeg_compressibility,
-    "jpeg_incompressibility": jpeg_incompressibility,
-    "brightness": brightness,
-    "ocr": ocr,
-    "pickscore": pickscore,
-    "clipscore": clipscore,
-    "aesthetic": aesthetic,
-    "remote": remote,
-}
+REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
+                                    aesthetic, remote)}
 PROMPT_CHECKS = {"ocr": ocr_target}  # cheap per-prompt checks for check_prompts_for_reward
 
 # ---------------------------------------------------------------- remote rewards: server

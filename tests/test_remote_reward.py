@@ -133,3 +133,36 @@ def test_oversized_and_malformed_requests_are_refused(serve, fast_retries):
     assert post(json.dumps({"images": ["not base64 png"], "prompts": ["a"]}).encode())[0] == 400
     # The server is still healthy afterwards.
     assert fn(torch.rand(1, 3, 32, 32), ["small"])[0].shape == (1,)
+
+
+def test_training_run_whose_reward_server_dies_fails_clearly_and_keeps_its_checkpoint(tmp_path):
+    """The real loop with `--reward remote=URL`: the server is killed after the first checkpoints; the run
+    retries, stops with an error naming the server, and its newest complete checkpoint still resumes."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(ROOT / "rewards.py"), "serve", "--reward", "brightness", "--port",
+                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = tmp_path / "run"
+    env = {**__import__("os").environ, "FLOWGRPO_REMOTE_RETRIES": "2", "FLOWGRPO_REMOTE_BACKOFF": "0.2",
+           "WANDB_MODE": "offline"}
+    try:
+        assert "serving reward" in server.stdout.readline()
+        trainer = subprocess.Popen([sys.executable, str(ROOT / "flowgrpo.py"), "--model", "tiny", "--reward",
+                                    f"remote=http://127.0.0.1:{port}", "--iterations", "30", "--checkpoint-every", "1",
+                                    "--eval-every", "0", "--no-wandb", "--run-dir", str(run)], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while not (run / "checkpoints" / "iter_000001" / "meta.json").exists() and time.time() < deadline:
+            assert trainer.poll() is None, trainer.communicate()
+            time.sleep(0.1)
+    finally:
+        server.kill()
+        server.wait()
+    _, err = trainer.communicate(timeout=300)
+    assert trainer.returncode != 0
+    assert f"remote reward server http://127.0.0.1:{port}/score failed 3 times" in err
+    import engine
+    last = engine.list_checkpoints(str(run / "checkpoints"))[-1]
+    assert engine.read_checkpoint_meta(last)["loop"]["iteration"] >= 1
