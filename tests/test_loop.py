@@ -1,6 +1,7 @@
 """flowgrpo.py: advantages, the on-policy check, start-up validation, and a real CLI run that learns."""
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -138,3 +139,50 @@ def test_tiny_run_learns_and_writes_its_run_directory(tmp_path):
     assert sorted(os.listdir(run / "samples")) == [f"eval_{0:05d}.png", f"eval_{20:05d}.png", f"eval_{29:05d}.png"]
     assert (run / "lora" / "pytorch_lora_weights.safetensors").exists()
     assert (run / "wandb").is_dir()
+
+
+# ---- the engine's single-process contract: reference model, KL, non-finite gradients -------------
+def _trained_engine():
+    model = models.load_model("tiny", None, "cpu", seed=0)
+    engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=5e-2,
+                        weight_decay=0, max_grad_norm=1.0, seed=0)
+    batch = rollout.sample(model, ["a cat"] * 4, [{}] * 4, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4, height=32,
+                           width=32, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
+                           iteration=0, chunk=4)
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    return model, engine, batch
+
+
+def test_reference_is_the_base_model_and_kl_is_exact():
+    model, engine, batch = _trained_engine()
+    args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4)
+    _, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
+    assert stats["kl"] == 0.0  # LoRA B starts at 0: the policy is the reference
+    flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
+    x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
+    base = models.load_model("tiny", None, "cpu", seed=0)
+    with torch.no_grad():
+        with engine.reference():
+            v_ref = model.velocity(x, sigma, batch.cond, 1.0, 32, 32)
+        v_pol = model.velocity(x, sigma, batch.cond, 1.0, 32, 32)
+        v_base = base.velocity(x, sigma, batch.cond, 1.0, 32, 32)
+    torch.testing.assert_close(v_ref, v_base, rtol=0, atol=1e-6)  # adapter off == the untouched base model
+    assert (v_pol - v_base).abs().max() > 1e-4
+    loss, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
+    _, _, mean_p, std = flowgrpo.sch.step(v_pol, x, batch.sigmas[1], batch.sigmas[2], sigma_max=batch.sigma_max,
+                                          noise_level=args.noise_level, x_next=batch.latents[:, 2])
+    _, _, mean_r, _ = flowgrpo.sch.step(v_ref, x, batch.sigmas[1], batch.sigmas[2], sigma_max=batch.sigma_max,
+                                        noise_level=args.noise_level, x_next=batch.latents[:, 2])
+    expected = (((mean_p - mean_r) ** 2).mean(dim=(1, 2)) / (2 * std**2)).mean().item()
+    assert stats["kl"] == pytest.approx(expected, rel=1e-4) and stats["kl"] > 0
+
+
+def test_a_non_finite_gradient_skips_the_step():
+    model, engine, _ = _trained_engine()
+    before = {k: v.clone() for k, v in engine.lora_state_dict().items()}
+    engine.params[0].grad.to_local().fill_(float("nan"))  # gradients are DTensors under FSDP2 (a world of one)
+    norm, skipped = engine.step()
+    assert skipped and not math.isfinite(norm) and engine.skipped_steps == 1
+    after = engine.lora_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.count_nonzero(p.grad.to_local()) == 0 for p in engine.params)  # gradients cleared
