@@ -165,3 +165,30 @@ def load_model(model: str, path: str | None, device, seed: int = 0) -> QwenImage
     if model not in MODELS:
         raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
     return QwenImage.load(model, path, device, seed)
+
+
+def save_tiny_pipeline(directory: str, seed: int = 0) -> str:
+    """Write `--model tiny --seed S`'s pipeline (float32) as a diffusers directory: what vLLM-Omni serves
+    (`vllm serve DIR --omni --dtype float32`) and `--model tiny --model-path DIR` loads. Built in DIR.tmp and
+    renamed, so a server never sees half a pipeline; an existing pipeline directory is replaced."""
+    import shutil
+    directory = os.path.abspath(directory)
+    if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(f"{directory}/model_index.json"):
+        raise FileExistsError(f"{directory} exists and is not a pipeline directory: choose an empty or new one")
+    shutil.rmtree(directory + ".tmp", ignore_errors=True)
+    build_tiny_qwen_pipeline(seed).save_pretrained(directory + ".tmp")
+    shutil.rmtree(directory, ignore_errors=True)
+    os.rename(directory + ".tmp", directory)
+    return directory
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="python models.py save-tiny DIR [--seed S]: write --model tiny's "
+                                             "random-weight pipeline to DIR, for vLLM-Omni to serve")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    save = sub.add_parser("save-tiny", help="write the tiny pipeline (the weights of --model tiny --seed S) to DIR")
+    save.add_argument("dir")
+    save.add_argument("--seed", type=int, default=0)
+    cli = ap.parse_args()
+    print(save_tiny_pipeline(cli.dir, cli.seed))

@@ -5,10 +5,26 @@ an iteration sees exactly the weights, shapes and kernels that produced the data
 Each image draws its initial noise and its SDE noise from its own generator, seeded by
 (seed, iteration, global image index): the images do not depend on how the batch is chunked or split
 over ranks.
+
+Backend `vllm-omni`: vLLM-Omni servers running `omni_pipeline.py` (the same `scheduler.step` inside vLLM-Omni's
+pipeline) sample; `OmniBackend`, their HTTP client, returns the same `Batch`. Never imports vllm_omni.
 """
+import glob
+import http.client
+import json
+import os
+import queue
+import random
+import shutil
+import time
+import urllib.error, urllib.parse, urllib.request  # noqa: E401
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 import scheduler as sch
@@ -39,10 +55,14 @@ class Batch:
                      None if self.advantages is None else self.advantages[s])
 
 
+def image_seed(seed: int, iteration: int, image_id: int) -> int:
+    """The seed of one image's generator, from (seed, iteration, global image index)."""
+    return ((seed * 1_000_003 + iteration) * 1_000_003 + int(image_id)) % 2**63
+
+
 def image_generators(seed: int, iteration: int, image_ids) -> list[torch.Generator]:
     """One CPU generator per image, from (seed, iteration, global image index): rank- and chunk-invariant."""
-    return [torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_000_003 + int(i)) % 2**63)
-            for i in image_ids]
+    return [torch.Generator().manual_seed(image_seed(seed, iteration, i)) for i in image_ids]
 
 
 def encode_conditioning(model, prompts: list[str], negative_prompt: str, cfg_scale: float) -> dict:
@@ -108,3 +128,223 @@ def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width:
                    negative_prompt=negative_prompt, noise_level=0.0, sde_type="sde", seed=seed, iteration=-1,
                    chunk=chunk)
     return batch.images
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni_pipeline.py)
+
+BACKENDS = ("local", "vllm-omni")
+KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v1"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
+MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
+OMNI_DEFAULTS = dict(dir="", timeout=600.0, retries=3, backoff=2.0, concurrency=2)  # FLOWGRPO_ROLLOUT_<NAME>
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # servers are on our network: no proxy
+
+
+def check_backend(kind: str, urls: str | None) -> list[str]:
+    """The server URLs of `--rollout KIND --rollout-url URLS`, checked without touching the network."""
+    if kind not in BACKENDS:
+        raise ValueError(f"--rollout must be one of {BACKENDS}, got {kind!r}")
+    given = [u.strip().rstrip("/") for u in (urls or "").split(",") if u.strip()]
+    if kind == "local" and given:
+        raise ValueError("--rollout-url is only used with --rollout vllm-omni")
+    if kind == "vllm-omni" and not given:
+        raise ValueError("--rollout vllm-omni needs --rollout-url http://HOST:PORT[,http://HOST:PORT...]: vLLM-Omni "
+                         "servers running omni_pipeline.FlowGRPOQwenImagePipeline (see README)")
+    for i, url in enumerate(given):
+        p = urllib.parse.urlsplit(url)
+        try:
+            ok = p.scheme in ("http", "https") and p.hostname and not (p.path or p.query) and p.port != 0
+        except ValueError:  # a port that is not a number
+            ok = False
+        if not ok or url in given[:i]:
+            raise ValueError(f"--rollout-url: {url!r} is not of the form http://HOST:PORT, or is listed twice")
+    return given
+
+
+def make_backend(kind: str, urls: str | None, run_dir: str, engine):
+    """The backend of `--rollout`. vllm-omni: a collective (every rank calls it); its knobs are OMNI_DEFAULTS,
+    overridden by FLOWGRPO_ROLLOUT_DIR (where adapters and trajectories go, e.g. /dev/shm/run1), _TIMEOUT, ..."""
+    if not check_backend(kind, urls):
+        return LocalBackend()
+    opts = {k: os.environ.get(f"FLOWGRPO_ROLLOUT_{k.upper()}", v) for k, v in OMNI_DEFAULTS.items()}
+    try:
+        opts = {k: type(OMNI_DEFAULTS[k])(v) for k, v in opts.items()}
+    except ValueError as e:
+        raise ValueError(f"FLOWGRPO_ROLLOUT_{{DIR,TIMEOUT,RETRIES,BACKOFF,CONCURRENCY}}: {e}") from None
+    return OmniBackend(urls, run_dir, engine, exchange_dir=opts.pop("dir") or None, **opts)
+
+
+class LocalBackend:  # the trainer's own model samples (`sample`); nothing to synchronise or close
+    sample = staticmethod(sample)
+    sync = close = staticmethod(lambda *args: None)
+
+
+def build_requests(prompts, image_ids, *, steps, num_steps, height, width, cfg_scale, negative_prompt, noise_level,
+                   sde_type, seed, iteration, lora: dict, prefix: str) -> list[tuple[list[int], dict]]:
+    """(positions in the batch, body) of each POST /v1/images/generations: the images of one prompt, <= MAX_N
+    a request. Each image has its own seed (`image_seed`), from which the server draws its initial and SDE
+    noise: images do not depend on the grouping and equal the local backend's, draw for draw."""
+    where = {}
+    for pos, prompt in enumerate(prompts):
+        where.setdefault(prompt, []).append(pos)
+    jobs = []
+    for prompt, all_pos in where.items():
+        for pos in (all_pos[c:c + MAX_N] for c in range(0, len(all_pos), MAX_N)):
+            seeds = [image_seed(seed, iteration, image_ids[i]) for i in pos]
+            knobs = dict(trajectory=f"{prefix}-{len(jobs):04d}.safetensors", seeds=seeds, steps=list(steps),
+                         noise_level=noise_level, sde_type=sde_type)
+            # The server runs true CFG only with a negative prompt, and `true_cfg_scale` must be sent (absent or
+            # 0 means 4.0 there); scale 1 and no negative prompt is one transformer pass per step, as locally.
+            jobs.append((pos, dict(prompt=prompt, n=len(pos), size=f"{width}x{height}", num_inference_steps=num_steps,
+                                   true_cfg_scale=cfg_scale, seed=seeds[0], output_format="png",
+                                   extra_params={KEY: knobs}, lora=lora,
+                                   **({"negative_prompt": negative_prompt} if cfg_scale > 1 else {}))))
+    return jobs
+
+
+def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, latent_shape, image_shape) -> dict:
+    """The tensors of a trajectory file written by omni_pipeline.py, checked against the request and against
+    the trainer's σ schedule `sigmas` (W+1,) (else the server serves another model or scheduler config)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no trajectory file {path}: the server must see this path (same machine, or a "
+                                "shared filesystem: README) and run omni_pipeline.FlowGRPOQwenImagePipeline")
+    try:
+        with safe_open(path, "pt") as f:
+            meta, t = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors' own error types (truncated header, bad JSON, short data)
+        raise ValueError(f"malformed trajectory file {path}: {e}") from None
+    n, states, W = len(seeds), len(sigmas), max(len(sigmas) - 1, 0)  # ODE only (W = 0): no states, as `sample`
+    want = {"latents": (n, states, *latent_shape), "log_probs": (n, W), "sigmas": (states,), "sigma_max": (),
+            "images": (n, *image_shape)}
+    bad = [f"{k} missing" if k not in t else f"{k} has shape {tuple(t[k].shape)} {t[k].dtype}, expected {s} float32"
+           for k, s in want.items() if k not in t or tuple(t[k].shape) != s or t[k].dtype != torch.float32]
+    bad += [f"{k} is not finite" for k in want if k in t and not bool(torch.isfinite(t[k]).all())]
+    if meta.get("format") != FORMAT:
+        bad.append(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    elif json.loads(meta.get("seeds", "null")) != list(seeds) or meta.get("prompt") != prompt:
+        bad.append(f"written for prompt {meta.get('prompt')!r}, seeds {meta.get('seeds')}")
+    if not bad and not torch.allclose(t["sigmas"], sigmas, rtol=0, atol=1e-6):
+        bad.append(f"sampled with sigmas {t['sigmas'].tolist()}; the trainer's are {sigmas.tolist()} (--model-path?)")
+    if bad:
+        raise ValueError(f"malformed trajectory file {path}: " + "; ".join(bad))
+    return t
+
+
+class OmniBackend:
+    """Rollout on vLLM-Omni servers. `sync` exports the policy as `<exchange>/policy/v<k>`; `sample` sends the
+    rank's requests (<= `concurrency` in flight per server, to whichever is free), reads and deletes the files
+    `<exchange>/trajectories/*`, and returns the local backend's Batch: the servers' latents, log-probs, σ and
+    images (float32 from the file, not the response's 8-bit PNGs: the reward sees what the local backend would
+    give it), and the prompt conditioning, encoded here by the trainer's own text encoder."""
+
+    def __init__(self, urls: str, run_dir: str, engine, *, exchange_dir: str | None = None, timeout: float = 600.0,
+                 retries: int = 3, backoff: float = 2.0, concurrency: int = 2):
+        self.urls = check_backend("vllm-omni", urls)
+        if engine.lora_config is None:
+            raise ValueError("--rollout vllm-omni hands the policy to the servers as a LoRA: not with --full-finetune")
+        if not (timeout > 0 and retries >= 0 and backoff >= 0 and concurrency >= 1):
+            raise ValueError("FLOWGRPO_ROLLOUT_TIMEOUT > 0, _RETRIES >= 0, _BACKOFF >= 0, _CONCURRENCY >= 1 needed")
+        root = os.path.abspath(exchange_dir or run_dir)  # absolute: the server resolves it, not our cwd
+        self.policy_dir, self.traj_dir = os.path.join(root, "policy"), os.path.join(root, "trajectories")
+        self.timeout, self.retries, self.backoff, self.concurrency = timeout, retries, backoff, concurrency
+        # vLLM-Omni caches adapters by int_id: an id reused for other weights serves the stale ones, also across
+        # restarts of the trainer against a long-lived server. int_id = base + version, base drawn per start.
+        self.id_base = engine.broadcast_object(random.SystemRandom().randrange(1, 2**31) << 24)
+        self.lora, self.rank = None, engine.rank
+        os.makedirs(self.traj_dir, exist_ok=True)
+        for url in self.urls:  # fail at start-up, not in the first iteration
+            self._call(url, "/health", None, "GET /health")
+
+    def sync(self, engine, iteration: int) -> None:
+        """Export the current policy as version `iteration`. Every rank calls it: lora_state_dict is a collective,
+        so every rank has finished the previous rollout and no request uses an older version any more."""
+        state = engine.lora_state_dict()
+        path = os.path.join(self.policy_dir, f"v{iteration}")
+        if engine.is_main:  # PEFT's layout, which vLLM-Omni loads; built in v<k>.tmp, renamed when complete
+            shutil.rmtree(path + ".tmp", ignore_errors=True)
+            engine.lora_config.save_pretrained(path + ".tmp")  # adapter_config.json: r, lora_alpha, targets
+            save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
+                      os.path.join(path + ".tmp", "adapter_model.safetensors"))
+            shutil.rmtree(path, ignore_errors=True)  # a resumed run exports its first version again
+            os.rename(path + ".tmp", path)
+            for old in set(glob.glob(os.path.join(self.policy_dir, "v*"))) - {path}:
+                shutil.rmtree(old, ignore_errors=True)
+        engine.barrier()  # the adapter exists before any rank names it
+        self.lora = {"name": f"flowgrpo-v{iteration}", "local_path": path, "int_id": self.id_base + iteration}
+
+    def sample(self, model, prompts, metadata, group, image_ids, *, steps, num_steps, height, width, cfg_scale,
+               negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False) -> Batch:
+        """`sample`'s contract; `chunk` is unused (a request is one prompt's run of at most MAX_N images)."""
+        if self.lora is None:
+            raise RuntimeError("OmniBackend.sample before sync(): the servers need the current policy")
+        jobs = build_requests(list(prompts), [int(i) for i in image_ids], steps=steps, num_steps=num_steps,
+                              height=height, width=width, cfg_scale=cfg_scale, negative_prompt=negative_prompt,
+                              noise_level=noise_level, sde_type=sde_type, seed=seed, iteration=iteration,
+                              lora=self.lora, prefix=os.path.join(self.traj_dir, f"it{iteration:06d}-r{self.rank}-"
+                                                                                  f"{uuid.uuid4().hex[:8]}"))
+        seq_len = model.image_seq_len(height, width)
+        sigmas = sch.sigma_schedule(model.scheduler, num_steps, seq_len)
+        expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], image_shape=(3, height, width),
+                      latent_shape=(seq_len, model.transformer.config.in_channels))
+        slots = queue.SimpleQueue()  # each server `concurrency` times: a request takes a free slot, then returns it
+        for url in self.urls * self.concurrency:
+            slots.put(url)
+
+        def one(body):
+            url = slots.get()
+            try:
+                return self._generate(url, body, expect)
+            finally:
+                slots.put(url)
+        with ThreadPoolExecutor(len(self.urls) * self.concurrency) as pool, \
+                tqdm(total=len(prompts), desc="rollout", unit="img", disable=not progress, leave=False) as bar:
+            futures, parts = [pool.submit(one, body) for _, body in jobs], []
+            for future, (_, body) in zip(futures, jobs):
+                if future.exception() is not None:  # the first error ends the rollout: start nothing new
+                    pool.shutdown(wait=False, cancel_futures=True)
+                parts.append(future.result())  # leaving `with` waits for the requests still in flight
+                bar.update(body["n"])
+        order = torch.tensor([i for pos, _ in jobs for i in pos]).argsort()  # requests' rows -> batch order
+        cat = lambda k: torch.cat([p[k] for p in parts])[order]  # noqa: E731
+        return Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
+                     cat("log_probs").to(model.device), parts[0]["sigmas"], float(parts[0]["sigma_max"]),
+                     encode_conditioning(model, list(prompts), negative_prompt, cfg_scale), cat("images"))
+
+    def close(self) -> None:
+        """Remove trajectory files this rank may have left behind (a request that timed out on the client)."""
+        for path in glob.glob(os.path.join(self.traj_dir, f"*-r{self.rank}-*.safetensors*")):
+            os.remove(path)
+
+    def _generate(self, url: str, body: dict, expect: dict) -> dict:
+        knobs = body["extra_params"][KEY]
+        what = f"the request for prompt {body['prompt']!r}, seeds {knobs['seeds']}"
+        try:
+            resp = json.loads(self._call(url, "/v1/images/generations", body, what))
+            if not isinstance(resp, dict) or len(resp.get("data") or []) != body["n"]:
+                raise ValueError(f"the answer lacks its {body['n']} images: {str(resp)[:300]}")
+            return read_trajectory(knobs["trajectory"], seeds=knobs["seeds"], prompt=body["prompt"], **expect)
+        except (FileNotFoundError, ValueError) as e:  # also a response that is not JSON
+            raise RuntimeError(f"vLLM-Omni server {url}, {what}: {e}") from None
+        finally:
+            if os.path.exists(knobs["trajectory"]):
+                os.remove(knobs["trajectory"])
+
+    def _call(self, url: str, path: str, body: dict | None, what: str) -> bytes:
+        """GET (body None) or POST JSON -> the body; connection errors, timeouts, 502/503/504 retried with backoff."""
+        data, last = None if body is None else json.dumps(body).encode(), None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with _OPENER.open(req, timeout=self.timeout) as r:
+                    return r.read()
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:2000]
+                if e.code not in (502, 503, 504):
+                    raise RuntimeError(f"vLLM-Omni server {url} answered HTTP {e.code} to {what}: {detail}") from None
+                last = f"HTTP {e.code}: {detail}"
+            except (OSError, http.client.HTTPException) as e:  # refused/reset connections, timeouts, cut replies
+                last = f"{type(e).__name__}: {e}"
+        raise RuntimeError(f"vLLM-Omni server {url} stayed down for {what}: {self.retries + 1} attempts failed "
+                           f"(last: {last}); is it running and reachable from this node (README)?")

@@ -1,4 +1,4 @@
-"""The vLLM-Omni tier: tests against a real `vllm serve … --omni` on 127.0.0.1.
+"""The vLLM-Omni tier: tests against a real `vllm serve … --omni` on 127.0.0.1 (harness.py).
 
 They need vLLM-Omni's own virtual environment (built by omni/setup_env.sh, ~2 GB download, minutes);
 without it every test here is skipped, so the main CPU suite never depends on it. OMNI_VENV points at
@@ -7,27 +7,13 @@ an environment elsewhere (default: <repo>/.venv-omni).
 The server fixture starts the server in its own session (process group), waits for GET /health with a
 deadline, and in its finalizer stops the whole group by PID: SIGTERM, then SIGKILL after a grace period.
 """
-import importlib.util
-import json
-import os
-import signal
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-OMNI_VENV = Path(os.environ.get("OMNI_VENV", ROOT / ".venv-omni"))
-HERE = Path(__file__).resolve().parent
+from harness import OMNI_VENV, OmniServer
 
-HEALTH_TIMEOUT_S = 300  # measured ~15-30 s on 2 cores; generous for a loaded CI machine
-STOP_GRACE_S = 30
-# Loopback only: never route 127.0.0.1 through a proxy from the environment.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,120 +25,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _load_serve_tiny():
-    spec = importlib.util.spec_from_file_location("serve_tiny", ROOT / "omni" / "serve_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(method: str, url: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict | str]:
-    """One request to the loopback server: (status, parsed JSON or text)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    text = raw.decode(errors="replace")
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
-
-
-def _log_tail(path: Path, n: int = 60) -> str:
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return "\n".join(lines[-n:])
-
-
-class OmniServer:
-    """A `vllm serve <dir> --omni` subprocess on 127.0.0.1, owning its process group."""
-
-    def __init__(self, model_dir: Path, log_path: Path, extra_args: list[str] = ()):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.argv = _load_serve_tiny().serve_command(str(model_dir), self.port, str(OMNI_VENV), list(extra_args))
-        env = dict(os.environ,
-                   # The model is a local directory; nothing may reach the network.
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                   # Phase 2's custom pipeline class is imported from the project root.
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        env.pop("VIRTUAL_ENV", None)
-        self._log = open(log_path, "w")
-        t0 = time.monotonic()
-        # start_new_session: the server and every worker it spawns share one process group, so the
-        # finalizer can stop them all by this PID.
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                     start_new_session=True)
-        self.pgid = self.proc.pid
-        try:
-            self._wait_healthy(t0)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_s = time.monotonic() - t0
-
-    def _wait_healthy(self, t0: float) -> None:
-        deadline = t0 + HEALTH_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} before becoming healthy:\n"
-                                   f"{' '.join(self.argv)}\n{_log_tail(self.log_path)}")
-            try:
-                if http("GET", f"{self.url}/health", timeout=5)[0] == 200:
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vllm serve not healthy after {HEALTH_TIMEOUT_S} s:\n{_log_tail(self.log_path)}")
-
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 120.0):
-        return http(method, self.url + path, body, timeout)
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def stop(self) -> None:
-        """SIGTERM the process group, wait up to STOP_GRACE_S, then SIGKILL it; reap the server."""
-        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 10)):
-            if not self.group_alive():
-                break
-            os.killpg(self.pgid, sig)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not self.group_alive():
-                    break
-                time.sleep(0.2)
-        try:
-            self.proc.wait(timeout=10)
-        finally:
-            self._log.close()
-        if self.group_alive():
-            raise RuntimeError(f"processes of the vllm serve group {self.pgid} survived SIGKILL")
-
-
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("omni") / "tiny-qwen-image"
-    _load_serve_tiny().build_tiny_pipeline(str(out), seed=0)
-    return out
+    """`--model tiny --seed 0`'s pipeline on disk (models.save_tiny_pipeline): the trainer loads it with
+    --model-path and the servers serve it, so both hold the same weights."""
+    import models
+    return Path(models.save_tiny_pipeline(str(tmp_path_factory.mktemp("omni") / "tiny-qwen-image"), seed=0))
 
 
 @pytest.fixture(scope="session")
 def omni_server(tiny_pipeline_dir, tmp_path_factory):
-    server = OmniServer(tiny_pipeline_dir, tmp_path_factory.mktemp("omni-log") / "vllm-serve.log")
+    """The tier's shared server. It fuses up to 4 waiting requests into one forward, waiting up to 50 ms for
+    them (vLLM-Omni's defaults: 1, 0 ms), so the pipeline's multi-request path is exercised too."""
+    server = OmniServer(tiny_pipeline_dir, tmp_path_factory.mktemp("omni-log") / "vllm-serve.log",
+                        extra_args=["--max-num-seqs", "4", "--request-batch-max-wait-ms", "50"])
     yield server
     server.stop()

@@ -1,0 +1,279 @@
+"""Rollout through the real vLLM-Omni 0.30.0 server running omni_pipeline.FlowGRPOQwenImagePipeline.
+
+In-process: the served trajectories equal the local backend's (same seeds, same LoRA), every policy version is
+a new adapter that changes the images, the PNG response is the trajectory's image quantised, and a bad
+request, a missing or a malformed trajectory file are errors naming the server and the request.
+Through the CLI (`flowgrpo.py --rollout vllm-omni`): a training run learns with a tiny rollout-vs-trainer
+log-prob gap; a server that answers an error or dies mid-run stops the run with an error naming the server
+and the request, and the last checkpoint resumes on another server.
+
+One server (the session's `omni_server`) serves every test but the one that kills its own server.
+"""
+import base64
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from harness import ROOT, OmniServer, http
+
+import engine as eng
+import models
+import rollout
+import scheduler as sch
+
+H = W = 32
+KW = dict(num_steps=4, height=H, width=W, negative_prompt=" ", noise_level=0.7, seed=0, iteration=3, chunk=8)
+PROMPTS = ["a red cube on a table", "a blue ball", "a red cube on a table", "a blue ball", "a red cube on a table"]
+TRAINER = ROOT / "flowgrpo.py"
+needs_cli = pytest.mark.skipif("rollout_url" not in TRAINER.read_text(),
+                               reason="flowgrpo.py has no --rollout-url yet (rollout.make_backend is not wired in)")
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_pipeline_dir):
+    """The trainer's side: the tiny model (the served weights) with the tiny recipe's LoRA."""
+    model = models.load_model("tiny", str(tiny_pipeline_dir), "cpu")
+    engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=models.QwenImage.lora_targets, lr=1e-2,
+                        weight_decay=0.0, max_grad_norm=1.0, seed=0)
+    return model, engine
+
+
+def set_lora_b(model, seed):
+    """A policy that differs from the base model (LoRA B = 0 is the base): B ~ N(0, 0.05²), or 0 for seed None."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.zero_() if gen is None else p.normal_(0.0, 0.05, generator=gen)  # in place: p is a DTensor
+
+
+def both(backend, model, steps, cfg, sde_type, image_ids=range(5)):
+    group = torch.tensor([0, 1, 0, 1, 0])
+    kw = dict(KW, steps=steps, cfg_scale=cfg, sde_type=sde_type)
+    served = backend.sample(model, PROMPTS, [{}] * 5, group, list(image_ids), **kw)
+    local = rollout.sample(model, PROMPTS, [{}] * 5, group, list(image_ids), **kw)
+    return served, local
+
+
+@pytest.mark.parametrize("steps,cfg,sde_type", [([0, 1, 2], 1.0, "sde"), ([1, 2], 4.0, "cps")])
+def test_served_trajectories_equal_the_local_backend(omni_server, trainer, tmp_path, steps, cfg, sde_type):
+    model, engine = trainer
+    set_lora_b(model, 1)
+    backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+    backend.sync(engine, 0)
+    served, local = both(backend, model, steps, cfg, sde_type)
+    assert torch.equal(served.sigmas, local.sigmas) and served.sigma_max == local.sigma_max
+    diffs = {k: (getattr(served, k) - getattr(local, k)).abs().max().item() for k in ("latents", "log_probs", "images")}
+    # the trainer's log-prob of the served transitions: what train/logp_gap measures in the first update
+    gaps = []
+    with torch.no_grad():
+        for j in range(len(steps)):
+            x = served.latents[:, j]
+            v = model.velocity(x, served.sigmas[j].expand(5), served.cond, cfg, H, W)
+            _, logp, _, _ = sch.step(v, x, served.sigmas[j], served.sigmas[j + 1], sigma_max=served.sigma_max,
+                                     noise_level=0.7, sde_type=sde_type, x_next=served.latents[:, j + 1])
+            gaps.append((logp - served.log_probs[:, j]).abs().max().item())
+    print(f"\nsteps {steps}, cfg {cfg}, {sde_type}: served - local max|diff| {diffs}; trainer-vs-server log-prob "
+          f"gap max {max(gaps):.2e}")
+    for name in ("latents", "log_probs", "images"):
+        assert getattr(served, name).shape == getattr(local, name).shape
+        assert getattr(served, name).dtype == torch.float32
+    assert max(diffs.values()) < 1e-5 and max(gaps) < 1e-5  # float32, CPU: vLLM-Omni's transformer vs diffusers'
+    assert os.listdir(tmp_path / "trajectories") == []
+
+
+def test_each_version_is_a_new_adapter_that_changes_the_images(omni_server, trainer, tmp_path):
+    model, engine = trainer
+    backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+    images, ids = [], []
+    for version, b_seed in enumerate((None, 2, 3)):  # the base model, then two different policies
+        set_lora_b(model, b_seed)
+        backend.sync(engine, version)
+        ids.append(backend.lora["int_id"])
+        served, local = both(backend, model, [0, 1, 2], 1.0, "sde")
+        assert (served.images - local.images).abs().max() < 1e-5  # the served policy is the trainer's policy
+        images.append(served.images)
+    assert len(set(ids)) == 3 and os.listdir(tmp_path / "policy") == ["v2"]
+    assert all((a - b).abs().max() > 1e-3 for a, b in ((images[0], images[1]), (images[1], images[2])))
+    loaded = re.findall(r"Loading new adapter: id=(\d+), name=(flowgrpo-v\d)", omni_server.log_text())
+    assert [(str(i), f"flowgrpo-v{v}") for v, i in enumerate(ids)] == loaded[-3:]
+
+
+def test_fused_requests_and_concurrent_samplers_share_a_server(omni_server, trainer, tmp_path):
+    """Two clients at once, one adapter id, different noise levels, prompts of different lengths, n = 3:
+    vLLM-Omni fuses waiting requests into one forward (--max-num-seqs 4), padding the prompts to one length.
+    Each request must keep its own sampler and its own prompt mask (vLLM-Omni 0.30.0 interleaves the masks
+    of a fused batch with n > 1: omni_pipeline.encode_prompt; without that fix latents differ by ~1e-2)."""
+    model, engine = trainer
+    set_lora_b(model, 4)
+    prompts = [("a cat " * (1 + i % 6)).strip() for i in range(18)]  # 6 requests of 3 images per client
+    results = {}
+
+    def run(noise_level):
+        backend = rollout.OmniBackend(omni_server.url, str(tmp_path / str(noise_level)), engine, concurrency=4)
+        backend.id_base = 1 << 40  # both clients name the same adapter, so their requests may share a batch
+        backend.sync(engine, 0)
+        results[noise_level] = backend.sample(model, prompts, [{}] * 18, torch.zeros(18, dtype=torch.long),
+                                              range(18), **dict(KW, steps=[0, 1, 2], cfg_scale=1.0,
+                                                                sde_type="sde", noise_level=noise_level))
+    threads = [threading.Thread(target=run, args=(nl,)) for nl in (0.7, 0.5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for nl, served in results.items():
+        local = rollout.sample(model, prompts, [{}] * 18, torch.zeros(18, dtype=torch.long), range(18),
+                               **dict(KW, steps=[0, 1, 2], cfg_scale=1.0, sde_type="sde", noise_level=nl))
+        assert (served.latents - local.latents).abs().max() < 1e-5, nl
+        assert (served.log_probs - local.log_probs).abs().max() < 1e-5, nl
+    assert len(results) == 2
+
+
+def test_png_response_is_the_trajectory_image_quantised(omni_server, tmp_path):
+    sampler = {k: v for k, v in KW.items() if k != "chunk"}
+    [(_, body)] = rollout.build_requests(["a red cube on a table"] * 2, [0, 1], steps=[0, 1, 2], cfg_scale=1.0,
+                                         sde_type="sde", lora=None, prefix=str(tmp_path / "t"), **sampler)
+    del body["lora"]  # the base model
+    status, resp = http("POST", omni_server.url + "/v1/images/generations", body)
+    assert status == 200, resp
+    images = load_file(body["extra_params"]["flowgrpo"]["trajectory"])["images"]  # (2, 3, H, W) float32
+    for item, image in zip(resp["data"], images, strict=True):
+        png = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))).astype(np.float32) / 255
+        err = np.abs(png - image.permute(1, 2, 0).numpy()).max()
+        assert err <= 0.5 / 255 + 1e-6, err  # the reward sees `images`; the PNG is them rounded to 8 bits
+
+
+def test_a_bad_request_is_an_error_and_the_server_stays_up(omni_server, tmp_path):
+    knobs = dict(trajectory=str(tmp_path / "t.safetensors"), seeds=[1], steps=[0], noise_level=0.7, sde_type="ode")
+    status, resp = http("POST", omni_server.url + "/v1/images/generations",
+                        dict(prompt="x", size=f"{W}x{H}", num_inference_steps=4, extra_params={"flowgrpo": knobs}))
+    assert status == 500 and "sde_type must be one of" in resp["error"]["message"], resp
+    assert not (tmp_path / "t.safetensors").exists()
+    assert http("GET", omni_server.url + "/health")[0] == 200
+
+
+@pytest.mark.parametrize("damage,needle", [("delete", "no trajectory file"), ("truncate", "malformed trajectory")])
+def test_a_missing_or_malformed_file_is_an_error_naming_the_server(omni_server, trainer, tmp_path, monkeypatch,
+                                                                  damage, needle):
+    """The real server writes the file; it is then lost or damaged before the client reads it (what a
+    filesystem the server does not share, or a dying disk, looks like from the client)."""
+    model, engine = trainer
+    read = rollout.read_trajectory
+
+    def damaged(path, **kw):
+        if damage == "delete":
+            os.remove(path)
+        else:
+            os.truncate(path, os.path.getsize(path) // 3)
+        return read(path, **kw)
+    monkeypatch.setattr(rollout, "read_trajectory", damaged)
+    backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+    backend.sync(engine, 0)
+    with pytest.raises(RuntimeError, match=needle) as err:
+        both(backend, model, [0, 1, 2], 1.0, "sde")
+    assert omni_server.url in str(err.value) and "a red cube on a table" in str(err.value)
+    assert os.listdir(tmp_path / "trajectories") == []
+
+
+# ---- through the CLI ----------------------------------------------------------------------------
+def trainer_cli(*flags, env=None, timeout=600, wait=True):
+    argv = [sys.executable, str(TRAINER), "--model", "tiny", "--no-wandb", *flags]
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+              env=os.environ | {"WANDB_MODE": "offline"} | (env or {}))
+    return subprocess.run(argv, timeout=timeout, **kw) if wait else subprocess.Popen(argv, **kw)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_cli
+def test_cli_training_run_learns_with_a_tiny_logp_gap(omni_server, tiny_pipeline_dir, tmp_path):
+    run, iterations = tmp_path / "run", 12
+    log_start = len(omni_server.log_text())
+    t0 = time.monotonic()
+    out = trainer_cli("--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
+                      omni_server.url, "--run-dir", str(run), "--iterations", str(iterations), "--eval-every", "0")
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = metrics(run)
+    gaps = [r["train/logp_gap"] for r in rows]
+    first, last = (sum(r["reward/mean"] for r in rows[s]) / 3 for s in (slice(0, 3), slice(-3, None)))
+    print(f"\n{iterations} iterations through vLLM-Omni in {time.monotonic() - t0:.0f} s: reward "
+          f"{[round(r['reward/mean'], 4) for r in rows]}; train/logp_gap max {max(gaps):.2e}, mean "
+          f"{sum(gaps) / len(gaps):.2e}; rollout {sum(r['perf/rollout_s'] for r in rows):.1f} s")
+    assert len(rows) == iterations and max(gaps) < 1e-5
+    assert last - first > 3 * rows[0]["reward/std"], (first, last)  # the margin tests/test_loop.py uses
+    loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", omni_server.log_text()[log_start:])
+    assert [int(v) for _, v in loaded] == list(range(iterations)) and len({i for i, _ in loaded}) == iterations
+    assert os.listdir(run / "policy") == [f"v{iterations - 1}"] and os.listdir(run / "trajectories") == []
+
+
+@needs_cli
+def test_cli_server_error_names_the_server_and_the_request(omni_server, tiny_pipeline_dir, tmp_path):
+    """A LoRA on `to_out.0` (diffusers accepts it, vLLM-Omni's packed attention does not): HTTP 500."""
+    out = trainer_cli("--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
+                      omni_server.url, "--run-dir", str(tmp_path / "run"), "--iterations", "2",
+                      "--lora-targets", "to_q", "to_out.0")
+    assert out.returncode != 0
+    err = out.stderr[-3000:]
+    print("\n" + err.strip().splitlines()[-1])
+    assert f"vLLM-Omni server {omni_server.url} answered HTTP 500" in err and "to_out" in err, err
+    assert re.search(r"the request for prompt '.+', seeds \[\d+", err), err
+    assert http("GET", omni_server.url + "/health")[0] == 200
+
+
+@needs_cli
+def test_cli_server_death_stops_the_run_and_the_checkpoint_resumes_elsewhere(omni_server, tiny_pipeline_dir,
+                                                                             tmp_path):
+    exchange = tmp_path / "exchange"  # the dying server only accepts trajectory paths under it
+    doomed = OmniServer(tiny_pipeline_dir, tmp_path / "doomed.log", pipeline_args={"trajectory_root": str(exchange)})
+    try:
+        knobs = dict(trajectory=str(tmp_path / "outside.safetensors"), seeds=[1], steps=[0], noise_level=0.7,
+                     sde_type="sde")
+        status, resp = http("POST", doomed.url + "/v1/images/generations",
+                            dict(prompt="x", size=f"{W}x{H}", num_inference_steps=4, extra_params={"flowgrpo": knobs}))
+        assert status == 500 and "outside this server's trajectory_root" in resp["error"]["message"]
+        run = tmp_path / "run"
+        proc = trainer_cli("--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
+                           doomed.url, "--run-dir", str(run), "--iterations", "30", "--checkpoint-every", "1",
+                           "--eval-every", "0", wait=False, env={"FLOWGRPO_ROLLOUT_DIR": str(exchange),
+                                                                "FLOWGRPO_ROLLOUT_RETRIES": "2",
+                                                                "FLOWGRPO_ROLLOUT_BACKOFF": "0.5"})
+        try:
+            deadline = time.monotonic() + 300
+            while not (run / "checkpoints" / f"{eng.CKPT_PREFIX}{1:06d}" / "meta.json").exists():
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.2)
+            os.killpg(doomed.pgid, signal.SIGKILL)  # the server dies mid-run
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        doomed.stop()
+    err = stderr[-3000:]
+    assert proc.returncode != 0, err
+    print("\n" + err.strip().splitlines()[-1])
+    assert f"vLLM-Omni server {doomed.url} stayed down for the request for prompt" in err, err
+    # the newest checkpoint is complete and continues the run on the other server
+    newest = eng.list_checkpoints(str(run / "checkpoints"))[-1]
+    done = eng.read_checkpoint_meta(newest)["loop"]["iteration"]
+    out = trainer_cli("--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
+                      omni_server.url, "--run-dir", str(run), "--iterations", str(done + 3), "--checkpoint-every", "1",
+                      "--eval-every", "0", "--resume", "auto")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["iteration"] for r in metrics(run)] == list(range(done + 3))

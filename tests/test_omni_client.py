@@ -1,0 +1,299 @@
+"""The vLLM-Omni rollout client (rollout.OmniBackend) without vLLM-Omni: request building, trajectory reading,
+policy export, and the whole client against a loopback stand-in server (threads, retries, errors).
+
+The stand-in answers like vLLM-Omni's /v1/images/generations and writes trajectory files in the format of
+omni_pipeline.py, filled with tensors derived from each image's seed so that the test can check which row
+landed where. That the real server's files match the local backend is tests/omni/'s job.
+"""
+import base64
+import io
+import json
+import os
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from peft import LoraConfig
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import models
+import rollout
+import scheduler as sch
+
+H = W = 32
+STEPS, NUM_STEPS = [0, 1, 2], 4
+KW = dict(steps=STEPS, num_steps=NUM_STEPS, height=H, width=W, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7,
+          sde_type="sde", seed=5, iteration=3, chunk=4)
+SAMPLER = {k: v for k, v in KW.items() if k != "chunk"}  # build_requests' arguments
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.load_model("tiny", None, "cpu", seed=0)
+
+
+def fake_engine(state=None, targets=("to_q", "to_k")):
+    return SimpleNamespace(rank=0, is_main=True, barrier=lambda: None, broadcast_object=lambda x: x,
+                           lora_config=LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)),
+                           lora_state_dict=lambda: state or {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 8)})
+
+
+# ---- the stand-in server ------------------------------------------------------------------------
+def seed_rows(seeds, shape):
+    return torch.stack([torch.randn(*shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+def write_fake_trajectory(body, seq_len, channels, mode):
+    """What omni_pipeline.py writes for this request, with seed-derived contents (or broken, by `mode`)."""
+    k, n = body["extra_params"]["flowgrpo"], body["n"]
+    w, h = map(int, body["size"].split("x"))
+    steps = k["steps"]
+    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), body["num_inference_steps"],
+                                seq_len)[steps[0]:steps[-1] + 2]
+    tensors = {"latents": seed_rows(k["seeds"], (len(steps) + 1, seq_len, channels)),
+               "log_probs": torch.tensor([[float(s % 1000)] * len(steps) for s in k["seeds"]]),
+               "sigmas": sigmas + (0.01 if mode == "other_sigmas" else 0), "sigma_max": torch.tensor(0.9),
+               "images": seed_rows(k["seeds"], (3, h, w)).sigmoid()}
+    if mode == "wrong_shape":
+        tensors["latents"] = tensors["latents"][:, :-1].contiguous()
+    meta = {"format": rollout.FORMAT, "prompt": body["prompt"],
+            "seeds": json.dumps(k["seeds"][::-1] if mode == "wrong_seeds" and n > 1 else k["seeds"])}
+    save_file(tensors, k["trajectory"], metadata=meta)
+    if mode == "truncated":
+        with open(k["trajectory"], "r+b") as f:
+            f.truncate(os.path.getsize(k["trajectory"]) // 2)
+
+
+class StandIn:
+    """A loopback HTTP server speaking the two routes the client uses; `mode` picks a behaviour."""
+
+    def __init__(self, seq_len, channels):
+        self.mode, self.bodies, self.fail_next = "ok", [], 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, obj):
+                raw = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                self._send(200, {"status": "healthy"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.bodies.append(body)
+                if outer.fail_next:
+                    outer.fail_next -= 1
+                    return self._send(503, {"error": {"message": "busy"}})
+                if outer.mode == "error":
+                    return self._send(500, {"error": {"message": "Image generation failed: boom"}})
+                if outer.mode != "no_file":
+                    write_fake_trajectory(body, seq_len, channels, outer.mode)
+                png = io.BytesIO()
+                Image.new("RGB", (W, H)).save(png, "PNG")
+                self._send(200, {"data": [{"b64_json": base64.b64encode(png.getvalue()).decode()}] * body["n"]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def standin(model):
+    server = StandIn(model.image_seq_len(H, W), model.transformer.config.in_channels)
+    yield server
+    server.stop()
+
+
+def make(urls, tmp_path, **kw):
+    return rollout.OmniBackend(urls, str(tmp_path / "run"), fake_engine(), timeout=10.0, retries=2, backoff=0.01, **kw)
+
+
+def closed_port_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+# ---- validation and request building -----------------------------------------------------------
+@pytest.mark.parametrize("kind,urls,needle", [
+    ("vllm", None, "--rollout must be"), ("local", "http://h:1", "--rollout-url is only"),
+    ("vllm-omni", None, "needs --rollout-url"), ("vllm-omni", " , ", "needs --rollout-url"),
+    ("vllm-omni", "127.0.0.1:8000", "not of the form"), ("vllm-omni", "http://h:port", "not of the form"),
+    ("vllm-omni", "http://h:1/v1", "not of the form"), ("vllm-omni", "http://h:1,http://h:1/", "listed twice")])
+def test_check_backend_names_the_flag(kind, urls, needle):
+    with pytest.raises(ValueError, match=needle):
+        rollout.check_backend(kind, urls)
+
+
+def test_check_backend_parses_without_network():
+    # 192.0.2.x (TEST-NET-1) is unroutable: any connection attempt would hang or fail, a parse does not.
+    assert rollout.check_backend("vllm-omni", "http://192.0.2.1:8000/, https://b:1") == ["http://192.0.2.1:8000",
+                                                                                         "https://b:1"]
+    assert rollout.check_backend("local", None) == []
+    assert isinstance(rollout.make_backend("local", None, "/nonexistent", None), rollout.LocalBackend)
+    assert rollout.LocalBackend().sample is rollout.sample
+
+
+def test_environment_knobs_are_checked(monkeypatch):
+    monkeypatch.setenv("FLOWGRPO_ROLLOUT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="FLOWGRPO_ROLLOUT_"):
+        rollout.make_backend("vllm-omni", "http://192.0.2.1:8000", "/tmp", fake_engine())
+
+
+def test_requests_group_by_prompt_and_keep_per_image_seeds():
+    prompts = ["a", "b"] * 7 + ["a"] * 6  # 13 of "a" (interleaved, as image_assignment shuffles), 7 of "b"
+    ids = list(range(100, 120))
+    lora = {"name": "v3", "local_path": "/x/v3", "int_id": 7}
+    jobs = rollout.build_requests(prompts, ids, **SAMPLER, lora=lora, prefix="/ex/trajectories/it-r0-x")
+    assert [(b["prompt"], b["n"]) for _, b in jobs] == [("a", 10), ("a", 3), ("b", 7)]  # n <= vLLM-Omni's 10
+    assert sorted(i for pos, _ in jobs for i in pos) == list(range(20))
+    for pos, body in jobs:
+        knobs = body["extra_params"]["flowgrpo"]
+        assert all(prompts[i] == body["prompt"] for i in pos)
+        assert knobs["seeds"] == [rollout.image_seed(5, 3, ids[i]) for i in pos] and body["seed"] == knobs["seeds"][0]
+        assert knobs["steps"] == STEPS and knobs["noise_level"] == 0.7 and knobs["sde_type"] == "sde"
+        assert body["size"] == f"{W}x{H}" and body["num_inference_steps"] == NUM_STEPS and body["lora"] == lora
+        assert body["true_cfg_scale"] == 1.0 and "negative_prompt" not in body  # no CFG: one pass, as locally
+    assert len({b["extra_params"]["flowgrpo"]["trajectory"] for _, b in jobs}) == 3
+    # the seed of image i is the seed of the local backend's generator for image i: the same draws
+    g_local = rollout.image_generators(5, 3, [117])[0]
+    g_server = torch.Generator().manual_seed(rollout.image_seed(5, 3, 117))
+    assert torch.equal(torch.randn(8, generator=g_local), torch.randn(8, generator=g_server))
+    cfg = rollout.build_requests(["a"], [0], **{**SAMPLER, "cfg_scale": 4.0}, lora=lora, prefix="/p")
+    assert cfg[0][1]["negative_prompt"] == " " and cfg[0][1]["true_cfg_scale"] == 4.0
+
+
+# ---- trajectory files ---------------------------------------------------------------------------
+def test_read_trajectory_checks_everything(tmp_path):
+    body = dict(prompt="p", n=2, size=f"{W}x{H}", num_inference_steps=NUM_STEPS,
+                extra_params={"flowgrpo": dict(trajectory=str(tmp_path / "t.safetensors"), seeds=[11, 12],
+                                               steps=STEPS)})
+    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), NUM_STEPS, 16)[:4]
+    read = lambda **kw: rollout.read_trajectory(str(tmp_path / "t.safetensors"),  # noqa: E731
+                                                **({"seeds": [11, 12], "prompt": "p", "sigmas": sigmas,
+                                                    "latent_shape": (16, 16), "image_shape": (3, H, W)} | kw))
+    with pytest.raises(FileNotFoundError, match="shared filesystem"):
+        read()
+    write_fake_trajectory(body, 16, 16, "ok")
+    t = read()
+    assert t["latents"].shape == (2, 4, 16, 16) and t["log_probs"].tolist() == [[11.0] * 3, [12.0] * 3]
+    for kw, needle in [(dict(seeds=[12, 11]), "written for"), (dict(prompt="q"), "written for"),
+                       (dict(latent_shape=(16, 4)), "latents has shape"), (dict(sigmas=sigmas + 1), "sigmas"),
+                       (dict(image_shape=(3, 8, 8)), "images has shape")]:
+        with pytest.raises(ValueError, match=needle):
+            read(**kw)
+    bad = load_file(str(tmp_path / "t.safetensors"))
+    bad["log_probs"][0, 0] = float("nan")
+    save_file(bad, str(tmp_path / "t.safetensors"), metadata={"format": rollout.FORMAT, "prompt": "p",
+                                                               "seeds": "[11, 12]"})
+    with pytest.raises(ValueError, match="log_probs is not finite"):
+        read()
+    for mode, needle in [("truncated", "malformed"), ("wrong_shape", "latents has shape")]:
+        write_fake_trajectory(body, 16, 16, mode)
+        with pytest.raises(ValueError, match=needle):
+            read()
+
+
+# ---- policy export ------------------------------------------------------------------------------
+def test_sync_writes_peft_versions_with_fresh_ids_and_prunes(tmp_path, standin):
+    backend = make(standin.url, tmp_path)
+    engine = fake_engine()
+    backend.sync(engine, 0)
+    first = dict(backend.lora)
+    backend.sync(engine, 1)
+    policy = tmp_path / "run" / "policy"
+    assert os.listdir(policy) == ["v1"] and backend.lora["local_path"] == str(policy / "v1")
+    assert backend.lora["int_id"] == first["int_id"] + 1 and backend.lora["name"] != first["name"]
+    config = json.loads((policy / "v1" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8, ["to_k", "to_q"])
+    keys = list(load_file(str(policy / "v1" / "adapter_model.safetensors")))
+    assert keys == ["base_model.model.transformer_blocks.0.attn.to_q.lora_A.weight"]  # PEFT's key layout
+    # a restarted trainer (new backend) never reuses an id a long-lived server may have cached
+    assert make(standin.url, tmp_path).id_base != backend.id_base
+    with pytest.raises(ValueError, match="--full-finetune"):
+        rollout.OmniBackend(standin.url, str(tmp_path), SimpleNamespace(**{**vars(engine), "lora_config": None}))
+
+
+# ---- the whole client against the stand-in ------------------------------------------------------
+def test_sample_assembles_the_local_layout_in_batch_order(tmp_path, standin, model):
+    backend = make(f"{standin.url}", tmp_path, concurrency=3)
+    backend.sync(fake_engine(), 3)
+    prompts = ["a cat", "a dog", "a cat", "a dog", "a cat", "a dog"]
+    ids = [7, 2, 9, 4, 0, 11]
+    batch = backend.sample(model, prompts, [{"i": i} for i in ids], torch.tensor(ids) // 4, ids, **KW)
+    local = rollout.sample(model, prompts, [{"i": i} for i in ids], torch.tensor(ids) // 4, ids, **KW)
+    for name in ("latents", "log_probs", "images", "sigmas"):  # the local backend's shapes and dtypes
+        assert getattr(batch, name).shape == getattr(local, name).shape and getattr(batch, name).dtype == torch.float32
+    assert batch.sigma_max == pytest.approx(0.9) and batch.prompts == prompts and batch.metadata == local.metadata
+    assert torch.equal(batch.group, local.group) and batch.cond.keys() == local.cond.keys()
+    assert torch.equal(batch.cond["embeds"], local.cond["embeds"])  # re-encoded by the trainer's text encoder
+    seeds = [rollout.image_seed(5, 3, i) for i in ids]
+    assert batch.log_probs[:, 0].tolist() == [float(s % 1000) for s in seeds]  # row i is image i's trajectory
+    assert torch.equal(batch.latents[3], seed_rows([seeds[3]], (4, 16, 16))[0])
+    assert [b["lora"]["int_id"] for b in standin.bodies] == [backend.lora["int_id"]] * 2
+    assert os.listdir(tmp_path / "run" / "trajectories") == []  # read, then deleted
+
+
+def test_transient_503_is_retried(tmp_path, standin, model):
+    backend = make(standin.url, tmp_path)
+    backend.sync(fake_engine(), 0)
+    standin.fail_next = 2  # retries=2: the third attempt succeeds
+    batch = backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
+    assert batch.latents.shape[0] == 2 and len(standin.bodies) == 3
+
+
+@pytest.mark.parametrize("mode,needle", [
+    ("error", "answered HTTP 500 to the request for prompt 'a cat', seeds \\[.*boom"),
+    ("no_file", "no trajectory file .*omni_pipeline.FlowGRPOQwenImagePipeline"),
+    ("truncated", "malformed trajectory file"), ("wrong_seeds", "written for prompt"),
+    ("other_sigmas", "sampled with sigmas")])
+def test_server_faults_name_the_server_and_the_request(tmp_path, standin, model, mode, needle):
+    backend = make(standin.url, tmp_path)
+    backend.sync(fake_engine(), 0)
+    standin.mode = mode
+    with pytest.raises(RuntimeError, match=needle) as err:
+        backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
+    assert standin.url in str(err.value) and "a cat" in str(err.value)
+    backend.close()
+    assert os.listdir(tmp_path / "run" / "trajectories") == []
+
+
+def test_a_server_that_is_or_goes_down_is_named(tmp_path, standin, model):
+    dead = closed_port_url()
+    with pytest.raises(RuntimeError, match=f"{dead} stayed down for GET /health: 3 attempts"):
+        make(f"{standin.url},{dead}", tmp_path)
+    backend = make(standin.url, tmp_path)
+    backend.sync(fake_engine(), 0)
+    standin.stop()  # dies mid-run
+    with pytest.raises(RuntimeError, match=f"{standin.url} stayed down for the request for prompt 'a cat'"):
+        backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
+    standin.httpd = SimpleNamespace(shutdown=lambda: None, server_close=lambda: None)  # already stopped
+
+
+def test_sample_needs_sync_first(tmp_path, standin, model):
+    with pytest.raises(RuntimeError, match="before sync"):
+        make(standin.url, tmp_path).sample(model, ["a"], [{}], [0], [0], **KW)
+
+
+def test_the_main_modules_never_import_vllm_omni():
+    import flowgrpo  # noqa: F401
+    assert "vllm_omni" not in sys.modules and "omni_pipeline" not in sys.modules
