@@ -49,6 +49,14 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def assign_images(n_images: int, optimizer_steps: int, world_size: int, seed: int) -> torch.Tensor:
+    """(world, images per rank) image indices: a seeded shuffle of the iteration's images, cut into optimizer
+    steps, each step split evenly over the ranks. Optimizer step k trains the same images whatever the world
+    size, so one process and N ranks take the same steps (up to the order of floating-point sums)."""
+    perm = torch.randperm(n_images, generator=torch.Generator().manual_seed(seed))
+    return perm.view(optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
+
+
 class Engine:
     """Trains `model.transformer` in place: LoRA → activation checkpointing → compile → FSDP2 → AdamW."""
 

@@ -184,7 +184,8 @@ def check_args(a: Args) -> None:
         need(side > 0 and side % multiple == 0, f"{flag} must be a positive multiple of {multiple} for "
                                                 f"--model {a.model} (VAE downsampling × 2×2 patches), got {side}")
     rewards.check_reward_spec(a.reward)
-    prompt_sets.check_prompts(a.prompts)
+    prompts = prompt_sets.check_prompts(a.prompts)
+    rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
     rollout.check_backend(a.rollout, a.rollout_url)
     if a.resume:
         eng.resolve_resume(a.resume, a.run_dir, fingerprint(a))
@@ -210,15 +211,6 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
     return dict(images_per_iteration=images, ranks=world_size, images_per_rank=per_rank, micro_batch=a.micro_batch,
                 micro_batches_per_rank=per_rank // a.micro_batch, optimizer_steps=k,
                 micro_batches_per_optimizer_step=per_rank // a.micro_batch // k)
-
-
-def image_assignment(a: Args, world_size: int, iteration: int) -> torch.Tensor:
-    """(world, images per rank) global image indices (image i shows prompt i // G): a seeded shuffle of the
-    iteration's images, cut into optimizer steps, each step split evenly over the ranks. Optimizer step k
-    trains the same images whatever the world size, so 1 process and N ranks take the same steps."""
-    perm = torch.randperm(a.prompts_per_iteration * a.group_size,
-                          generator=torch.Generator().manual_seed(a.seed * 7919 + iteration))
-    return perm.view(a.optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
 
 
 # ---- advantages and the policy loss (tests/test_loop.py checks them by hand) ------------------------
@@ -305,9 +297,7 @@ def main(a: Args) -> list[dict]:
     rank, world, device = eng.init_distributed()
     arith = batch_arithmetic(a, world)
     prompt_set = prompt_sets.load_prompts(a.prompts)
-    trainset, evalset = prompt_set.train, prompt_set.eval
-    evalset = [evalset[i % len(evalset)] for i in range(a.eval_images)]
-    rewards.check_prompts_for_reward(a.reward, [p for p, _ in trainset + evalset])
+    trainset, evalset = prompt_set.train, [prompt_set.eval[i % len(prompt_set.eval)] for i in range(a.eval_images)]
     if rank == 0:
         print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
 
@@ -319,6 +309,7 @@ def main(a: Args) -> list[dict]:
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
                         shard_text_encoder=a.shard_text_encoder)
     reward_fn = rewards.make_reward(a.reward)
+    scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
     stamp = engine.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
     run_dir = a.run_dir or os.path.join("runs", f"{a.model}-{a.reward.replace('/', '_')}-{stamp}")
@@ -338,7 +329,8 @@ def main(a: Args) -> list[dict]:
     for it in bar:
         # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks -------------
         chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
-        assignment = image_assignment(a, engine.world_size, it)  # (world, B) global image indices
+        assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps,
+                                       engine.world_size, seed=a.seed * 7919 + it)  # (world, B) global image indices
         mine = assignment[engine.rank]
         group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
         steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it)
@@ -347,18 +339,18 @@ def main(a: Args) -> list[dict]:
         t0 = time.perf_counter()
         model.transformer.eval()
         backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
-        batch = backend.sample(model, [chosen[g][0] for g in group], [chosen[g][1] for g in group], group, mine,
-                               steps=steps, num_steps=a.num_steps, height=a.height, width=a.width,
-                               cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, noise_level=a.noise_level,
-                               sde_type=a.sde_type, seed=a.seed, iteration=it, chunk=a.micro_batch,
-                               progress=engine.is_main)
+        texts, meta = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
+        score_chunk = lambda c, imgs: scorer.submit(imgs, texts[c:c + len(imgs)], meta[c:c + len(imgs)])  # noqa: E731
+        batch = backend.sample(model, texts, meta, group, mine, steps=steps, num_steps=a.num_steps, height=a.height,
+                               width=a.width, cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt,
+                               noise_level=a.noise_level, sde_type=a.sde_type, seed=a.seed, iteration=it,
+                               chunk=a.micro_batch, progress=engine.is_main, on_images=score_chunk)
         t1 = time.perf_counter()
 
-        # --- 3. rewards, gathered over ranks --------------------------------------------------------
-        scores, info = reward_fn(batch.images, batch.prompts, batch.metadata)
+        # --- 3. rewards (already running since each chunk was decoded), gathered over ranks ---------
+        scores, info, reward_wait = scorer.collect()
         gathered = engine.all_gather(scores)  # (P·G,) in assignment order
         r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image index
-        t2 = time.perf_counter()
 
         # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ----------
         adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std, clip=a.adv_clip)
@@ -367,13 +359,13 @@ def main(a: Args) -> list[dict]:
         # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation ---------------
         model.transformer.train()
         stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, engine.is_main))
-        t3 = time.perf_counter()
+        t2 = time.perf_counter()
 
         # --- 6. log ---------------------------------------------------------------------------------
         comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
         row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
                "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
-               "perf/rollout_s": t1 - t0, "perf/reward_s": t2 - t1, "perf/train_s": t3 - t2}
+               "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait}
 
         # --- 7. eval every K iterations and at the end ----------------------------------------------
         if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
@@ -391,9 +383,8 @@ def main(a: Args) -> list[dict]:
 
     # --- 9. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
     engine.export_lora(os.path.join(run_dir, "lora"))
-    backend.close()
-    log.close()
-    engine.close()
+    for closing in (scorer, backend, log, engine):
+        closing.close()
     return log.rows
 
 

@@ -1,13 +1,11 @@
 """Rollout: sample images and the trajectories the policy update needs (DESIGN.md, "Data contract").
 
-Backend `local`: the trainer's own transformer samples under `no_grad`, so the first policy update of
-an iteration sees exactly the weights, shapes and kernels that produced the data (ratio == 1).
-Each image draws its initial noise and its SDE noise from its own generator, seeded by
-(seed, iteration, global image index): the images do not depend on how the batch is chunked or split
-over ranks.
-
-Backend `vllm-omni`: vLLM-Omni servers running `omni_pipeline.py` (the same `scheduler.step` inside vLLM-Omni's
-pipeline) sample; `OmniBackend`, their HTTP client, returns the same `Batch`. Never imports vllm_omni.
+Backend `local`: the trainer's own transformer samples under `no_grad`, so each iteration's first update
+sees exactly the weights, shapes and kernels that produced the data (ratio == 1). Each image draws its
+noise from its own generator, seeded by (seed, iteration, global image index): images do not depend on
+chunking or ranks. Backend `vllm-omni`: vLLM-Omni servers running `omni_pipeline.py` (the same
+`scheduler.step` inside vLLM-Omni's pipeline) sample; `OmniBackend`, their HTTP client, returns the same
+`Batch`. This module never imports vllm_omni.
 """
 import glob
 import http.client
@@ -81,13 +79,11 @@ def encode_conditioning(model, prompts: list[str], negative_prompt: str, cfg_sca
 @torch.no_grad()
 def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *, steps: list[int], num_steps: int,
            height: int, width: int, cfg_scale: float, negative_prompt: str, noise_level: float, sde_type: str,
-           seed: int, iteration: int, chunk: int, progress: bool = False) -> Batch:
-    """Sample B images in chunks of `chunk`; SDE (recorded) on `steps`, ODE elsewhere; decode final latents.
-
-    `steps` must be consecutive (full or window mode, scheduler.trained_steps); an empty list with
-    noise_level 0 is the ODE sampler used for evaluation. Work: one transformer call per step per
-    CFG branch, one VAE decode per image, as diffusers' pipeline.
-    """
+           seed: int, iteration: int, chunk: int, progress: bool = False, on_images=None) -> Batch:
+    """Sample B images in chunks of `chunk`; SDE (recorded) on `steps` (consecutive: full or window mode),
+    ODE elsewhere (no steps and noise 0: the evaluation sampler). Work: one transformer call per step per CFG
+    branch, one VAE decode per image, as diffusers' pipeline. `on_images(start, images)` gets each chunk's
+    images once decoded (the loop scores them while the next chunk samples)."""
     assert steps == list(range(steps[0], steps[0] + len(steps))) if steps else True, steps
     sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
     sigma_max = float(sigmas[1])
@@ -114,6 +110,8 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
         latents.append(torch.stack(states, 1) if states else x.new_zeros(x.shape[0], 0, *x.shape[1:]))
         log_probs.append(torch.stack(lps, 1) if lps else x.new_zeros(x.shape[0], 0))
         images.append(model.decode(x, height, width))
+        if on_images:
+            on_images(c, images[-1])
     bar.close()
     trained = sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0]
     return Batch(list(prompts), list(metadata), torch.as_tensor(group), torch.cat(latents), torch.cat(log_probs),
@@ -123,15 +121,13 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
 def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width: int, cfg_scale: float,
                negative_prompt: str, seed: int, chunk: int) -> torch.Tensor:
     """Evaluation images (B, 3, H, W): deterministic ODE sampling (noise 0), fixed per-image seeds."""
-    batch = sample(model, prompts, [{}] * len(prompts), range(len(prompts)), range(len(prompts)), steps=[],
-                   num_steps=num_steps, height=height, width=width, cfg_scale=cfg_scale,
-                   negative_prompt=negative_prompt, noise_level=0.0, sde_type="sde", seed=seed, iteration=-1,
-                   chunk=chunk)
-    return batch.images
+    n = range(len(prompts))
+    return sample(model, prompts, [{}] * len(n), n, n, steps=[], num_steps=num_steps, height=height, width=width,
+                  cfg_scale=cfg_scale, negative_prompt=negative_prompt, noise_level=0.0, sde_type="sde", seed=seed,
+                  iteration=-1, chunk=chunk).images
 
 
-# ----------------------------------------------------------------------------------------------
-# Backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni_pipeline.py)
+# ---- backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni_pipeline.py)
 
 BACKENDS = ("local", "vllm-omni")
 KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v1"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
@@ -273,8 +269,9 @@ class OmniBackend:
         self.lora = {"name": f"flowgrpo-v{iteration}", "local_path": path, "int_id": self.id_base + iteration}
 
     def sample(self, model, prompts, metadata, group, image_ids, *, steps, num_steps, height, width, cfg_scale,
-               negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False) -> Batch:
-        """`sample`'s contract; `chunk` is unused (a request is one prompt's run of at most MAX_N images)."""
+               negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False, on_images=None) -> Batch:
+        """`sample`'s contract; `chunk` is unused (a request is one prompt's run of at most MAX_N images);
+        `on_images` gets the whole batch at the end (the servers already overlap with each other)."""
         if self.lora is None:
             raise RuntimeError("OmniBackend.sample before sync(): the servers need the current policy")
         jobs = build_requests(list(prompts), [int(i) for i in image_ids], steps=steps, num_steps=num_steps,
@@ -306,9 +303,12 @@ class OmniBackend:
                 bar.update(body["n"])
         order = torch.tensor([i for pos, _ in jobs for i in pos]).argsort()  # requests' rows -> batch order
         cat = lambda k: torch.cat([p[k] for p in parts])[order]  # noqa: E731
-        return Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
-                     cat("log_probs").to(model.device), parts[0]["sigmas"], float(parts[0]["sigma_max"]),
-                     encode_conditioning(model, list(prompts), negative_prompt, cfg_scale), cat("images"))
+        batch = Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
+                      cat("log_probs").to(model.device), parts[0]["sigmas"], float(parts[0]["sigma_max"]),
+                      encode_conditioning(model, list(prompts), negative_prompt, cfg_scale), cat("images"))
+        if on_images:
+            on_images(0, batch.images)
+        return batch
 
     def close(self) -> None:
         """Remove trajectory files this rank may have left behind (a request that timed out on the client)."""

@@ -97,12 +97,11 @@ def test_batch_arithmetic_is_derived_and_checked():
 
 
 def test_image_assignment_is_world_size_invariant_per_optimizer_step():
-    a = dataclasses.replace(TINY, prompts_per_iteration=4, group_size=4, micro_batch=2, optimizer_steps=2)
-    one, two = flowgrpo.image_assignment(a, 1, 7), flowgrpo.image_assignment(a, 2, 7)
+    one, two = eng.assign_images(16, 2, 1, seed=7), eng.assign_images(16, 2, 2, seed=7)
     assert sorted(one.flatten().tolist()) == list(range(16)) and two.shape == (2, 8)
     for k in range(2):  # optimizer step k: the same images on one rank as on two
         assert sorted(one[0, 8 * k:8 * k + 8].tolist()) == sorted(two[:, 4 * k:4 * k + 4].flatten().tolist())
-    assert not torch.equal(one, flowgrpo.image_assignment(a, 1, 8))  # reshuffled every iteration
+    assert not torch.equal(one, eng.assign_images(16, 2, 1, seed=8))  # reshuffled every iteration
 
 
 def _cli(*flags, timeout=600):
