@@ -230,11 +230,12 @@ def test_bad_resume_input(straight, tmp_path):
     assert "batch arithmetic" not in out.stdout  # refused before anything was built
 
 
-@pytest.mark.parametrize("flags,ranks", [(["--mixed-precision", "--offload", "--activation-checkpointing"], 2),
+@pytest.mark.parametrize("flags,ranks", [(["--mixed-precision", "--offload", "--activation-checkpointing",
+                                           "--shard-text-encoder"], 2),
                                          (["--full-finetune", "--offload"], 1)])
 def test_memory_options_train(flags, ranks, tmp_path):
-    """bf16 mixed precision + CPU offload + activation checkpointing under FSDP2 (2 ranks); full fine-tuning
-    with offloaded optimizer state. (`--compile` also ran here once, ~4 min on CPU: not part of the suite.)"""
+    """bf16 mixed precision + CPU offload + activation checkpointing + a sharded text encoder under FSDP2
+    (2 ranks); full fine-tuning with offloaded optimizer state. (`--compile` also ran here once, ~4 min on CPU: not part of the suite.)"""
     run = tmp_path / "run"
     launch(run, "--iterations", "2", *flags, ranks=ranks)
     for r in rows(run):
