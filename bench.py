@@ -1,0 +1,250 @@
+"""bench.py: Flow-GRPO's cost against the floor set by the model itself, as ratios measured side by side.
+    python bench.py [--quick] [--markdown FILE]                      # CPU, tiny model: the overhead table
+    python bench.py --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
+    python bench.py --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
+Rows: median, min, max over repeats after a warm-up, candidates alternating within a repeat. See BENCHMARKS.md."""
+import argparse, contextlib, dataclasses, gc, json, os, statistics, subprocess, sys, tempfile, time  # noqa: E401
+
+import numpy as np, psutil, torch  # noqa: E401
+from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+
+import engine as eng, flowgrpo, models, prompts as prompt_sets, rewards, rollout, scheduler as sch  # noqa: E401
+
+ROOT, CUDA, med = os.path.dirname(os.path.abspath(__file__)), torch.cuda.is_available(), statistics.median
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, vendor data sheets
+HEAD = ["| measurement | median | min | max | unit | target / expected | note |", "|---" * 7 + "|"]
+sync = torch.cuda.synchronize if CUDA else (lambda: None)
+ms = lambda seconds: f"{1e3 * med(seconds):.1f} ms"  # noqa: E731
+
+def measure(fns: dict, repeats: int, warmup: int = 1) -> dict:
+    """{name: [seconds]}: each fn timed `repeats` times after `warmup` untimed rounds, the fns interleaved."""
+    times = {k: [] for k in fns}
+    for r in range(warmup + repeats):
+        for k, fn in fns.items():
+            sync(), (start := time.perf_counter()), fn(), sync()
+            times[k] += [time.perf_counter() - start] if r >= warmup else []
+    return times
+
+def row(t: list, name, values, unit="×", expect="", note=""):
+    v = [float(x) for x in values]
+    t.append(f"| {name} | {med(v):.4g} | {min(v):.4g} | {max(v):.4g} | {unit} | {expect} | {note} |")
+
+def make_engine(a: flowgrpo.Args, model) -> eng.Engine:
+    return eng.Engine(model, **{k: getattr(a, k) for k in ("lora_rank", "lora_alpha", "lora_targets", "lr", "seed",
+                      "weight_decay", "max_grad_norm", "offload", "activation_checkpointing", "mixed_precision")})
+
+def texts_of(a: flowgrpo.Args) -> list[str]:  # the iteration's P·G prompts: image i shows the set's prompt i // G
+    chosen = prompt_sets.load_prompts(a.prompts).train[:a.prompts_per_iteration]
+    return [p for p, _ in chosen for _ in range(a.group_size)]
+
+def sample(model, a, steps, cfg=None, on_images=None):  # rollout.sample on the iteration's images; random advantages
+    ids = torch.arange(a.prompts_per_iteration * a.group_size)
+    model.transformer.eval()
+    b = rollout.sample(model, texts_of(a), [{}] * len(ids), ids // a.group_size, ids, steps=steps, height=a.height,
+                       width=a.width, num_steps=a.num_steps, cfg_scale=a.cfg_scale if cfg is None else cfg,
+                       negative_prompt=a.negative_prompt, noise_level=a.noise_level if steps else 0.0, seed=a.seed,
+                       sde_type=a.sde_type, iteration=0, chunk=a.micro_batch, on_images=on_images)
+    b.advantages = torch.randn(len(ids), generator=torch.Generator().manual_seed(1)).to(model.device)
+    return b
+
+def diffusers_call(model, a, cfg, prompts):
+    """The pipeline's call on the same initial latents (generators) and embeddings (not strings: BENCHMARKS.md)."""
+    c = rollout.encode_conditioning(model, prompts, a.negative_prompt, cfg)
+    neg = dict(negative_prompt_embeds=c["neg_embeds"], negative_prompt_embeds_mask=c["neg_mask"]) if cfg > 1 else {}
+    return model.pipe(prompt_embeds=c["embeds"], prompt_embeds_mask=c["mask"], **neg, true_cfg_scale=cfg,
+                      num_inference_steps=a.num_steps, height=a.height, width=a.width, output_type="pt",
+                      generator=rollout.image_generators(a.seed, 0, range(len(prompts)))).images
+
+def train(model, engine, batch, a):  # one policy update as the loop takes it (every micro-batch × trained step)
+    a = dataclasses.replace(a, optimizer_steps=1, prompts_per_iteration=1, group_size=len(batch.prompts))
+    model.transformer.train()
+    flowgrpo.train_on(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
+
+def bare_fwd_bwd(model, engine, batch, a):
+    """`train`'s floor: its transformer calls alone (the adapter's `_forward`) on the same inputs, then backward."""
+    model.transformer.train()
+    shapes = [[(1, a.height // model.multiple, a.width // model.multiple)]] * a.micro_batch
+    for mb in (batch.chunk(m, m + a.micro_batch) for m in range(0, len(batch.prompts), a.micro_batch)):
+        for j in range(len(mb.sigmas) - 1):
+            t = (mb.sigmas[j].expand(a.micro_batch) * 1000).to(model.dtype) / 1000  # as the adapter and pipeline
+            sum(model._forward(mb.latents[:, j].to(model.dtype), t, mb.cond[f"{neg}embeds"], mb.cond[f"{neg}mask"],
+                               shapes).float().square().mean() for neg in ("", "neg_")[:1 + (a.cfg_scale > 1)]
+                ).backward()
+    engine.optimizer.zero_grad(set_to_none=False)
+
+def model_rows(t: list, o, a: flowgrpo.Args):
+    model = models.load_model(a.model, None, o.device, seed=a.seed)
+    engine, full = make_engine(a, model), list(range(a.num_steps - 1))
+    window = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
+    ode = sample(model, a, [], 4.0)  # the same inputs, checked: our ODE path reproduces the pipeline's images
+    assert torch.allclose(ode.images, diffusers_call(model, a, 4.0, ode.prompts).cpu(), atol=1e-5)
+    for cfg in (1.0, 4.0):
+        r = measure({"ours": lambda: sample(model, a, full, cfg),
+                     "diffusers": lambda: diffusers_call(model, a, cfg, ode.prompts)}, o.repeats)
+        row(t, f"rollout ÷ diffusers, CFG {'on (4)' if cfg > 1 else 'off'}", np.divide(r["ours"], r["diffusers"]), "×",
+            "≤ 1.10", f"full SDE, {a.num_steps} steps, {len(ode.prompts)} images {a.height}²; {ms(r['ours'])} vs "
+            f"{ms(r['diffusers'])}")
+    full_b, window_b = sample(model, a, full), sample(model, a, window)
+    r = measure({"train": lambda: train(model, engine, full_b, a), "window": lambda: train(model, engine, window_b, a),
+                 "bare": lambda: bare_fwd_bwd(model, engine, full_b, a)}, o.repeats)
+    row(t, "training ÷ bare fwd+bwd", np.divide(r["train"], r["bare"]), "×", "≤ 1.15", f"full mode, W = {len(full)}, "
+        f"{len(full_b.prompts)} images; train {ms(r['train'])}, bare {ms(r['bare'])}")
+    row(t, "window ÷ full training", np.divide(r["window"], r["train"]), "×", f"W/(N−1) = {a.window / len(full):.3f}"
+        f" ± 10%", f"W = {a.window} of N = {a.num_steps} steps; window {ms(r['window'])}")
+    r = measure({g: lambda ag=dataclasses.replace(a, group_size=g): train(model, engine, sample(model, ag, window), ag)
+                 for g in o.groups}, o.repeats)
+    cost = {g: np.divide(r[g], a.prompts_per_iteration * g) for g in o.groups}  # seconds per image
+    for g in o.groups[1:]:
+        row(t, f"cost per image (rollout + train), G = {g} ÷ G = {o.groups[0]}", cost[g] / cost[o.groups[0]], "×",
+            "≈ 1", f"{a.prompts_per_iteration} prompts × G, window mode; {ms(cost[g])} vs {ms(cost[o.groups[0]])}")
+    from PIL import Image, ImageDraw, ImageFont  # rewards see text at the recipe's size: OCR's cost is finding it
+    prompts, size = [p for p, _ in prompt_sets.load_prompts("ocr").train[:o.reward_images]], o.reward_size
+    im = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(im).text((size // 10, size // 2), rewards.ocr_target(prompts[0]), "black",
+                            ImageFont.load_default(size=size // 12))
+    images = (torch.from_numpy(np.array(im)).permute(2, 0, 1) / 255).expand(len(prompts), -1, -1, -1)
+    fns = {k: rewards.make_reward(k) for k in ("jpeg_compressibility", "jpeg_incompressibility", "brightness", "ocr")}
+    for k, v in measure({k: (lambda f=f: f(images, prompts)) for k, f in fns.items()}, o.repeats).items():
+        row(t, f"reward {k}", np.multiply(v, 1e3 / len(prompts)), "ms/image", "", f"{len(prompts)} images {size}²")
+    # As flowgrpo.main: OCR scores each decoded chunk (on_images) in AsyncRewards' thread while the next samples, vs one
+    # after the other; on the images upscaled to 64², where it costs about the tiny rollout's time (at 32², ~8%).
+    up, n, pool = lambda x: torch.nn.functional.interpolate(x, size=64), a.micro_batch, rewards.AsyncRewards(fns["ocr"])
+    ac = dataclasses.replace(a, prompts="ocr", prompts_per_iteration=o.chunks, group_size=n)  # a prompt per chunk
+    texts, rollout_only = texts_of(ac), lambda: sample(model, ac, window)
+    submit = lambda c, x: pool.submit(up(x), texts[c:c + len(x)])  # noqa: E731
+    r = measure({"rollout": rollout_only, "serial": lambda: fns["ocr"](up(rollout_only().images), texts),
+                 "overlapped": lambda: (sample(model, ac, window, on_images=submit), pool.collect())}, o.repeats)
+    roll, serial, over = (np.array(r[k]) for k in ("rollout", "serial", "overlapped"))
+    best = 1 - np.minimum(serial - roll, roll * (o.chunks - 1) / o.chunks) / serial  # hidden behind all chunks but one
+    row(t, "rollout + OCR reward: AsyncRewards overlapped ÷ serial", over / serial, "×", f"≥ {med(best):.2f} (perfect "
+        f"overlap)", f"hides {med((serial - over) / (serial - roll)):.0%} of the reward time; {o.chunks} chunks × {n} "
+        f"images {a.height}² (OCR at 64²); rollout {ms(roll)}, serial {ms(serial)}")
+    pool.close()
+
+def vm_hwm(pid) -> int:  # a process's peak resident memory so far: the kernel's own high-water mark, no sampling gaps
+    return next(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status") if line.startswith("VmHWM:"))
+
+def torchrun(n: int, o):  # flowgrpo.py on n gloo ranks -> (sum of perf/* per iteration but the first, {rank: VmHWM})
+    with tempfile.TemporaryDirectory() as d, open(os.path.join(d, "log"), "w+") as log:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "flowgrpo.py",
+               "--run-dir", d, *o.ranks]
+        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")  # one core per rank (main: why)
+        proc, peak = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), {}
+        while proc.poll() is None:
+            with contextlib.suppress(psutil.Error, OSError):  # a rank may exit between the listing and the read
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    if (rank := child.environ().get("RANK")) is not None:  # a worker, not torchrun's agent
+                        peak[int(rank)] = max(peak.get(int(rank), 0), vm_hwm(child.pid))
+            time.sleep(0.05)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{open(log.name).read()[-3000:]}")
+        rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+        return [sum(v for k, v in r.items() if k.startswith("perf/")) for r in rows[1:] or rows], peak
+
+def rank_rows(t: list, o):  # 1-rank and 2-rank launches alternate, as the load drifts between launches
+    runs = [(torchrun(1, o), torchrun(2, o)) for _ in range(o.rank_pairs)]
+    t1, t2, mib = [med(r1[0]) for r1, _ in runs], [med(r2[0]) for _, r2 in runs], lambda v: f"{v / 2**20:.0f} MiB"
+    row(t, "ranks: time per iteration, 2 ÷ 1", np.divide(t2, t1), "×", "0.5 (half the images each)", f"flowgrpo.py "
+        f"{' '.join(o.ranks)}, {o.rank_pairs} pair(s) of runs; 1 rank {ms(t1)}, 2 ranks {ms(t2)}")
+    row(t, "ranks: peak RSS per rank, 2 ÷ 1", [v / r1[1][0] for r1, r2 in runs for v in r2[1].values()], "×",
+        "≈ 1 at tiny size", f"VmHWM, last pair: {mib(runs[-1][0][1][0])} vs "
+        f"{', '.join(mib(v) for v in runs[-1][1][1].values())}")
+
+class RandomText(models.QwenImage):  # no 7B text encoder: real token counts and masks (tiny encoder), random values
+    @torch.no_grad()
+    def encode(self, prompts):
+        mask = super().encode(prompts)[1]
+        e = torch.randn(*mask.shape, self.transformer.config.joint_attention_dim, generator=torch.Generator())
+        return (e * mask.cpu()[..., None]).to(self.device, self.dtype), mask
+
+def random_model(kind: str, device: str) -> RandomText:  # --random-init: diffusers' defaults = the published configs
+    pipe, dtype = models.build_tiny_qwen_pipeline(0), torch.bfloat16 if device != "cpu" else torch.float32
+    if kind != "tiny":
+        default, _ = torch.get_default_dtype(), torch.set_default_dtype(dtype)
+        with torch.device(device):
+            pipe = QwenImagePipeline(pipe.scheduler, AutoencoderKLQwenImage(), pipe.text_encoder, pipe.tokenizer,
+                                     QwenImageTransformer2DModel())
+        torch.set_default_dtype(default)
+    return RandomText(pipe, device, dtype if kind != "tiny" else torch.float32)
+
+def pass_flops(c, s_img: int, s_txt: int, r: int) -> float:
+    """FLOPs (multiply-add = 2) of one forward of Qwen-Image's MMDiT for one image; d = heads × head_dim, L blocks,
+    S = s_img + s_txt tokens, each through its own stream's weights (tests/test_bench.py checks it: FlopCounterMode):
+      L·(24·d²·S [q, k, v, out 4d²; MLP d→4d→d 8d²] + 4·d·S² [joint attention] + 32·r·d·S [LoRA rank r on q, k, v,
+      MLP] + 24·d² [modulations]) + 2·d·(c_in·s_img + D_txt·s_txt + 4·c_out·s_img) + 2·(256·d + d²) + 4·d²"""
+    d, S, io = c.num_attention_heads * c.attention_head_dim, s_img + s_txt, c.in_channels + 4 * c.out_channels
+    blocks = c.num_layers * (24 * d * d * S + 4 * d * S * S + 32 * r * d * S + 24 * d * d)
+    return blocks + 2 * d * (io * s_img + c.joint_attention_dim * s_txt) + 2 * (256 * d + d * d) + 4 * d * d
+
+def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (seconds per phase, peak memory, FLOPs/image)
+    gc.collect(), torch.cuda.empty_cache() if CUDA else None  # the previous run's model is garbage now
+    model, texts, ticks = random_model(a.model, o.device), texts_of(a), []
+    engine, pool = make_engine(a, model), rewards.AsyncRewards(rewards.make_reward(a.reward))
+    # The peak of training, not of building: the model is built on the device even when offload then moves it out.
+    torch.cuda.reset_peak_memory_stats() if CUDA else open("/proc/self/clear_refs", "w").write("5")  # 5: VmHWM
+    steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
+    for _ in range(1 + o.repeats):
+        start = time.perf_counter()
+        b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]))
+        rolled, scores = time.perf_counter(), torch.as_tensor(pool.collect()[0]).float()
+        b.advantages = flowgrpo.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
+        scored = time.perf_counter()
+        train(model, engine, b, a), sync(), ticks.append(np.diff([start, rolled, scored, time.perf_counter()]))
+    pool.close()
+    # An image: N rollout passes and W trained steps of forward + backward per CFG branch; LoRA's backward costs one
+    # forward (activation gradients; the frozen weights need none); checkpointing's recompute is not counted (MFU).
+    flops = sum(pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), b.cond[k].shape[1],
+                           a.lora_rank) for k in ("embeds", "neg_embeds")[:1 + (a.cfg_scale > 1)])
+    peak = torch.cuda.max_memory_allocated() if CUDA else vm_hwm(os.getpid())
+    return ticks[1:], peak, flops * (a.num_steps + 2 * len(steps))
+
+def gpu_rows(t: list, o, a: flowgrpo.Args):
+    name, x = torch.cuda.get_device_name() if CUDA else "cpu", torch.randn(2048, 2048, device=o.device)
+    peak = 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0) or \
+        2 * 2048 ** 3 / min(measure({0: lambda: x @ x}, 5)[0])  # no data sheet (CPU): the measured matmul rate
+    splits, mem, flops = end_to_end(o, a)
+    n, total = a.prompts_per_iteration * a.group_size, [s.sum() for s in splits]
+    row(t, "images/s per device, end to end", np.divide(n, total), "images/s", "≥ 0.5 on an H200", f"{name}; {n} "
+        f"images {a.height}², {a.num_steps} steps, W {a.window}, CFG {a.cfg_scale:g}, r{a.lora_rank}, {a.reward}")
+    for i, phase in enumerate(("rollout", "reward wait", "training")):  # the reward is scored during the rollout
+        row(t, f"{phase} share of the iteration", np.divide(p := [s[i] for s in splits], total), "share", "", ms(p))
+    row(t, "MFU", np.divide(flops * n / peak, total), "of peak", "", f"transformer FLOPs (pass_flops) "
+        f"{flops / 1e12:.4g} T/image; VAE, text encoder, reward not counted; peak {peak / 1e12:.4g} T/s")
+    row(t, "peak memory, no offload", [mem / 2**30], "GiB", "", "CUDA allocator peak" if CUDA else "process VmHWM")
+    splits, mem, _ = end_to_end(o, dataclasses.replace(a, offload=True, group_size=a.micro_batch))
+    row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
+        f"{a.micro_batch} images: {a.micro_batch / med([s.sum() for s in splits]):.3g} images/s")
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=models.MODELS, default="tiny")
+    p.add_argument("--device", default="cuda" if CUDA else "cpu")
+    p.add_argument("--random-init", action="store_true", help="the public recipe end to end, random weights (GPU)")
+    p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
+    p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
+    p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
+    p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
+    o, t = p.parse_args(argv), list(HEAD)
+    o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
+    torch.set_num_threads(1) if o.device == "cpu" else None  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
+    if o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes
+        toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
+        gpu_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
+                                           reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward, **toy))
+    else:  # the tiny recipe with the public recipe's 10 steps and window 2 (W/(N−1) = 2/9)
+        a = dataclasses.replace(flowgrpo.RECIPES[o.model], window=2, prompts_per_iteration=2, group_size=4,
+                                num_steps=4 if quick else 10, window_range=(0, 3) if quick else (0, 5),
+                                micro_batch=4 if quick else 8)
+        o.groups, o.chunks, o.reward_images, o.reward_size, o.rank_pairs = \
+            ((2, 4), 2, 2, 128, 1) if quick else ((4, 8, 16), 4, 4, 512, 3)
+        o.ranks = ("--model tiny --no-wandb --eval-every 0 --checkpoint-every 0 --iterations " + ("1 --group-size 4 "
+                   "--prompts-per-iteration 2 --micro-batch 4" if quick else "6")).split()
+        model_rows(t, o, a), rank_rows(t, o)
+    print(table := "\n".join(t))
+    if o.markdown:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        open(o.markdown, "w").write(f"`python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}` at "
+                                    f"{rev.strip()}, {time.ctime()}, load {os.getloadavg()[0]:.2f}\n\n{table}\n")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""bench.py at its smallest sizes through its CLI, and its FLOP formula against torch's counter. No timing thresholds:
+these check that every row is produced and every figure is a finite positive number, not how fast anything is."""
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import bench
+import flowgrpo
+import rollout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(*flags: str, timeout: int = 240) -> str:
+    out = subprocess.run([sys.executable, "bench.py", *flags], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def table_rows(text: str) -> dict[str, list[float]]:
+    """{measurement: [median, min, max]} of the markdown table in `text`; every figure must parse and be finite > 0."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    assert lines and lines[0].startswith("| measurement | median | min | max |"), text[-2000:]
+    rows = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        figures = [float(c) for c in cells[1:4]]
+        assert all(math.isfinite(f) and f > 0 for f in figures), line
+        assert figures[1] <= figures[0] <= figures[2], line  # min <= median <= max
+        rows[cells[0]] = figures
+    return rows
+
+
+def test_cpu_table_smallest(tmp_path):
+    md = tmp_path / "bench.md"
+    rows = table_rows(run_bench("--quick", "--markdown", str(md)))
+    for name in ("rollout ÷ diffusers, CFG off", "rollout ÷ diffusers, CFG on (4)", "training ÷ bare fwd+bwd",
+                 "window ÷ full training", "cost per image (rollout + train), G = 4 ÷ G = 2",
+                 "reward jpeg_compressibility", "reward jpeg_incompressibility", "reward brightness", "reward ocr",
+                 "rollout + OCR reward: AsyncRewards overlapped ÷ serial", "ranks: time per iteration, 2 ÷ 1",
+                 "ranks: peak RSS per rank, 2 ÷ 1"):
+        assert name in rows, (name, list(rows))
+    written = md.read_text()
+    assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows
+
+
+def test_random_init_dry_run():
+    """The GPU benchmark's path (random-weight model, text encoder bypassed, offload) at toy size on CPU."""
+    rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick"))
+    for name in ("images/s per device, end to end", "rollout share of the iteration", "MFU", "peak memory, no offload",
+                 "reward wait share of the iteration", "training share of the iteration",
+                 "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"):
+        assert name in rows, (name, list(rows))
+    shares = [rows[f"{p} share of the iteration"][0] for p in ("rollout", "reward wait", "training")]
+    assert 0.9 < sum(shares) < 1.1  # medians of shares that sum to 1 per iteration (one repeat: exactly)
+
+
+def test_flop_formula_matches_torch_flop_counter():
+    """pass_flops (the MFU numerator) equals what FlopCounterMode counts for one CFG velocity with LoRA: the math SDPA
+    backend, so that attention is counted too (the fused CPU kernel is not)."""
+    a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", height=32, width=48, lora_rank=8,
+                            group_size=2, prompts_per_iteration=1, micro_batch=2, mixed_precision=False)
+    model = bench.random_model("tiny", "cpu")
+    bench.make_engine(a, model)
+    c = rollout.encode_conditioning(model, ['a sign that says "HI"', 'a mug with "A LONGER TEXT" on it'], " ", 4.0)
+    x = model.noise(rollout.image_generators(0, 0, range(2)), a.height, a.width)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.velocity(x, torch.full((2,), 0.5), c, 4.0, a.height, a.width)
+    formula = sum(bench.pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), c[k].shape[1], 8)
+                  for k in ("embeds", "neg_embeds"))
+    assert formula == counter.get_total_flops() / 2
+    # The real size (diffusers' defaults are the published config; meta device: nothing allocated): ~20 B parameters,
+    # ~16 TFLOP for one 512² pass with 30 prompt tokens and the recipe's rank-64 LoRA.
+    with torch.device("meta"):
+        net = bench.QwenImageTransformer2DModel()
+    assert 20.0e9 < sum(p.numel() for p in net.parameters()) < 20.9e9
+    assert 15e12 < bench.pass_flops(net.config, 1024, 30, 64) < 17e12
