@@ -104,7 +104,9 @@ class Engine:
         self.params = [p for p in net.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"--lora-targets {list(lora_targets)} matched no module of the transformer")
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        # foreach: batched over parameters (on CPU the default per-tensor loop cost ~4× more per step, bench.py);
+        # `fused` was faster still but moved 1-vs-2-rank results apart by more than float32 rounding.
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, foreach=True)
         # Give every parameter a (zero) gradient: LoRA weights that never reach the output (the last
         # block's text stream) then still get optimizer state, so a strict optimizer reload works.
         for p in self.params:

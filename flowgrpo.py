@@ -238,15 +238,16 @@ def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torc
     ratio = torch.exp(delta)
     adv = mb.advantages
     loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range)).mean()
-    stats = {"gap": delta.detach().abs().mean().item(), "clipfrac": ((ratio - 1).abs() > a.clip_range).float().mean().item(),
-             "approx_kl": 0.5 * (delta.detach() ** 2).mean().item(), "policy_loss": loss.item(), "kl": 0.0}
+    # detached tensors, read once per iteration: an .item() here would sync the GPU every step
+    stats = {"gap": delta.detach().abs().mean(), "clipfrac": ((ratio - 1).abs() > a.clip_range).float().mean(),
+             "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(())}
     if a.kl_beta > 0:
         with torch.no_grad(), engine.reference():
             v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
             _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, **kw)
         kl = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.dim()))) / (2 * std.reshape(-1) ** 2)
         loss = loss + a.kl_beta * kl.mean()
-        stats["kl"] = kl.mean().item()
+        stats["kl"] = kl.mean().detach()
     return loss, stats
 
 
@@ -265,11 +266,11 @@ def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress
                 (loss / (W * per_step)).backward()  # mean over trained steps and micro-batches
                 logs.append(stats)
                 bar.update()
-            gap = sum(s["gap"] for s in logs[-W:]) / W if gap is None else gap  # first micro-batch: on-policy
+            gap = float(sum(s["gap"] for s in logs[-W:]) / W) if gap is None else gap  # first micro-batch: on-policy
         grad_norm, skipped = engine.step()
         logs[-1] |= {"grad_norm": grad_norm, "skipped": float(skipped)}
     bar.close()
-    mean = lambda key: float(np.mean([s[key] for s in logs if key in s]))
+    mean = lambda key: float(np.mean([float(s[key]) for s in logs if key in s]))  # noqa: E731
     return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
             "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
             "train/skipped_steps": engine.skipped_steps}

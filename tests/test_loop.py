@@ -46,7 +46,7 @@ def test_ppo_clip_objective_by_hand():
     batch.advantages = torch.tensor([1.0, -1.0, 2.0, 0.5])
     args = dataclasses.replace(TINY, clip_range=0.2)
     loss, stats = flowgrpo.policy_loss(model, engine, batch, 0, args)
-    assert stats["gap"] == 0 and stats["clipfrac"] == 0
+    assert float(stats["gap"]) == 0 and float(stats["clipfrac"]) == 0
     assert loss.item() == pytest.approx(-batch.advantages.mean().item(), abs=1e-6)
 
 
@@ -70,7 +70,7 @@ def test_first_update_is_exactly_on_policy(window, cfg):
     assert stats["train/grad_norm"] > 0
     # the check can fail: after the two optimizer steps the policy has moved
     _, after = flowgrpo.policy_loss(model, engine, batch.chunk(0, 4), 0, args)
-    assert after["gap"] > 0
+    assert float(after["gap"]) > 0
 
 
 # ---- start-up validation: before any model is built ----------------------------------------------
@@ -109,9 +109,8 @@ def _cli(*flags, timeout=600):
                           timeout=timeout, cwd=ROOT, env=os.environ | {"WANDB_MODE": "offline"})
 
 
-@pytest.mark.parametrize("flags,needle", [(["--group-size", "1"], "--group-size"), (["--model", "sd9"], "--model"),
-                                          (["--lr", "0"], "--lr"), (["--reward", "nope"], "nope"),
-                                          (["--prompts", "/no/such.txt"], "/no/such.txt")])
+# Through the real CLI for two cases (a flag check and tyro's own choice check); the rest in-process above.
+@pytest.mark.parametrize("flags,needle", [(["--group-size", "1"], "--group-size"), (["--model", "sd9"], "--model")])
 def test_cli_rejects_bad_input_before_building_anything(flags, needle):
     out = _cli("--model", "tiny", *flags) if flags[0] != "--model" else _cli(*flags)
     assert out.returncode != 0
@@ -156,7 +155,7 @@ def test_reference_is_the_base_model_and_kl_is_exact():
     model, engine, batch = _trained_engine()
     args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4)
     _, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
-    assert stats["kl"] == 0.0  # LoRA B starts at 0: the policy is the reference
+    assert float(stats["kl"]) == 0.0  # LoRA B starts at 0: the policy is the reference
     flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
     x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
     base = models.load_model("tiny", None, "cpu", seed=0)
@@ -173,7 +172,7 @@ def test_reference_is_the_base_model_and_kl_is_exact():
     _, _, mean_r, _ = flowgrpo.sch.step(v_ref, x, batch.sigmas[1], batch.sigmas[2], sigma_max=batch.sigma_max,
                                         noise_level=args.noise_level, x_next=batch.latents[:, 2])
     expected = (((mean_p - mean_r) ** 2).mean(dim=(1, 2)) / (2 * std**2)).mean().item()
-    assert stats["kl"] == pytest.approx(expected, rel=1e-4) and stats["kl"] > 0
+    assert float(stats["kl"]) == pytest.approx(expected, rel=1e-4) and expected > 0
 
 
 def test_a_non_finite_gradient_skips_the_step():
