@@ -25,7 +25,6 @@ Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code:
    learning rate) chosen so that learning is visible on a CPU within a minute.
 """
 import dataclasses
-import json
 import os
 import sys
 import time

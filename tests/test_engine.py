@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import engine as eng
 import flowgrpo
 import models
-import rollout
+from conftest import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 8 images per iteration: 4 micro-batches of 2 on one rank, 2 on each of two ranks.
@@ -173,13 +173,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(straight, tmp
 def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):
     """Train one iteration in-process, export, load into a fresh pipeline: the same transformer output."""
     args = dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts_per_iteration=1, group_size=4, micro_batch=4)
-    model = models.load_model("tiny", None, "cpu", seed=0)
-    engine = eng.Engine(model, lora_rank=4, lora_alpha=16, lora_targets=model.lora_targets, lr=5e-2,
-                        weight_decay=0, max_grad_norm=1.0, seed=0)
-    batch = rollout.sample(model, ["a cat"] * 4, [{}] * 4, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4, height=32,
-                           width=32, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
-                           iteration=0, chunk=4)
-    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    model, engine, batch = tiny_setup(lora_alpha=16)
     flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
     engine.export_lora(str(tmp_path / "lora"))
     with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:

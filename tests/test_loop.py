@@ -14,6 +14,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
+from conftest import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = flowgrpo.RECIPES["tiny"]
@@ -37,13 +38,7 @@ def test_group_advantages_by_hand():
 
 def test_ppo_clip_objective_by_hand():
     """At ratio 1 the loss is −mean(A); beyond the clip the gradient vanishes on the advantageous side."""
-    model = models.load_model("tiny", None, "cpu", seed=0)
-    engine = eng.Engine(model, lora_rank=4, lora_alpha=4, lora_targets=model.lora_targets, lr=1e-3,
-                        weight_decay=0, max_grad_norm=1.0, seed=0)
-    batch = rollout.sample(model, ["a cat"] * 4, [{}] * 4, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4, height=32,
-                           width=32, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
-                           iteration=0, chunk=4)
-    batch.advantages = torch.tensor([1.0, -1.0, 2.0, 0.5])
+    model, engine, batch = tiny_setup(advantages=(1.0, -1.0, 2.0, 0.5))
     args = dataclasses.replace(TINY, clip_range=0.2)
     loss, stats = flowgrpo.policy_loss(model, engine, batch, 0, args)
     assert float(stats["gap"]) == 0 and float(stats["clipfrac"]) == 0
@@ -140,19 +135,8 @@ def test_tiny_run_learns_and_writes_its_run_directory(tmp_path):
 
 
 # ---- the engine's single-process contract: reference model, KL, non-finite gradients -------------
-def _trained_engine():
-    model = models.load_model("tiny", None, "cpu", seed=0)
-    engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=5e-2,
-                        weight_decay=0, max_grad_norm=1.0, seed=0)
-    batch = rollout.sample(model, ["a cat"] * 4, [{}] * 4, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4, height=32,
-                           width=32, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
-                           iteration=0, chunk=4)
-    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    return model, engine, batch
-
-
 def test_reference_is_the_base_model_and_kl_is_exact():
-    model, engine, batch = _trained_engine()
+    model, engine, batch = tiny_setup()
     args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4)
     _, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
     assert float(stats["kl"]) == 0.0  # LoRA B starts at 0: the policy is the reference
@@ -176,7 +160,7 @@ def test_reference_is_the_base_model_and_kl_is_exact():
 
 
 def test_a_non_finite_gradient_skips_the_step():
-    model, engine, _ = _trained_engine()
+    model, engine, _ = tiny_setup()
     before = {k: v.clone() for k, v in engine.lora_state_dict().items()}
     engine.params[0].grad.to_local().fill_(float("nan"))  # gradients are DTensors under FSDP2 (a world of one)
     norm, skipped = engine.step()
