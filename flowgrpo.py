@@ -178,10 +178,7 @@ def check_args(a: Args) -> None:
     need(a.sde_type != "cps" or a.noise_level < 1, f"--noise-level must be in (0, 1) for cps, got {a.noise_level}")
     sch.check_window(a.num_steps, a.window, a.window_range)
     sch.check_window(a.eval_steps, 0, (0, 0))
-    multiple = models.RESOLUTION_MULTIPLE[a.model]
-    for flag, side in (("--height", a.height), ("--width", a.width)):
-        need(side > 0 and side % multiple == 0, f"{flag} must be a positive multiple of {multiple} for "
-                                                f"--model {a.model} (VAE downsampling × 2×2 patches), got {side}")
+    models.check_resolution(a.model, a.height, a.width)
     rewards.check_reward_spec(a.reward)
     prompts = prompt_sets.check_prompts(a.prompts)
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?

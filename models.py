@@ -93,12 +93,6 @@ class QwenImage:
         return cls(QwenImagePipeline.from_pretrained(path or cls.default_path, torch_dtype=dtype), device, dtype)
 
     # --- shapes --------------------------------------------------------------------------------
-    def check_resolution(self, height: int, width: int) -> None:
-        for flag, side in (("--height", height), ("--width", width)):
-            if side <= 0 or side % self.multiple:
-                raise ValueError(f"{flag} must be a positive multiple of {self.multiple} "
-                                 f"(VAE downsampling × 2×2 patches), got {side}")
-
     def image_seq_len(self, height: int, width: int) -> int:
         return (height // self.multiple) * (width // self.multiple)
 
@@ -161,10 +155,21 @@ class QwenImage:
                                             transformer_lora_adapter_metadata=metadata)
 
 
+def check_resolution(model: str, height: int, width: int) -> None:
+    """Image sides must be positive multiples of RESOLUTION_MULTIPLE[model]; checked before anything is built."""
+    multiple = RESOLUTION_MULTIPLE[model]
+    for flag, side in (("--height", height), ("--width", width)):
+        if side <= 0 or side % multiple:
+            raise ValueError(f"{flag} must be a positive multiple of {multiple} for --model {model} "
+                             f"(VAE downsampling × 2×2 patches), got {side}")
+
+
 def load_model(model: str, path: str | None, device, seed: int = 0) -> QwenImage:
     if model not in MODELS:
         raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
-    return QwenImage.load(model, path, device, seed)
+    adapter = QwenImage.load(model, path, device, seed)
+    assert adapter.multiple == RESOLUTION_MULTIPLE[model], (adapter.multiple, model)  # the table matches the VAE
+    return adapter
 
 
 def save_tiny_pipeline(directory: str, seed: int = 0) -> str:

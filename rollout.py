@@ -18,7 +18,7 @@ import time
 import urllib.error, urllib.parse, urllib.request  # noqa: E401
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -40,16 +40,13 @@ class Batch:
     sigma_max: float  # σ_1 of the schedule (scheduler.step's σ̃ at σ = 1)
     cond: dict  # embeds (B, L, D), mask (B, L), and for CFG neg_embeds, neg_mask
     images: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]
-    rewards: torch.Tensor | None = None  # (B,) filled by the loop
-    advantages: torch.Tensor | None = None  # (B,)
-    info: dict = field(default_factory=dict)  # per-reward components, (B,) each
+    advantages: torch.Tensor | None = None  # (B,) set by the loop after the rewards
 
     def chunk(self, start: int, stop: int) -> "Batch":
         """Images [start, stop) as a Batch (views, no copies)."""
         s = slice(start, stop)
         return Batch(self.prompts[s], self.metadata[s], self.group[s], self.latents[s], self.log_probs[s],
                      self.sigmas, self.sigma_max, {k: v[s] for k, v in self.cond.items()}, self.images[s],
-                     None if self.rewards is None else self.rewards[s],
                      None if self.advantages is None else self.advantages[s])
 
 
@@ -84,7 +81,7 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     ODE elsewhere (no steps and noise 0: the evaluation sampler). Work: one transformer call per step per CFG
     branch, one VAE decode per image, as diffusers' pipeline. `on_images(start, images)` gets each chunk's
     images once decoded (the loop scores them while the next chunk samples)."""
-    assert steps == list(range(steps[0], steps[0] + len(steps))) if steps else True, steps
+    assert list(steps) == list(range(steps[0], steps[0] + len(steps))) if steps else True, f"not consecutive: {steps}"
     sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
     sigma_max = float(sigmas[1])
     cond = encode_conditioning(model, prompts, negative_prompt, cfg_scale)

@@ -72,6 +72,6 @@ def test_rollout_is_chunk_invariant_and_records_the_window(model):
 
 def test_bad_resolution_and_model_name(model):
     with pytest.raises(ValueError, match="--height"):
-        model.check_resolution(36, 32)
+        models.check_resolution("tiny", 36, 32)
     with pytest.raises(ValueError, match="--model"):
         models.load_model("sd9", None, "cpu")
