@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import engine as eng
 import flowgrpo
 import models
-from conftest import tiny_setup
+from tiny_setup import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 8 images per iteration: 4 micro-batches of 2 on one rank, 2 on each of two ranks.

@@ -14,7 +14,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
-from conftest import tiny_setup
+from tiny_setup import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = flowgrpo.RECIPES["tiny"]
