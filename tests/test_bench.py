@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import torch
+from peft import LoraConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -76,9 +77,13 @@ def test_flop_formula_matches_torch_flop_counter():
     formula = sum(bench.pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), c[k].shape[1], 8)
                   for k in ("embeds", "neg_embeds"))
     assert formula == counter.get_total_flops() / 2
-    # The real size (diffusers' defaults are the published config; meta device: nothing allocated): ~20 B parameters,
-    # ~16 TFLOP for one 512² pass with 30 prompt tokens and the recipe's rank-64 LoRA.
+    # The real size on the meta device (nothing allocated, shapes only; diffusers' defaults are the published config):
+    # ~20 B parameters, and the formula equals the counter for one 512² pass with the recipe's rank-64 LoRA too.
     with torch.device("meta"):
         net = bench.QwenImageTransformer2DModel()
-    assert 20.0e9 < sum(p.numel() for p in net.parameters()) < 20.9e9
-    assert 15e12 < bench.pass_flops(net.config, 1024, 30, 64) < 17e12
+        assert 20.0e9 < sum(p.numel() for p in net.parameters()) < 20.9e9
+        net.add_adapter(LoraConfig(r=64, lora_alpha=128, target_modules=list(flowgrpo.Args.lora_targets)))
+        x, embeds, t = torch.empty(1, 1024, 64), torch.empty(1, 30, net.config.joint_attention_dim), torch.ones(1)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        net(hidden_states=x, timestep=t, encoder_hidden_states=embeds, img_shapes=[[(1, 32, 32)]], return_dict=False)
+    assert bench.pass_flops(net.config, 1024, 30, 64) == counter.get_total_flops()  # 15.6 TFLOP

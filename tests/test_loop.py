@@ -113,6 +113,18 @@ def test_cli_rejects_bad_input_before_building_anything(flags, needle):
     assert "batch arithmetic" not in out.stdout  # stopped before the model was built
 
 
+def test_run_sh_recipes_launch():
+    """run.sh names its recipes when given none or a wrong one, and a recipe reaches flowgrpo.py with the flags."""
+    env = os.environ | {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    sh = lambda *a: subprocess.run(["bash", os.path.join(ROOT, "run.sh"), *a], capture_output=True, text=True,  # noqa
+                                   env=env, timeout=120)
+    for wrong in ((), ("nope",)):
+        out = sh(*wrong)
+        assert out.returncode == 2 and "usage: bash run.sh NAME" in out.stderr and "qwen-ocr-8gpu" in out.stderr
+    out = sh("tiny", "--help")
+    assert out.returncode == 0 and "--group-size" in out.stdout, out.stderr[-2000:]
+
+
 # ---- the real script, through its CLI: it learns and leaves its files ------------------------------
 def test_tiny_run_learns_and_writes_its_run_directory(tmp_path):
     run = tmp_path / "run"
