@@ -27,7 +27,8 @@ def measure(fns: dict, repeats: int, warmup: int = 1) -> dict:
 
 def row(t: list, name, values, unit="×", expect="", note=""):
     v = [float(x) for x in values]  # printed as measured: a later failure (a GPU out of memory) loses no earlier row
-    t.append(f"| {name} | {med(v):.4g} | {min(v):.4g} | {max(v):.4g} | {unit} | {expect} | {note} |"), print(t[-1])
+    t.append(f"| {name} | {med(v):.4g} | {min(v):.4g} | {max(v):.4g} | {unit} | {expect} | {note} |")
+    print(*t[-1 if len(t) > len(HEAD) + 1 else 0:], sep="\n", flush=True)  # the header with the first row
 
 def make_engine(a: flowgrpo.Args, model) -> eng.Engine:
     return eng.Engine(model, **{k: getattr(a, k) for k in ("lora_rank", "lora_alpha", "lora_targets", "lr", "seed",
@@ -225,7 +226,6 @@ def main(argv=None):
     p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     o, t = p.parse_args(argv), list(HEAD)
-    print("\n".join(HEAD))
     o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
     torch.set_num_threads(1) if o.device == "cpu" else None  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
     if o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes
