@@ -50,7 +50,7 @@ def sample(model, a, steps, cfg=None, on_images=None):  # rollout.sample on the 
 
 def diffusers_call(model, a, cfg, prompts):
     """The pipeline's call on the same initial latents (generators) and embeddings (not strings: BENCHMARKS.md)."""
-    c = rollout.encode_conditioning(model, prompts, a.negative_prompt, cfg)
+    c = model.conditioning(prompts, a.negative_prompt, cfg)
     neg = dict(negative_prompt_embeds=c["neg_embeds"], negative_prompt_embeds_mask=c["neg_mask"]) if cfg > 1 else {}
     return model.pipe(prompt_embeds=c["embeds"], prompt_embeds_mask=c["mask"], **neg, true_cfg_scale=cfg,
                       num_inference_steps=a.num_steps, height=a.height, width=a.width, output_type="pt",

@@ -86,7 +86,7 @@ class Engine:
             net.enable_gradient_checkpointing()
         # 3. Compile each block separately (small graphs, compiled once, reused by every block).
         if compile:
-            for block in net.transformer_blocks:
+            for block in model.blocks:
                 block.compile()
         # 4–5. Shard each block, then the root (its remaining parameters: embeddings, norms, projections),
         #      so a block's parameters are gathered just before it runs and freed right after.
@@ -94,13 +94,12 @@ class Engine:
             else MixedPrecisionPolicy()
         kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload
                   else OffloadPolicy())  # pinned memory needs an accelerator
-        for block in net.transformer_blocks:
+        for block in model.blocks:
             fully_shard(block, **kw)
         fully_shard(net, **kw)
         if shard_text_encoder:  # frozen, only forwards: shard it to save memory on every rank
-            for layer in model.pipe.text_encoder.model.language_model.layers:
-                fully_shard(layer)
-            fully_shard(model.pipe.text_encoder)
+            for module in model.text_encoder_shards():
+                fully_shard(module)
         self.params = [p for p in net.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"--lora-targets {list(lora_targets)} matched no module of the transformer")

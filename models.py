@@ -112,6 +112,30 @@ class QwenImage:
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         return embeds.to(self.dtype), mask
 
+    def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float) -> dict:
+        """Everything `velocity` needs besides x and σ, batch-first so a micro-batch is a slice: `embeds` (B, L, D),
+        `mask` (B, L) and, with CFG, `neg_embeds`, `neg_mask`. Each distinct prompt is encoded once."""
+        distinct = list(dict.fromkeys(prompts))
+        embeds, mask = self.encode(distinct)
+        index = torch.tensor([distinct.index(p) for p in prompts], device=embeds.device)
+        cond = {"embeds": embeds[index], "mask": mask[index]}
+        if cfg_scale > 1:
+            neg_embeds, neg_mask = self.encode([negative_prompt])
+            cond["neg_embeds"] = neg_embeds.expand(len(prompts), -1, -1)
+            cond["neg_mask"] = neg_mask.expand(len(prompts), -1)
+        return cond
+
+    # --- what the engine shards ------------------------------------------------------------------
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        """The transformer's repeated blocks: each is checkpointed, compiled and sharded on its own."""
+        return list(self.transformer.transformer_blocks)
+
+    def text_encoder_shards(self) -> list[torch.nn.Module]:
+        """The frozen text encoder's modules to shard with --shard-text-encoder, innermost first, root last."""
+        encoder = self.pipe.text_encoder
+        return [*encoder.model.language_model.layers, encoder]
+
     # --- velocity ------------------------------------------------------------------------------
     def _forward(self, x, timestep, embeds, mask, img_shapes):
         # The pipeline drops an all-ones mask (a different attention path); do the same so shapes and

@@ -60,19 +60,6 @@ def image_generators(seed: int, iteration: int, image_ids) -> list[torch.Generat
     return [torch.Generator().manual_seed(image_seed(seed, iteration, i)) for i in image_ids]
 
 
-def encode_conditioning(model, prompts: list[str], negative_prompt: str, cfg_scale: float) -> dict:
-    """Embeddings for B prompts (each distinct prompt encoded once) and, with CFG, the negative prompt."""
-    distinct = list(dict.fromkeys(prompts))
-    embeds, mask = model.encode(distinct)
-    index = torch.tensor([distinct.index(p) for p in prompts], device=embeds.device)
-    cond = {"embeds": embeds[index], "mask": mask[index]}
-    if cfg_scale > 1:
-        neg_embeds, neg_mask = model.encode([negative_prompt])
-        cond["neg_embeds"] = neg_embeds.expand(len(prompts), -1, -1)
-        cond["neg_mask"] = neg_mask.expand(len(prompts), -1)
-    return cond
-
-
 @torch.no_grad()
 def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *, steps: list[int], num_steps: int,
            height: int, width: int, cfg_scale: float, negative_prompt: str, noise_level: float, sde_type: str,
@@ -84,7 +71,7 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     assert list(steps) == list(range(steps[0], steps[0] + len(steps))) if steps else True, f"not consecutive: {steps}"
     sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
     sigma_max = float(sigmas[1])
-    cond = encode_conditioning(model, prompts, negative_prompt, cfg_scale)
+    cond = model.conditioning(prompts, negative_prompt, cfg_scale)
     gens = image_generators(seed, iteration, image_ids)
     latents, log_probs, images = [], [], []
     bar = tqdm(total=len(prompts) * num_steps, desc="rollout", unit="step", disable=not progress, leave=False)
@@ -302,7 +289,7 @@ class OmniBackend:
         cat = lambda k: torch.cat([p[k] for p in parts])[order]  # noqa: E731
         batch = Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
                       cat("log_probs").to(model.device), parts[0]["sigmas"], float(parts[0]["sigma_max"]),
-                      encode_conditioning(model, list(prompts), negative_prompt, cfg_scale), cat("images"))
+                      model.conditioning(list(prompts), negative_prompt, cfg_scale), cat("images"))
         if on_images:
             on_images(0, batch.images)
         return batch

@@ -70,7 +70,7 @@ def test_flop_formula_matches_torch_flop_counter():
                             group_size=2, prompts_per_iteration=1, micro_batch=2, mixed_precision=False)
     model = bench.random_model("tiny", "cpu")
     bench.make_engine(a, model)
-    c = rollout.encode_conditioning(model, ['a sign that says "HI"', 'a mug with "A LONGER TEXT" on it'], " ", 4.0)
+    c = model.conditioning(['a sign that says "HI"', 'a mug with "A LONGER TEXT" on it'], " ", 4.0)
     x = model.noise(rollout.image_generators(0, 0, range(2)), a.height, a.width)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model.velocity(x, torch.full((2,), 0.5), c, 4.0, a.height, a.width)

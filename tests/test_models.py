@@ -40,7 +40,7 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(model, cfg):
                            cfg_scale=cfg, negative_prompt=" ", noise_level=0.0, sde_type="sde", seed=3, iteration=5,
                            chunk=2)
     x1 = model.noise(rollout.image_generators(3, 5, [0, 1]), H, W)
-    cond = rollout.encode_conditioning(model, PROMPTS, " ", cfg)
+    cond = model.conditioning(PROMPTS, " ", cfg)
     kw = dict(prompt_embeds=cond["embeds"], prompt_embeds_mask=cond["mask"], true_cfg_scale=cfg, height=H, width=W,
               num_inference_steps=n_steps)
     if cfg > 1:
