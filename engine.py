@@ -8,20 +8,18 @@ branches on parallelism: one process is simply a world of size 1 (same FSDP2 cod
 """
 import contextlib
 import glob
+import hashlib
 import json
 import math
 import os
-import random
 import shutil
 import time
 import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -73,6 +71,7 @@ class Engine:
         if full_finetune:
             net.requires_grad_(True)
         else:
+            from peft import LoraConfig  # peft loads diffusers and transformers: only when a model is being built
             self.lora_config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=list(lora_targets))
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -105,7 +104,8 @@ class Engine:
             raise ValueError(f"--lora-targets {list(lora_targets)} matched no module of the transformer")
         # foreach: batched over parameters (on CPU the default per-tensor loop cost ~4× more per step, bench.py);
         # `fused` was faster still but moved 1-vs-2-rank results apart by more than float32 rounding.
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, foreach=True)
+        self.hyper = dict(lr=lr, weight_decay=weight_decay)  # --allow-change may change them on --resume
+        self.optimizer = torch.optim.AdamW(self.params, **self.hyper, foreach=True)
         # Give every parameter a (zero) gradient: LoRA weights that never reach the output (the last
         # block's text stream) then still get optimizer state, so a strict optimizer reload works.
         for p in self.params:
@@ -169,6 +169,7 @@ class Engine:
     # --- LoRA export -------------------------------------------------------------------------
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's full tensors (gathered from the shards; a collective: call on every rank)."""
+        from peft.utils import get_peft_model_state_dict
         sd = get_peft_model_state_dict(self.model.transformer)
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu() for k, v in sd.items()}
 
@@ -194,9 +195,10 @@ class Engine:
     def _state(self):
         return get_state_dict(self.model.transformer, self.optimizer, options=self._OPTIONS)
 
-    def save_checkpoint(self, directory: str, loop_state: dict, fingerprint: dict, keep: int) -> None:
-        """Write `directory` atomically: everything goes to `<directory>.tmp` and is renamed when complete,
-        so a crash at any moment leaves the previous checkpoints intact. Keeps the newest `keep`."""
+    def save_checkpoint(self, directory: str, meta: dict, keep: int) -> None:
+        """Write `directory` atomically: everything goes to `<directory>.tmp` and is renamed when complete, so a
+        crash at any moment leaves the previous checkpoints intact. `meta` (JSON: the loop's state, the run's
+        flags and id) goes to meta.json with a SHA-256 manifest of every other file. Keeps this run's newest `keep`."""
         tmp = directory + ".tmp"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -205,45 +207,109 @@ class Engine:
         model_sd, optim_sd = self._state()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
         time.sleep(float(os.environ.get("FLOWGRPO_CHECKPOINT_DELAY", 0)))  # widens the window for crash tests
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   os.path.join(tmp, f"rng_rank{self.rank}.pt"))
-        self.export_lora(os.path.join(tmp, "lora"))
+        save_rng_state(os.path.join(tmp, f"rng_rank{self.rank}.safetensors"))
+        self.export_lora(os.path.join(tmp, "lora"))  # ends with a barrier: every rank's files are written
         if self.is_main:
+            meta = dict(meta, world_size=self.world_size, manifest=manifest(tmp))
             with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump({"fingerprint": fingerprint, "loop": loop_state, "world_size": self.world_size}, f, indent=1)
+                json.dump(meta, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             _replace_dir(tmp, directory)
-            for old in list_checkpoints(os.path.dirname(directory))[:-keep]:
+            for old in list_checkpoints(os.path.dirname(directory), run_id=meta["run_id"])[:-keep]:
                 shutil.rmtree(old)
         self.barrier()
 
     def load_checkpoint(self, directory: str) -> dict:
-        """Restore the trained weights, optimizer and RNG states (strictly); returns the loop's state."""
+        """Restore the trained weights, optimizer and RNG states (strictly) from a checkpoint that resolve_resume
+        checked against its manifest; returns meta.json's content."""
         meta = read_checkpoint_meta(directory)
-        if not self.optimizer.state:  # AdamW creates its state lazily: make it (lr 0, zero grads) so it can be filled
-            lrs = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
-                g["lr"] = 0.0
+        if not self.optimizer.state:  # AdamW creates its state lazily: make it (lr 0, no decay) so it can be filled
+            for group in self.optimizer.param_groups:
+                group.update(lr=0.0, weight_decay=0.0)
             self.optimizer.step()
-            for g, lr in zip(self.optimizer.param_groups, lrs):
-                g["lr"] = lr
         model_sd, optim_sd = self._state()
         try:
             dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(directory, "dcp"))
             set_state_dict(self.model.transformer, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                            options=self._OPTIONS)
         except (Exception, CheckpointException) as e:  # DCP's error is a BaseException; we name the file and the fix
-            raise RuntimeError(f"checkpoint {os.path.join(directory, 'dcp')} could not be loaded: {e}. It is corrupt or "
-                               "was written by a different model/LoRA; resume from another checkpoint") from e
-        rng_file = os.path.join(directory, f"rng_rank{self.rank}.pt")
-        if os.path.exists(rng_file):  # absent when resuming with more ranks than were saved
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"]), random.setstate(rng["python"]), np.random.set_state(rng["numpy"])
-            if rng["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
-        return meta["loop"]
+            raise RuntimeError(f"checkpoint {os.path.join(directory, 'dcp')} could not be loaded: {e}. It was written "
+                               "by a different model/LoRA; resume from another checkpoint") from e
+        for group in self.optimizer.param_groups:  # the checkpoint's hyper-parameters yield to this run's flags
+            group.update(self.hyper)
+        if meta["world_size"] == self.world_size:
+            load_rng_state(os.path.join(directory, f"rng_rank{self.rank}.safetensors"))
+        elif self.is_main:  # every random draw of the loop derives from (seed, iteration): still exact, up to rounding
+            print(f"resuming {meta['world_size']} rank(s) as {self.world_size}: the per-rank global RNG states are "
+                  "not restored (the loop's noise, windows and shuffles derive from --seed and the iteration)")
+        return meta
+
+
+def on_main(fn, *args):
+    """fn(*args) on rank 0 only; every rank returns its result, or raises its error (a ValueError or OSError,
+    re-raised as ValueError with the same message): start-up work on shared files happens once, and a refusal
+    stops every rank alike."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, fn(*args))]
+        except (ValueError, OSError) as e:
+            box = [(False, str(e))]
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise ValueError(value)
+    return value
+
+
+# ---- checkpoint files: data only (safetensors, JSON); what DCP must unpickle is checked against a manifest first
+
+def save_rng_state(path: str) -> None:
+    """torch's global RNG states (CPU and every GPU) as safetensors. Python's and NumPy's global generators are not
+    saved: nothing here draws from them (windows, prompt order and noise have their own seeded generators)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    save_file({"cpu": torch.get_rng_state(), **{f"cuda{i}": s for i, s in enumerate(cuda)}}, path)
+
+
+def load_rng_state(path: str) -> None:
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: {path} is missing: the checkpoint is incomplete; resume from another one")
+    state = load_file(path)
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([state[f"cuda{i}"] for i in range(torch.cuda.device_count())])
+
+
+def manifest(directory: str) -> dict[str, str]:
+    """{relative path: SHA-256} of every file under directory except meta.json (which holds the manifest)."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, directory)
+            if rel != "meta.json":
+                with open(path, "rb") as f:
+                    out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+    return out
+
+
+META_KEYS = ("run_id", "flags", "loop", "world_size", "manifest")
+LOOP_KEYS = ("iteration", "sampler", "skipped_steps", "wandb_id")
+
+
+def verify_checkpoint(directory: str) -> dict:
+    """meta.json, after checking that every file of the checkpoint is exactly the one its manifest lists: DCP
+    unpickles dcp/.metadata and non-tensor values, so a swapped file would run code. Errors name the file."""
+    meta = read_checkpoint_meta(directory)
+    found = manifest(directory)
+    for rel in sorted(found.keys() | meta["manifest"].keys()):
+        if found.get(rel) != meta["manifest"].get(rel):
+            state = "is missing" if rel not in found else "is not in the manifest" if rel not in meta["manifest"] \
+                else "differs from its SHA-256 in the manifest"
+            raise ValueError(f"--resume: {os.path.join(directory, rel)} {state} ({os.path.join(directory, 'meta.json')})"
+                             ": the checkpoint was altered or damaged; resume from another one")
+    return meta
 
 
 def _replace_dir(src: str, dst: str) -> None:
@@ -256,30 +322,48 @@ def _replace_dir(src: str, dst: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def list_checkpoints(root: str) -> list[str]:
-    """Complete checkpoints under root, oldest first (a `.tmp` directory is an interrupted write)."""
+def list_checkpoints(root: str, run_id: str | None = None) -> list[str]:
+    """Complete checkpoints under root, oldest first: real directories (not links) with a meta.json (a `.tmp`
+    directory is an interrupted write); with run_id, only that run's (pruning never touches another run's)."""
     paths = [p for p in glob.glob(os.path.join(root, CKPT_PREFIX + "*")) if p[-4:] not in (".tmp", ".old")]
-    return sorted(p for p in paths if os.path.exists(os.path.join(p, "meta.json")))
+    done = [p for p in paths if not os.path.islink(p) and os.path.isfile(os.path.join(p, "meta.json"))]
+    return sorted(p for p in done if run_id is None or _run_id_of(p) == run_id)
+
+
+def _run_id_of(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "meta.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def read_checkpoint_meta(directory: str) -> dict:
-    """meta.json of a checkpoint, with a clear error for a missing, incomplete or corrupt one."""
+    """meta.json of a checkpoint, with a clear error for a missing, incomplete, corrupt or foreign one."""
     path = os.path.join(directory, "meta.json")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--resume: no checkpoint directory {directory}")
-    if not os.path.exists(path) or not os.path.exists(os.path.join(directory, "dcp", ".metadata")):
-        raise ValueError(f"--resume: {directory} is incomplete (no {path if not os.path.exists(path) else 'dcp/.metadata'}); "
-                         "it was interrupted while being written — resume from an earlier checkpoint")
+    for needed in (path, os.path.join(directory, "dcp", ".metadata")):
+        if not os.path.exists(needed):
+            raise ValueError(f"--resume: {directory} is incomplete ({needed} is missing): it was interrupted while being "
+                             "written — resume from an earlier checkpoint")
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--resume: {path} is corrupt ({e})") from e
+    missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
+    missing += [f"loop.{k}" for k in LOOP_KEYS if not missing and k not in meta["loop"]]
+    if missing:
+        raise ValueError(f"--resume: {path} lacks {', '.join(missing)}: not a checkpoint written by this version of "
+                         "flowgrpo.py")
+    return meta
 
 
-def resolve_resume(resume: str, run_dir: str | None, fingerprint: dict) -> str:
-    """The checkpoint directory for `--resume PATH|auto`, checked against this run's fingerprint (model and
-    trained-weight shapes) before anything is built."""
+def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=()) -> tuple[str, dict]:
+    """(checkpoint directory, its meta.json) for `--resume PATH|auto`, checked before anything is built: its files
+    against its manifest, and its flags against this run's `flags` (those that decide the result), except the ones
+    named in `may_change`."""
     if resume == "auto":
         if run_dir is None:
             raise ValueError("--resume auto needs --run-dir (the run whose newest checkpoint to continue)")
@@ -287,9 +371,12 @@ def resolve_resume(resume: str, run_dir: str | None, fingerprint: dict) -> str:
         if not found:
             raise FileNotFoundError(f"--resume auto: no complete checkpoint in {os.path.join(run_dir, 'checkpoints')}")
         resume = found[-1]
-    saved = read_checkpoint_meta(resume)["fingerprint"]
-    diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if saved.get(k) != v}
+    meta = verify_checkpoint(resume)
+    saved = meta["flags"]
+    diff = {k: (saved.get(k), v) for k, v in flags.items() if saved.get(k) != v and k not in may_change}
     if diff:
-        raise ValueError(f"--resume: {os.path.join(resume, 'meta.json')} was written with a different configuration: "
-                         + "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in diff.items()))
-    return resume
+        raise ValueError(f"--resume: {os.path.join(resume, 'meta.json')} was written with different flags, which would "
+                         "break exact resumption: " + "; ".join(f"--{k.replace('_', '-')}: checkpoint {a!r}, this run "
+                                                               f"{b!r}" for k, (a, b) in diff.items())
+                         + " (use the checkpoint's values, or name the flags in --allow-change to change them)")
+    return resume, meta

@@ -2,16 +2,19 @@
 
 Each iteration samples G images for each of P prompts with a stochastic (SDE) sampler that records
 the log-probability of every trained transition, scores the images, turns rewards into group-relative
-advantages, and takes PPO-clip steps on the policy (a LoRA on the transformer). Math: ALGORITHM.md.
+advantages, and takes PPO-clip steps on the policy (a LoRA on the transformer). Math, recipes and
+their sources: docs/algorithm.md.
 
 Launch (the same file everywhere; parallelism lives in engine.py only):
-    python flowgrpo.py --model tiny                              # 1 CPU: random-weight model, ~1 minute
+    python flowgrpo.py                                           # = --model tiny: random weights, 1 CPU, ~2 min
     python flowgrpo.py --model qwen-image                        # 1 GPU (Qwen/Qwen-Image or --model-path)
     torchrun --nproc_per_node=8 flowgrpo.py --model qwen-image   # 8 GPUs; add --nnodes/--rdzv-endpoint for more
 
-Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code:
+Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs/algorithm.md §8):
 1. The log-prob is the exact Gaussian log-density (averaged over latent elements) for `sde` and `cps`
-   alike (the public `cps` uses −(x' − μ)²): a clip range means the same trust region for both.
+   alike (the public `cps` uses −(x' − μ)²): a clip range means the same trust region for both. For `cps`
+   this weights step i by 1/(2·std_i²) relative to the public code, ~2,000× more on the last trained step
+   than the first in full mode at 10 steps; the public recipes use `cps` only with a window (warned).
 2. The KL to the reference is the exact Gaussian KL mean((μ_θ − μ_ref)²) / (2·std²) (public: / s_t²).
 3. Window mode draws one window per iteration, shared by all images and ranks.
 4. Images are shuffled only when assigned to optimizer steps and ranks; micro-batches are the rollout's
@@ -22,9 +25,10 @@ Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code:
 6. Qwen-Image's LoRA targets omit `to_out.0` (vLLM-Omni cannot serve it) and `to_add_out`.
 7. No EMA of the policy weights (the Qwen-Image recipe runs without it).
 8. `--model tiny` is a toy recipe (32×32, 4 steps, a cheap image-space reward, large clip range and
-   learning rate) chosen so that learning is visible on a CPU within a minute.
+   learning rate) chosen so that learning is visible on a CPU within a couple of minutes.
 """
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+import psutil
 import torch
 import tyro
 from tqdm import tqdm
@@ -47,92 +52,95 @@ import scheduler as sch
 
 @dataclass(frozen=True)
 class Args:
-    """Flow-GRPO training. Defaults are the public Qwen-Image recipe (ALGORITHM.md §7); `--model tiny`
-    switches every default to the CPU toy recipe before your flags apply."""
-    model: Literal["tiny", "qwen-image"] = "qwen-image"
+    """Flow-GRPO training (docs/algorithm.md). `--model` picks a recipe, whose values are the defaults shown here.
+    A bare `python flowgrpo.py` is `--model tiny`, the CPU demo; `--model qwen-image --help` shows that recipe.
+    Flags given override the recipe. The recipes and their sources: docs/algorithm.md §7."""
+    model: Literal["tiny", "qwen-image"] = "tiny"
     """model family: `tiny` (random weights built in code, CPU, no downloads) or `qwen-image`"""
     model_path: str | None = None
-    """hub id or local pipeline directory (default: Qwen/Qwen-Image; `tiny` builds its own)"""
+    """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
-    """output directory (default: runs/<model>-<reward>-<timestamp>)"""
+    """output directory; a new run refuses one that holds a run (unset: runs/<model>-<reward>-<timestamp>)"""
     seed: int = 0
     """seed of the model init (tiny), LoRA init, prompt order, windows and all sampling noise"""
-    iterations: int = 300
-    """total number of iterations (rollout + update)"""
-    prompts: str = "ocr"
+    iterations: int = 30
+    """total number of iterations (rollout + update), counting those before a --resume"""
+    prompts: str = "general"
     """prompt set: a built-in name (ocr, general) or a .txt / .jsonl file"""
-    reward: str = "ocr"
+    reward: str = "brightness"
     """reward name, or weighted list `ocr=1.0,pickscore=0.5`, or `remote=http://host:port`"""
-    group_size: int = 16
+    group_size: int = 8
     """G: images per prompt; advantages compare images within a group"""
-    prompts_per_iteration: int = 32
+    prompts_per_iteration: int = 4
     """P: prompts per iteration (P·G images per iteration, split over ranks)"""
-    micro_batch: int = 4
+    micro_batch: int = 8
     """images per transformer call, in rollout and in training"""
     rollout: Literal["local", "vllm-omni"] = "local"
     """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni_pipeline.py"""
     rollout_url: str | None = None
     """vLLM-Omni server URLs for `--rollout vllm-omni`, comma-separated (http://HOST:PORT,...)"""
-    optimizer_steps: int = 1
-    """optimizer steps per iteration (the iteration's micro-batches are split evenly among them)"""
-    height: int = 512
+    optimizer_steps: int = 2
+    """K: optimizer steps per iteration, each on 1/K of its images (1: every ratio is 1, the clip never acts)"""
+    height: int = 32
     """image height in pixels"""
-    width: int = 512
+    width: int = 32
     """image width in pixels"""
-    num_steps: int = 10
+    num_steps: int = 4
     """sampling steps in rollout (training-time denoising reduction)"""
-    eval_steps: int = 50
+    eval_steps: int = 8
     """ODE steps for evaluation images"""
-    cfg_scale: float = 4.0
+    cfg_scale: float = 1.0
     """true-CFG scale w (1 = no CFG, one transformer pass per step)"""
     negative_prompt: str = " "
     """negative prompt for true CFG"""
     sde_type: Literal["sde", "cps"] = "sde"
     """stochastic sampler: Flow-GRPO's marginal-preserving SDE or coefficients-preserving sampling"""
-    noise_level: float = 1.2
-    """SDE noise level a (> 0)"""
-    window: int = 2
+    noise_level: float = 0.7
+    """SDE noise level a (> 0; < 1 for cps)"""
+    window: int = 0
     """trained SDE steps per image, consecutive; 0 = full mode (every step but the last)"""
-    window_range: tuple[int, int] = (0, 5)
+    window_range: tuple[int, int] = (0, 3)
     """[lo, hi): the window lies inside these step indices"""
-    clip_range: float = 1e-4
+    clip_range: float = 0.2
     """PPO clip ε on the probability ratio"""
     adv_clip: float = 5.0
-    """advantages are clipped to [−adv_clip, adv_clip]"""
+    """advantages are clipped to [−adv_clip, adv_clip] (> 0)"""
     std: Literal["global", "group"] = "global"
     """normalise advantages by the whole batch's reward std or by each group's"""
     kl_beta: float = 0.0
     """β of the KL to the reference model (adapter disabled); 0 skips the reference pass"""
-    lr: float = 3e-4
+    lr: float = 1e-2
     """AdamW learning rate"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip; a non-finite norm skips the step"""
-    lora_rank: int = 64
+    lora_rank: int = 8
     """LoRA rank r"""
-    lora_alpha: float = 128
-    """LoRA α (scale α / r)"""
+    lora_alpha: float = 16
+    """LoRA α (scale α / r; > 0)"""
     lora_targets: tuple[str, ...] = models.QwenImage.lora_targets
     """transformer module names that get a LoRA"""
     full_finetune: bool = False
     """train every transformer weight instead of a LoRA (use --offload for optimizer-state offload)"""
-    mixed_precision: bool = True
+    mixed_precision: bool = False
     """FSDP2 mixed precision: bf16 compute and gathers, fp32 gradient reduction and fp32 trained weights"""
     offload: bool = False
     """FSDP2 CPU offload of the sharded parameters, gradients and optimizer state"""
-    activation_checkpointing: bool = True
+    activation_checkpointing: bool = False
     """recompute each transformer block's activations in backward instead of storing them"""
     compile: bool = False
     """torch.compile each transformer block"""
     shard_text_encoder: bool = False
     """shard the frozen text encoder with FSDP2 too (saves memory on every rank)"""
-    checkpoint_every: int = 20
+    checkpoint_every: int = 10
     """write a checkpoint every this many iterations and at the end; 0 = only at the end"""
     keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep in <run-dir>/checkpoints"""
+    """how many of this run's newest checkpoints to keep in <run-dir>/checkpoints"""
     resume: str | None = None
     """continue from a checkpoint directory, or `auto` for the newest complete one in --run-dir"""
+    allow_change: tuple[str, ...] = ()
+    """flags that may differ from the checkpoint's on --resume (e.g. `lr reward`); others must match; args.json logs it"""
     eval_every: int = 20
     """evaluate (ODE, fixed seeds, eval prompts) every this many iterations and at the end; 0 = never"""
     eval_images: int = 8
@@ -142,13 +150,19 @@ class Args:
 
 
 RECIPES = {
-    "qwen-image": Args(),
-    "tiny": Args(model="tiny", iterations=30, prompts="general", reward="brightness", group_size=8,
-                 prompts_per_iteration=4, micro_batch=8, height=32, width=32, num_steps=4, eval_steps=8,
-                 cfg_scale=1.0, noise_level=0.7, window=0, window_range=(0, 3), clip_range=0.2, lr=1e-2,
-                 lora_rank=8, lora_alpha=16, mixed_precision=False, activation_checkpointing=False,
-                 checkpoint_every=10, eval_every=20, eval_images=8),
+    "tiny": Args(),
+    "qwen-image": Args(model="qwen-image", iterations=300, prompts="ocr", reward="ocr", group_size=16,
+                       prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,
+                       cfg_scale=4.0, noise_level=1.2, window=2, window_range=(0, 5), clip_range=1e-4, lr=3e-4,
+                       lora_rank=64, lora_alpha=128, mixed_precision=True, activation_checkpointing=True,
+                       checkpoint_every=20),
 }
+# Flags that say only how the work is done or recorded: they may change on --resume without breaking exactness
+# (micro-batches and ranks change float reduction order only). Every other flag decides the result.
+HOW_FLAGS = {"run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images", "eval_steps",
+             "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
+             "activation_checkpointing", "compile", "shard_text_encoder"}
+SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -159,38 +173,59 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return tyro.cli(Args, default=RECIPES.get(model, RECIPES["tiny"]), args=argv)
 
 
-def check_args(a: Args) -> None:
-    """Reject impossible configurations before anything is built; each message names the flag."""
+def check_args(a: Args) -> tuple[str, dict] | None:
+    """Reject impossible configurations before anything is built; each message names the flag. Returns the
+    checkpoint to resume from and its meta.json, if any."""
     def need(ok, msg):
         if not ok:
             raise ValueError(msg)
+    for f in dataclasses.fields(a):  # inf or nan in any float flag
+        need(not isinstance(getattr(a, f.name), float) or math.isfinite(getattr(a, f.name)),
+             f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(a, f.name)}")
     need(a.group_size >= 2, f"--group-size must be >= 2 (advantages compare images of a prompt), got {a.group_size}")
     for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
-                    ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations)):
+                    ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations),
+                    ("--keep-checkpoints", a.keep_checkpoints)):
         need(v >= 1, f"{flag} must be >= 1, got {v}")
     for flag, v in (("--lr", a.lr), ("--noise-level", a.noise_level), ("--clip-range", a.clip_range),
-                    ("--lora-rank", a.lora_rank), ("--max-grad-norm", a.max_grad_norm)):
+                    ("--lora-rank", a.lora_rank), ("--lora-alpha", a.lora_alpha), ("--max-grad-norm", a.max_grad_norm),
+                    ("--adv-clip", a.adv_clip)):
         need(v > 0, f"{flag} must be > 0, got {v}")
+    for flag, v in (("--kl-beta", a.kl_beta), ("--weight-decay", a.weight_decay),
+                    ("--checkpoint-every", a.checkpoint_every), ("--eval-every", a.eval_every)):
+        need(v >= 0, f"{flag} must be >= 0, got {v}")
+    need(0 <= a.seed < 2**32, f"--seed must be in [0, 2**32), got {a.seed}")
     need(a.cfg_scale >= 1, f"--cfg-scale must be >= 1 (1 = no CFG), got {a.cfg_scale}")
-    need(a.kl_beta >= 0 and a.weight_decay >= 0, "--kl-beta and --weight-decay must be >= 0")
-    need(a.keep_checkpoints >= 1 and a.checkpoint_every >= 0, "--keep-checkpoints >= 1, --checkpoint-every >= 0")
+    need(a.eval_images >= 1 or not a.eval_every, f"--eval-images must be >= 1 with --eval-every > 0, got {a.eval_images}")
     need(not (a.full_finetune and a.kl_beta > 0), "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
     need(a.sde_type != "cps" or a.noise_level < 1, f"--noise-level must be in (0, 1) for cps, got {a.noise_level}")
+    unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
+    need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
+    need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
+         "checkpoint's tensor shapes and cannot change on --resume")
     sch.check_window(a.num_steps, a.window, a.window_range)
     sch.check_window(a.eval_steps, 0, (0, 0))
     models.check_resolution(a.model, a.height, a.width)
     rewards.check_reward_spec(a.reward)
-    prompts = prompt_sets.check_prompts(a.prompts)
+    prompts = prompt_sets.load_prompts(a.prompts)
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
     rollout.check_backend(a.rollout, a.rollout_url)
-    if a.resume:
-        eng.resolve_resume(a.resume, a.run_dir, fingerprint(a))
+    if not a.resume:
+        return None
+    ckpt, meta = eng.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
+    need(meta["loop"]["iteration"] + 1 < a.iterations, f"--iterations {a.iterations} leaves nothing to train after "
+         f"{ckpt}, which ends iteration {meta['loop']['iteration']}: --iterations is the total, pass more")
+    return ckpt, meta
+
+
+def allowed(a: Args) -> list[str]:
+    return [f.replace("-", "_").removeprefix("__") for f in a.allow_change]
 
 
 def fingerprint(a: Args) -> dict:
-    """What a checkpoint must share with the run that resumes it (the trained weights' shapes)."""
-    return dict(model=a.model, full_finetune=a.full_finetune, lora_rank=None if a.full_finetune else a.lora_rank,
-                lora_targets=None if a.full_finetune else sorted(a.lora_targets))
+    """The flags that decide a run's result, as JSON stores them: a checkpoint resumes only under the same."""
+    flags = dataclasses.asdict(a)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in flags.items() if k not in HOW_FLAGS}
 
 
 def batch_arithmetic(a: Args, world_size: int) -> dict:
@@ -201,9 +236,17 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
                          f"into {k} optimizer step(s) × {world_size} rank(s) × whole micro-batches of {a.micro_batch}: "
                          f"choose P·G divisible by {k * world_size * a.micro_batch} (--prompts-per-iteration, "
                          "--group-size, --optimizer-steps, --micro-batch)")
-    if a.eval_images % world_size:
+    if a.eval_every and a.eval_images % world_size:
         raise ValueError(f"--eval-images {a.eval_images} must be divisible by the world size {world_size}")
     per_rank = images // world_size
+    # A rank holds its images (3·H·W float32 each) and their trained states (at most 16 latent channels per 8×8
+    # pixels, float32): refuse a batch that cannot fit in this machine's memory rather than die in the allocator.
+    states = a.window + 1 if a.window else a.num_steps
+    need_gib = per_rank * (12 + states) * a.height * a.width / 2**30
+    if need_gib > psutil.virtual_memory().total / 2**30:
+        raise ValueError(f"{per_rank} images per rank need about {need_gib:.3g} GiB for their images and latents, more "
+                         f"than this machine's {psutil.virtual_memory().total / 2**30:.3g} GiB: lower --group-size or "
+                         "--prompts-per-iteration, or use more ranks")
     return dict(images_per_iteration=images, ranks=world_size, images_per_rank=per_rank, micro_batch=a.micro_batch,
                 micro_batches_per_rank=per_rank // a.micro_batch, optimizer_steps=k,
                 micro_batches_per_optimizer_step=per_rank // a.micro_batch // k)
@@ -290,13 +333,21 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 # ---- the loop --------------------------------------------------------------------------------------
 
 def main(a: Args) -> list[dict]:
-    check_args(a)  # before any model is built or process group joined
+    resume = check_args(a)  # before any model is built or process group joined
     rank, world, device = eng.init_distributed()
     arith = batch_arithmetic(a, world)
+    ckpt, meta = resume or (None, {})
+    # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
+    run_dir, run_id, wandb_id = eng.on_main(runlog.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,
+                                            dataclasses.asdict(a) | {"batch_arithmetic": arith})
     prompt_set = prompt_sets.load_prompts(a.prompts)
     trainset, evalset = prompt_set.train, [prompt_set.eval[i % len(prompt_set.eval)] for i in range(a.eval_images)]
     if rank == 0:
-        print("batch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
+        print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
+        if a.sde_type == "cps" and not a.window:
+            print("warning: cps in full mode: the exact density weights step i by 1/(2·std_i²), std_i = σ_{i+1}·sin(a·π/2),"
+                  " so the last trained step outweighs the first ~(σ_1/σ_{N-1})² times (2,157× for Qwen-Image at 10 steps);"
+                  " the public recipes use cps only with a window (--window 2)", file=sys.stderr)
 
     # --- build: model → engine (LoRA, FSDP2, optimizer) → reward → prompts → resume -----------------
     model = models.load_model(a.model, a.model_path, device, seed=a.seed)
@@ -308,87 +359,90 @@ def main(a: Args) -> list[dict]:
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
-    stamp = engine.broadcast_object(time.strftime("%Y%m%d-%H%M%S"))
-    run_dir = a.run_dir or os.path.join("runs", f"{a.model}-{a.reward.replace('/', '_')}-{stamp}")
-    start, state = 0, {}
-    if a.resume:  # --iterations stays the total: continue after the checkpoint's iteration
-        ckpt = eng.resolve_resume(a.resume, a.run_dir, fingerprint(a))
-        state = engine.load_checkpoint(ckpt)
-        start, engine.skipped_steps = state["iteration"] + 1, state["skipped_steps"]
-        sampler.load_state_dict(state["sampler"])
-        run_dir = a.run_dir or os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    start = 0
+    if ckpt:  # --iterations stays the total: continue after the checkpoint's iteration
+        loop = engine.load_checkpoint(ckpt)["loop"]
+        start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
+        sampler.load_state_dict(loop["sampler"])
     backend = rollout.make_backend(a.rollout, a.rollout_url, run_dir, engine)  # local, or vLLM-Omni servers
-    log = runlog.RunLog(run_dir, dataclasses.asdict(a) | {"run_dir": run_dir, "batch_arithmetic": arith},
-                        enabled=engine.is_main, start=start, use_wandb=a.wandb, wandb_id=state.get("wandb_id"))
+    log = runlog.RunLog(run_dir, dataclasses.asdict(a), enabled=engine.is_main, use_wandb=a.wandb, wandb_id=wandb_id)
 
     bar = tqdm(range(start, a.iterations), desc="iterations", disable=not engine.is_main, initial=start,
                total=a.iterations)
-    for it in bar:
-        # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks -------------
-        chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
-        assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps,
-                                       engine.world_size, seed=a.seed * 7919 + it)  # (world, B) global image indices
-        mine = assignment[engine.rank]
-        group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
-        steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it)
+    try:
+        for it in bar:
+            # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks ---------
+            chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
+            assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps,
+                                           engine.world_size, seed=a.seed * 7919 + it)  # (world, B) global image ids
+            mine = assignment[engine.rank]
+            group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
+            steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it)
 
-        # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images --------
-        t0 = time.perf_counter()
-        model.transformer.eval()
-        backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
-        texts, meta = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
-        score_chunk = lambda c, imgs: scorer.submit(imgs, texts[c:c + len(imgs)], meta[c:c + len(imgs)])  # noqa: E731
-        batch = backend.sample(model, texts, meta, group, mine, steps=steps, num_steps=a.num_steps, height=a.height,
-                               width=a.width, cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt,
-                               noise_level=a.noise_level, sde_type=a.sde_type, seed=a.seed, iteration=it,
-                               chunk=a.micro_batch, progress=engine.is_main, on_images=score_chunk)
-        t1 = time.perf_counter()
-
-        # --- 3. rewards (already running since each chunk was decoded), gathered over ranks ---------
-        scores, info, reward_wait = scorer.collect()
-        gathered = engine.all_gather(scores)  # (P·G,) in assignment order
-        r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image index
-
-        # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ----------
-        adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std, clip=a.adv_clip)
-        batch.advantages = adv[mine].to(engine.device)
-
-        # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation ---------------
-        model.transformer.train()
-        stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, engine.is_main))
-        t2 = time.perf_counter()
-
-        # --- 6. log ---------------------------------------------------------------------------------
-        comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
-        row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
-               "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
-               "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait}
-
-        # --- 7. eval every K iterations and at the end ----------------------------------------------
-        if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
+            # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
+            t0 = time.perf_counter()
             model.transformer.eval()
-            row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
-        log.log(row)
-        bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
+            backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
+            texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
+            score_chunk = lambda c, x: scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])  # noqa: E731
+            batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
+                                   height=a.height, width=a.width, cfg_scale=a.cfg_scale,
+                                   negative_prompt=a.negative_prompt, noise_level=a.noise_level, sde_type=a.sde_type,
+                                   seed=a.seed, iteration=it, chunk=a.micro_batch, progress=engine.is_main,
+                                   on_images=score_chunk)
+            t1 = time.perf_counter()
 
-        # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration) --
-        if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):
-            loop_state = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
-                          "wandb_id": log.wandb_id}
-            engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{eng.CKPT_PREFIX}{it:06d}"), loop_state,
-                                   fingerprint(a), a.keep_checkpoints)
+            # --- 3. rewards (already running since each chunk was decoded), gathered over ranks -----
+            scores, info, reward_wait = scorer.collect()
+            gathered = engine.all_gather(scores)  # (P·G,) in assignment order
+            r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image id
+
+            # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
+            adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
+                                             clip=a.adv_clip)
+            batch.advantages = adv[mine].to(engine.device)
+
+            # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation -----------
+            model.transformer.train()
+            stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, engine.is_main))
+            t2 = time.perf_counter()
+
+            # --- 6. log -----------------------------------------------------------------------------
+            comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
+            row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
+                   "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
+                   "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait}
+
+            # --- 7. eval every K iterations and at the end ------------------------------------------
+            if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
+                model.transformer.eval()
+                row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
+            log.log(row)
+            bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
+
+            # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration)
+            if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):
+                loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
+                        "wandb_id": log.wandb_id}
+                engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{eng.CKPT_PREFIX}{it:06d}"),
+                                       {"run_id": run_id, "flags": fingerprint(a), "loop": loop}, a.keep_checkpoints)
+    finally:  # an error or Ctrl-C too: stop scoring threads and remove exchange files; checkpoints stay as written
+        scorer.close()
+        backend.close()
 
     # --- 9. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
     engine.export_lora(os.path.join(run_dir, "lora"))
-    for closing in (scorer, backend, log, engine):
-        closing.close()
+    log.close(lora_dir=os.path.join(run_dir, "lora") if engine.lora_config else None)
+    engine.close()
     return log.rows
 
 
 if __name__ == "__main__":
-    args = parse_args()
     try:
-        check_args(args)
-    except (ValueError, FileNotFoundError) as e:  # a clear one-line error, before anything is built
+        main(parse_args())
+    except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
+        if os.environ.get("FLOWGRPO_TRACEBACK"):
+            raise
         sys.exit(f"flowgrpo.py: error: {e}")
-    main(args)
+    except KeyboardInterrupt:
+        sys.exit("flowgrpo.py: interrupted; the run's checkpoints are as last written (--resume auto continues)")

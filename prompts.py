@@ -89,8 +89,16 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts: {path}: expected a .txt or .jsonl file or one of {sorted(BUILTIN)}")
     if not path.is_file():
-        raise FileNotFoundError(f"--prompts: prompt file {path} does not exist")
-    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"--prompts: prompt file {path} {what}")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"--prompts: {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
+                         "as UTF-8") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise ValueError(f"--prompts: prompt file {path} has no prompts (empty or only blank lines)")
     if path.suffix == ".txt":
@@ -113,10 +121,6 @@ def load_prompts(spec: str) -> PromptSet:
         return BUILTIN[spec]()
     pairs = read_prompt_file(spec)
     return PromptSet(pairs, list(pairs)) if len(pairs) < 20 else _hold_out(pairs, 10)
-
-def check_prompts(spec: str) -> PromptSet:
-    """Start-up validation: loading is cheap, so this just loads (and returns the set)."""
-    return load_prompts(spec)
 
 class PromptSampler:
     """Which prompts iteration i trains on: a function of (seed, iteration, k) only, so a resumed run

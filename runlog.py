@@ -2,29 +2,49 @@
 iteration, mirrored to wandb), reward_curve.png (redrawn every iteration) and captioned sample grids."""
 import json
 import os
-import textwrap
+import time
+import uuid
 
 import matplotlib
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def wrap(text: str, font, width: float, max_lines: int) -> list[str]:
+    """Words of `text` in at most `max_lines` lines no wider than `width` pixels in `font`; what does not fit
+    ends the last line as "…"."""
+    lines = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    if len(lines) > max_lines:
+        last = " ".join(lines[max_lines - 1:])
+        while last and font.getlength(last + "…") > width:
+            last = last[:-1]
+        lines = lines[:max_lines - 1] + [last.rstrip() + "…"]
+    return lines
+
+
 def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
-    """Images (N, 3, H, W) in [0, 1], up to 4 per row, each captioned `prompt | reward` (wrapped)."""
+    """Images (N, 3, H, W) in [0, 1], up to 4 per row, each captioned `prompt | reward` (wrapped at words)."""
     n, _, h, w = images.shape
-    cell, cols, text_h = max(w, 192), min(n, 4), 40
+    cell, cols, text_h = max(w, 192), min(n, 4), 44
+    font = ImageFont.load_default(size=11)  # Pillow's bundled TrueType font: real word spacing, no system fonts needed
     grid = Image.new("RGB", (cols * cell, ((n + cols - 1) // cols) * (cell * h // w + text_h)), "white")
     for i, (img, cap) in enumerate(zip(images, captions)):
         pil = Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
         x, y = (i % cols) * cell, (i // cols) * (cell * h // w + text_h)
         grid.paste(pil.resize((cell, cell * h // w), Image.NEAREST), (x, y))
         prompt, _, score = cap.rpartition(" | ")
-        lines = textwrap.wrap(prompt, width=cell // 6)[:2] + [f"| {score}"]
-        ImageDraw.Draw(grid).multiline_text((x + 2, y + cell * h // w + 1), "\n".join(lines), fill="black", spacing=1)
+        lines = wrap(prompt, font, cell - 4, max_lines=2) + [f"reward {score}"]
+        ImageDraw.Draw(grid).multiline_text((x + 2, y + cell * h // w + 1), "\n".join(lines), fill="black", font=font,
+                                            spacing=1)
     grid.save(path)
 
 
@@ -42,23 +62,91 @@ def plot_curve(path: str, rows: list[dict]) -> None:
     fig.tight_layout(), fig.savefig(path), plt.close(fig)
 
 
-class RunLog:
-    """The run directory's human-facing files. On ranks other than 0 every method does nothing."""
+def claim_run_dir(run_dir: str | None, name: str, checkpoint: str | None, meta: dict, config: dict):
+    """(run directory, run id, wandb id to continue): the run directory made ready for this run, on rank 0, before
+    anything is built. A new run refuses a directory that holds a run; a resumed run continues in its checkpoint's
+    run directory (or a new one), its metrics cut back to the checkpoint's iteration. args.json is written here."""
+    if checkpoint is None:
+        run_dir = run_dir or _unused(os.path.join("runs", f"{name.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"))
+        if _holds_run(run_dir):
+            raise ValueError(f"--run-dir {run_dir} already holds a run: continue it with --resume auto --run-dir "
+                             f"{run_dir}, or give a new directory")
+        run_id, wandb_id, rows, history = uuid.uuid4().hex, None, [], []
+    else:
+        source = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))  # <run-dir>/checkpoints/iter_N
+        run_dir, run_id, previous = run_dir or source, meta["run_id"], _read_json(os.path.join(run_dir or source,
+                                                                                                "args.json"))
+        if _holds_run(run_dir) and previous.get("run_id") != run_id:
+            raise ValueError(f"--run-dir {run_dir} holds another run than the one {checkpoint} belongs to: resume in "
+                             f"{source} or in a new directory")
+        own = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+        rows = metrics_until(os.path.join(run_dir if own else source, "metrics.jsonl"), meta["loop"]["iteration"])
+        wandb_id = meta["loop"]["wandb_id"] if own else None  # a new directory is a new wandb run
+        changed = {k: [v, config[k]] for k, v in meta["flags"].items() if json.loads(json.dumps(config[k])) != v}
+        history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(checkpoint), "changed": changed}]
+    try:
+        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+        _write(os.path.join(run_dir, "args.json"), json.dumps(config | {"run_id": run_id, "resumes": history}, indent=2))
+        _write(os.path.join(run_dir, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    except OSError as e:
+        raise ValueError(f"--run-dir {run_dir}: cannot write there ({e.strerror}); give a writable directory") from e
+    return run_dir, run_id, wandb_id
 
-    def __init__(self, run_dir: str, config: dict, *, enabled: bool, start: int, use_wandb: bool,
-                 wandb_id: str | None = None):
+
+def metrics_until(path: str, last: int) -> list[dict]:
+    """The rows of metrics.jsonl up to iteration `last` (a resumed run's checkpoint): a line cut off by a crash and
+    rows logged after the checkpoint are dropped, and said so."""
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    rows = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):
+                raise ValueError(f"{path}:{n} is not JSON: the metrics file is damaged; repair or remove it") from None
+            print(f"{path}: dropped its last line, cut off by the interrupted run")
+    kept = [r for r in rows if r["iteration"] <= last]
+    if len(kept) < len(rows):
+        print(f"{path}: dropped {len(rows) - len(kept)} row(s) logged after the checkpoint (iteration {last})")
+    return kept
+
+
+def _holds_run(run_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(run_dir, f)) for f in ("args.json", "metrics.jsonl", "checkpoints"))
+
+
+def _unused(path: str) -> str:
+    """path, or path-1, path-2, ... (two runs started in the same second get different directories)."""
+    candidates = (path if i == 0 else f"{path}-{i}" for i in range(1000))
+    return next(p for p in candidates if not os.path.exists(p))
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: str, text: str) -> None:
+    """Write text to path atomically (a temporary file, then a rename)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+class RunLog:
+    """The run directory's human-facing files, on rank 0 (elsewhere every method does nothing): metrics.jsonl (as
+    claim_run_dir left it, then one line per iteration), reward_curve.png, sample grids, wandb, a closing summary."""
+
+    def __init__(self, run_dir: str, config: dict, *, enabled: bool, use_wandb: bool, wandb_id: str | None = None):
         self.run_dir, self.enabled, self.rows, self.wandb = run_dir, enabled, [], None
-        self.metrics = os.path.join(run_dir, "metrics.jsonl")
+        self.metrics, self.started = os.path.join(run_dir, "metrics.jsonl"), time.time()
         if not enabled:
             return
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        if start:  # resuming: drop the lines an interrupted run logged after its last checkpoint
-            self.rows = [r for r in map(json.loads, open(self.metrics)) if r["iteration"] < start]
-            with open(self.metrics + ".tmp", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.rows)
-            os.replace(self.metrics + ".tmp", self.metrics)
+        self.rows = [json.loads(line) for line in open(self.metrics)]
+        self.first_new = len(self.rows)
         if use_wandb:  # offline unless the user configured wandb: no prompt, no network needed
             import wandb
             mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
@@ -89,6 +177,19 @@ class RunLog:
             import wandb
             self.wandb.log({"eval/samples": wandb.Image(path)}, step=iteration)
 
-    def close(self) -> None:
+    def close(self, lora_dir: str | None = None) -> None:
+        """Finish wandb and print what the run did and left: where, how long, how the reward moved, the LoRA."""
+        if not self.enabled:
+            return
         if self.wandb:
             self.wandb.finish()
+        new, evals = self.rows[self.first_new:], [r for r in self.rows if "eval/reward_mean" in r]
+        lines = [f"run directory: {self.run_dir}",
+                 f"iterations {new[0]['iteration']}–{new[-1]['iteration']} in {time.time() - self.started:.0f} s" if new
+                 else "no iteration ran", f"train reward: {self.rows[0]['reward/mean']:.4g} (iteration 0) → "
+                 f"{self.rows[-1]['reward/mean']:.4g} (iteration {self.rows[-1]['iteration']})" if self.rows else ""]
+        if evals:
+            lines.append(f"eval reward: {evals[-1]['eval/reward_mean']:.4g} (iteration {evals[-1]['iteration']})")
+        if lora_dir:
+            lines.append(f"LoRA: {lora_dir} (diffusers: pipe.load_lora_weights(dir))")
+        print("\n".join(["== done"] + [f"  {line}" for line in lines if line]), flush=True)

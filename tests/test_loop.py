@@ -47,9 +47,11 @@ def test_ppo_clip_objective_by_hand():
 
 # ---- on-policy: the first update recomputes exactly the rollout's log-probs ---------------------------
 @pytest.mark.parametrize("window,cfg", [(0, 1.0), (2, 1.0), (2, 3.0)])
-def test_first_update_is_exactly_on_policy(window, cfg):
+def test_first_update_is_exactly_on_policy_and_the_second_is_clipped(window, cfg):
+    """K = 2 optimizer steps per iteration: the first recomputes the rollout's log-probs bit for bit (ratio 1); the
+    second runs on weights the first moved, so its ratios leave 1 and a small clip range acts on them."""
     args = dataclasses.replace(TINY, window=window, window_range=(0, 3), cfg_scale=cfg, group_size=4,
-                               prompts_per_iteration=2, micro_batch=4, optimizer_steps=2)
+                               prompts_per_iteration=2, micro_batch=4, optimizer_steps=2, clip_range=1e-4)
     model = models.load_model("tiny", None, "cpu", seed=0)
     engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2,
                         weight_decay=0, max_grad_norm=1.0, seed=0)
@@ -63,17 +65,45 @@ def test_first_update_is_exactly_on_policy(window, cfg):
     stats = flowgrpo.train_on(model, engine, batch, args, arith, progress=False)
     assert stats["train/logp_gap"] == 0.0  # bitwise: same weights, shapes and kernels as the rollout
     assert stats["train/grad_norm"] > 0
+    # Step 1's micro-batch has ratio 1 exactly (clipfrac 0, approx_kl 0), so these means come from step 2 alone.
+    assert stats["train/approx_kl"] > 0 and stats["train/clipfrac"] > 0, stats
     # the check can fail: after the two optimizer steps the policy has moved
     _, after = flowgrpo.policy_loss(model, engine, batch.chunk(0, 4), 0, args)
     assert float(after["gap"]) > 0
+
+
+def test_recipes_take_two_optimizer_steps_and_help_shows_the_defaults_it_uses():
+    """The public recipes update twice per rollout batch; with one update the clip would never act. `--help` shows
+    the recipe that `--model` names (tiny when absent), each default once."""
+    assert flowgrpo.RECIPES["qwen-image"].optimizer_steps == flowgrpo.RECIPES["tiny"].optimizer_steps == 2
+    assert flowgrpo.Args() == flowgrpo.RECIPES["tiny"] == flowgrpo.parse_args([])  # a bare run is the tiny recipe
+    env = os.environ | {"COLUMNS": "200"}
+    bare, qwen = (subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), *flags, "--help"], env=env,
+                                 capture_output=True, text=True, timeout=120).stdout
+                  for flags in ([], ["--model", "qwen-image"]))
+    assert "(default: tiny)" in option_help(bare, "--model") and "(default: qwen-image)" in option_help(qwen, "--model")
+    assert "(default: 0.01)" in option_help(bare, "--lr") and "(default: 0.0003)" in option_help(qwen, "--lr")
+    assert option_help(bare, "--model-path").count("default") == 1, option_help(bare, "--model-path")
+
+
+def option_help(text: str, flag: str) -> str:
+    """One option's block of tyro's --help: from its `--flag` line up to the next option's."""
+    lines = [line.strip("│ ") for line in text.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.split(" ")[0] == flag)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("--")), len(lines))
+    return " ".join(lines[start:end])
 
 
 # ---- start-up validation: before any model is built ----------------------------------------------
 @pytest.mark.parametrize("change,flag", [
     (dict(group_size=1), "--group-size"), (dict(window=4), "--window"), (dict(window=2, window_range=(2, 4)), "--window-range"),
     (dict(height=36), "--height"), (dict(width=0), "--width"), (dict(reward="no_such_reward"), "reward"),
-    (dict(lr=0.0), "--lr"), (dict(lr=-1e-3), "--lr"), (dict(noise_level=0.0), "--noise-level"),
-    (dict(sde_type="cps", noise_level=1.0), "--noise-level"), (dict(prompts="/no/such/file.txt"), "file.txt"),
+    (dict(lr=0.0), "--lr"), (dict(lr=-1e-3), "--lr"), (dict(lr=math.inf), "--lr must be a finite number"),
+    (dict(noise_level=0.0), "--noise-level"), (dict(sde_type="cps", noise_level=1.0), "--noise-level"),
+    (dict(prompts="/no/such/file.txt"), "file.txt"), (dict(adv_clip=-1.0), "--adv-clip"), (dict(adv_clip=0.0), "--adv-clip"),
+    (dict(lora_alpha=0.0), "--lora-alpha"), (dict(eval_images=0), "--eval-images"), (dict(seed=-1), "--seed"),
+    (dict(weight_decay=math.nan), "--weight-decay must be a finite number"), (dict(allow_change=("nosuch",)), "--allow-change"),
+    (dict(allow_change=("lora_rank",)), "--allow-change"),
 ])
 def test_impossible_configurations_fail_with_the_flag_named(change, flag):
     with pytest.raises((ValueError, FileNotFoundError), match=flag):
@@ -89,6 +119,8 @@ def test_batch_arithmetic_is_derived_and_checked():
         flowgrpo.batch_arithmetic(a, 3)
     with pytest.raises(ValueError, match="divisible by 12"):
         flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3), 1)
+    with pytest.raises(ValueError, match="need about .* GiB .* more than this machine's .* --group-size"):
+        flowgrpo.batch_arithmetic(dataclasses.replace(a, group_size=2**30, micro_batch=2), 1)  # not std::bad_alloc
 
 
 def test_image_assignment_is_world_size_invariant_per_optimizer_step():
@@ -104,13 +136,19 @@ def _cli(*flags, timeout=600):
                           timeout=timeout, cwd=ROOT, env=os.environ | {"WANDB_MODE": "offline"})
 
 
-# Through the real CLI for two cases (a flag check and tyro's own choice check); the rest in-process above.
-@pytest.mark.parametrize("flags,needle", [(["--group-size", "1"], "--group-size"), (["--model", "sd9"], "--model")])
+# Through the real CLI: one line on stderr naming the flag or file, no traceback, nothing built or written.
+@pytest.mark.parametrize("flags,needle", [
+    (["--group-size", "1"], "--group-size"), (["--model", "sd9"], "--model"), (["--seed", "-1"], "--seed"),
+    (["--eval-images", "0"], "--eval-images"), (["--group-size", "1000000000"], "--group-size"),
+    (["--run-dir", "/dev/null/run"], "--run-dir /dev/null/run: cannot write there"),
+])
 def test_cli_rejects_bad_input_before_building_anything(flags, needle):
     out = _cli("--model", "tiny", *flags) if flags[0] != "--model" else _cli(*flags)
     assert out.returncode != 0
-    assert needle in out.stderr
-    assert "batch arithmetic" not in out.stdout  # stopped before the model was built
+    assert needle in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "batch arithmetic" not in out.stdout  # stopped before the model was built
+    if flags[0] != "--model":  # tyro prints its own usage for a bad choice; ours is one line
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_run_sh_recipes_launch():
@@ -136,12 +174,14 @@ def test_tiny_run_learns_and_writes_its_run_directory(tmp_path):
                 "train/policy_loss", "train/grad_norm", "perf/rollout_s", "perf/train_s"):
         assert all(key in r for r in rows), key
     assert all(r["train/logp_gap"] == 0 for r in rows)  # every iteration's first update is exactly on-policy
+    assert all(r["train/approx_kl"] > 0 for r in rows)  # ... and its second is not: the clip has work to do
     first = sum(r["reward/mean"] for r in rows[:3]) / 3
     last = sum(r["reward/mean"] for r in rows[-3:]) / 3
     noise = rows[0]["reward/std"]
     assert last - first > 3 * noise, (first, last, noise)  # stated margin: three within-batch stds
     assert (run / "args.json").exists() and (run / "reward_curve.png").stat().st_size > 5000
-    assert sorted(os.listdir(run / "samples")) == [f"eval_{0:05d}.png", f"eval_{20:05d}.png", f"eval_{29:05d}.png"]
+    assert sorted(os.listdir(run / "samples")) == ["eval_00000.png", "eval_00020.png", "eval_00029.png"]
+    assert f"run directory: {run}" in out.stdout and "== done" in out.stdout  # named at the start, summed up at the end
     assert (run / "lora" / "pytorch_lora_weights.safetensors").exists()
     assert (run / "wandb").is_dir()
 
@@ -149,7 +189,7 @@ def test_tiny_run_learns_and_writes_its_run_directory(tmp_path):
 # ---- the engine's single-process contract: reference model, KL, non-finite gradients -------------
 def test_reference_is_the_base_model_and_kl_is_exact():
     model, engine, batch = tiny_setup()
-    args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4)
+    args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4, optimizer_steps=1)
     _, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
     assert float(stats["kl"]) == 0.0  # LoRA B starts at 0: the policy is the reference
     flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
