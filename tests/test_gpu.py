@@ -1,4 +1,4 @@
-"""Tier 3 of DESIGN.md: what the CPU tests claim, at the GPU recipe's dtypes and, given a GPU, on its kernels.
+"""The GPU test tier: what the CPU tests claim, at the GPU recipe's dtypes and, given a GPU, on its kernels.
 
 The CUDA cases are skipped without a GPU and have not run yet: no task so far was lent one. A session that is lent
 one runs this file right after `bash run.sh bench-gpu`, which installs the packages (BENCHMARKS.md gives the call).

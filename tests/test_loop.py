@@ -220,3 +220,20 @@ def test_a_non_finite_gradient_skips_the_step():
     after = engine.lora_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.count_nonzero(p.grad.to_local()) == 0 for p in engine.params)  # gradients cleared
+
+
+def test_sample_grid_captions_wrap_at_word_boundaries(tmp_path):
+    """Captions break between words (Pillow's bundled TrueType font, measured in pixels), never inside one, and what
+    does not fit in two lines ends in "…"."""
+    from PIL import ImageFont
+    import runlog
+    font, width = ImageFont.load_default(size=11), 188
+    prompt = "a photo of a cat sitting on a mat in the afternoon sun, next to an extraordinarily long word: " + "x" * 20
+    lines = runlog.wrap(prompt, font, width, max_lines=2)
+    assert len(lines) == 2 and lines[1].endswith("…"), lines
+    assert all(font.getlength(line) <= width for line in lines), [font.getlength(line) for line in lines]
+    words = " ".join(lines).removesuffix("…").split()
+    assert words[:-1] == prompt.split()[:len(words) - 1] and prompt.split()[len(words) - 1].startswith(words[-1])
+    assert runlog.wrap("a short one", font, width, max_lines=2) == ["a short one"]
+    runlog.save_grid(str(tmp_path / "grid.png"), torch.rand(3, 3, 32, 32), [f"{prompt} | 0.5"] * 3)
+    assert (tmp_path / "grid.png").stat().st_size > 1000
