@@ -1,14 +1,13 @@
 """The training engine: the only file that knows how training is distributed.
 
 It owns the process group, the trainable weights (LoRA via peft, or the full transformer), FSDP2
-sharding, the optimizer, gradient clipping, the reference model (the same network with the adapter
-disabled), the few collectives the loop needs, checkpoints (torch.distributed.checkpoint) and LoRA
-export. The loop calls `engine.step()`, `engine.reference()`, `engine.all_gather(x)`, ... and never
-branches on parallelism: one process is simply a world of size 1 (same FSDP2 code path).
+sharding, the optimizer, gradient clipping, the EMA of the weights, the reference model (the same network
+with the adapter disabled), the few collectives the loop needs, saving and loading checkpoints
+(torch.distributed.checkpoint; their files and checks: checkpoint.py) and LoRA export. The loop calls
+`engine.step()`, `engine.reference()`, `engine.all_gather(x)`, ... and never branches on parallelism: one
+process is simply a world of size 1 (same FSDP2 code path).
 """
 import contextlib
-import glob
-import hashlib
 import json
 import math
 import os
@@ -19,13 +18,13 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-CKPT_PREFIX = "iter_"
+import checkpoint as ckpt
+
 # FSDP2 warns on every call that the transformer returns a view; the loop never modifies outputs in place.
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
@@ -55,13 +54,60 @@ def assign_images(n_images: int, optimizer_steps: int, world_size: int, seed: in
     return perm.view(optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
 
 
+class EMA:
+    """An exponential moving average of the trained parameters (docs/algorithm.md §10, "EMA"). After optimizer step n
+    (n = 1, 2, …; skipped steps count), when n + 1 is a multiple of `every`: ema ← ema + (1 − d)·(θ − ema) with
+    d = min((1 + n)/(10 + n), decay). Under FSDP2 the parameters are DTensors and each rank averages its own shards
+    in float32, element-wise: no communication, and the same bits whatever the number of ranks."""
+
+    def __init__(self, named_params, decay: float, every: int):
+        self.names, self.params = map(list, zip(*named_params))
+        self.decay, self.every, self.steps = decay, every, torch.zeros((), dtype=torch.int64)
+        with torch.no_grad():  # starts at the initial weights (a LoRA's B = 0: the base model); DTensors stay sharded
+            self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        n = int(self.steps)
+        if (n + 1) % self.every == 0:
+            weight = 1 - min((1 + n) / (10 + n), self.decay)
+            for ema, p in zip(self.shadow, self.params):
+                _local(ema).add_((_local(p).float() - _local(ema)) * weight)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """The EMA weights in the model for the duration; the trained ones come back bit for bit. (FSDP2 gathers the
+        shards at every forward, so the swap needs no resharding.)"""
+        with torch.no_grad():
+            backup = [_local(p).clone() for p in self.params]
+            for ema, p in zip(self.shadow, self.params):
+                _local(p).copy_(_local(ema))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for saved, p in zip(backup, self.params):
+                    _local(p).copy_(saved)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint holds (DTensors under FSDP2): dcp.save writes them beside the weights, and dcp.load
+        fills these very tensors in place, strictly."""
+        return {"step": self.steps, **dict(zip(self.names, self.shadow))}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the storage FSDP2 gathers from: in-place writes reach the parameter)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class Engine:
     """Trains `model.transformer` in place: LoRA → activation checkpointing → compile → FSDP2 → AdamW."""
 
     def __init__(self, model, *, lora_rank: int, lora_alpha: float, lora_targets, lr: float, weight_decay: float,
                  max_grad_norm: float, seed: int, full_finetune: bool = False, activation_checkpointing: bool = False,
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
-                 shard_text_encoder: bool = False):
+                 shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8):
         self.rank, self.world_size, self.device = init_distributed()
         self.model, self.max_grad_norm, self.skipped_steps = model, max_grad_norm, 0
         net = model.transformer
@@ -99,7 +145,9 @@ class Engine:
         if shard_text_encoder:  # frozen, only forwards: shard it to save memory on every rank
             for module in model.text_encoder_shards():
                 fully_shard(module)
-        self.params = [p for p in net.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.ema = EMA(named, ema_decay, ema_every) if ema_decay > 0 else None  # of this rank's shards
         if not self.params:
             raise ValueError(f"--lora-targets {list(lora_targets)} matched no module of the transformer")
         # foreach: batched over parameters (on CPU the default per-tensor loop cost ~4× more per step, bench.py);
@@ -127,7 +175,15 @@ class Engine:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
+        if self.ema:  # skipped steps count, as Flow-GRPO's step counter
+            self.ema.step()
         return norm, skipped
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """The EMA weights for the duration (evaluation, export) with --ema-decay > 0; the trained ones otherwise."""
+        with self.ema.swapped() if self.ema else contextlib.nullcontext():
+            yield
 
     @contextlib.contextmanager
     def reference(self):
@@ -178,12 +234,13 @@ class Engine:
         written atomically by rank 0."""
         if self.lora_config is None:
             return
-        state = self.lora_state_dict()
-        if self.is_main:
-            tmp = directory + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.model.save_lora(tmp, state, self.lora_config.to_dict())
-            _replace_dir(tmp, directory)
+        with self.ema_weights():  # written inside: in a world of one the state's tensors are the live weights
+            state = self.lora_state_dict()
+            if self.is_main:
+                tmp = directory + ".tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.model.save_lora(tmp, state, self.lora_config.to_dict())
+                ckpt.replace_dir(tmp, directory)
         self.barrier()
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -191,6 +248,9 @@ class Engine:
     # strict through dcp.load (every requested key must be in the checkpoint, with its shape); `strict=False`
     # only lets `set_state_dict` accept a state dict without the frozen keys.
     _OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+    def _ema_state(self) -> dict:
+        return {"ema": self.ema.state_dict()} if self.ema else {}
 
     def _state(self):
         return get_state_dict(self.model.transformer, self.optimizer, options=self._OPTIONS)
@@ -205,32 +265,33 @@ class Engine:
             os.makedirs(tmp)
         self.barrier()
         model_sd, optim_sd = self._state()
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
+        dcp.save({"model": model_sd, "optim": optim_sd, **self._ema_state()}, checkpoint_id=os.path.join(tmp, "dcp"))
         time.sleep(float(os.environ.get("FLOWGRPO_CHECKPOINT_DELAY", 0)))  # widens the window for crash tests
-        save_rng_state(os.path.join(tmp, f"rng_rank{self.rank}.safetensors"))
+        ckpt.save_rng_state(os.path.join(tmp, f"rng_rank{self.rank}.safetensors"))
         self.export_lora(os.path.join(tmp, "lora"))  # ends with a barrier: every rank's files are written
         if self.is_main:
-            meta = dict(meta, world_size=self.world_size, manifest=manifest(tmp))
+            meta = dict(meta, world_size=self.world_size, manifest=ckpt.manifest(tmp))
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _replace_dir(tmp, directory)
-            for old in list_checkpoints(os.path.dirname(directory), run_id=meta["run_id"])[:-keep]:
+            ckpt.replace_dir(tmp, directory)
+            for old in ckpt.list_checkpoints(os.path.dirname(directory), run_id=meta["run_id"])[:-keep]:
                 shutil.rmtree(old)
         self.barrier()
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore the trained weights, optimizer and RNG states (strictly) from a checkpoint that resolve_resume
         checked against its manifest; returns meta.json's content."""
-        meta = read_checkpoint_meta(directory)
+        meta = ckpt.read_checkpoint_meta(directory)
         if not self.optimizer.state:  # AdamW creates its state lazily: make it (lr 0, no decay) so it can be filled
             for group in self.optimizer.param_groups:
                 group.update(lr=0.0, weight_decay=0.0)
             self.optimizer.step()
         model_sd, optim_sd = self._state()
+        ema = self._ema_state()  # the EMA's own tensors: dcp.load fills them in place
         try:
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(directory, "dcp"))
+            dcp.load({"model": model_sd, "optim": optim_sd, **ema}, checkpoint_id=os.path.join(directory, "dcp"))
             set_state_dict(self.model.transformer, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                            options=self._OPTIONS)
         except (Exception, CheckpointException) as e:  # DCP's error is a BaseException; we name the file and the fix
@@ -239,7 +300,7 @@ class Engine:
         for group in self.optimizer.param_groups:  # the checkpoint's hyper-parameters yield to this run's flags
             group.update(self.hyper)
         if meta["world_size"] == self.world_size:
-            load_rng_state(os.path.join(directory, f"rng_rank{self.rank}.safetensors"))
+            ckpt.load_rng_state(os.path.join(directory, f"rng_rank{self.rank}.safetensors"))
         elif self.is_main:  # every random draw of the loop derives from (seed, iteration): still exact, up to rounding
             print(f"resuming {meta['world_size']} rank(s) as {self.world_size}: the per-rank global RNG states are "
                   "not restored (the loop's noise, windows and shuffles derive from --seed and the iteration)")
@@ -263,120 +324,3 @@ def on_main(fn, *args):
     return value
 
 
-# ---- checkpoint files: data only (safetensors, JSON); what DCP must unpickle is checked against a manifest first
-
-def save_rng_state(path: str) -> None:
-    """torch's global RNG states (CPU and every GPU) as safetensors. Python's and NumPy's global generators are not
-    saved: nothing here draws from them (windows, prompt order and noise have their own seeded generators)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    save_file({"cpu": torch.get_rng_state(), **{f"cuda{i}": s for i, s in enumerate(cuda)}}, path)
-
-
-def load_rng_state(path: str) -> None:
-    if not os.path.isfile(path):
-        raise ValueError(f"--resume: {path} is missing: the checkpoint is incomplete; resume from another one")
-    state = load_file(path)
-    torch.set_rng_state(state["cpu"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state[f"cuda{i}"] for i in range(torch.cuda.device_count())])
-
-
-def manifest(directory: str) -> dict[str, str]:
-    """{relative path: SHA-256} of every file under directory except meta.json (which holds the manifest)."""
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, directory)
-            if rel != "meta.json":
-                with open(path, "rb") as f:
-                    out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
-    return out
-
-
-META_KEYS = ("run_id", "flags", "loop", "world_size", "manifest")
-LOOP_KEYS = ("iteration", "sampler", "skipped_steps", "wandb_id")
-
-
-def verify_checkpoint(directory: str) -> dict:
-    """meta.json, after checking that every file of the checkpoint is exactly the one its manifest lists: DCP
-    unpickles dcp/.metadata and non-tensor values, so a swapped file would run code. Errors name the file."""
-    meta = read_checkpoint_meta(directory)
-    found = manifest(directory)
-    for rel in sorted(found.keys() | meta["manifest"].keys()):
-        if found.get(rel) != meta["manifest"].get(rel):
-            state = "is missing" if rel not in found else "is not in the manifest" if rel not in meta["manifest"] \
-                else "differs from its SHA-256 in the manifest"
-            raise ValueError(f"--resume: {os.path.join(directory, rel)} {state} ({os.path.join(directory, 'meta.json')})"
-                             ": the checkpoint was altered or damaged; resume from another one")
-    return meta
-
-
-def _replace_dir(src: str, dst: str) -> None:
-    """Rename src to dst; an existing dst is moved aside first and removed only after the swap."""
-    old = dst + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(dst):
-        os.rename(dst, old)
-    os.rename(src, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def list_checkpoints(root: str, run_id: str | None = None) -> list[str]:
-    """Complete checkpoints under root, oldest first: real directories (not links) with a meta.json (a `.tmp`
-    directory is an interrupted write); with run_id, only that run's (pruning never touches another run's)."""
-    paths = [p for p in glob.glob(os.path.join(root, CKPT_PREFIX + "*")) if p[-4:] not in (".tmp", ".old")]
-    done = [p for p in paths if not os.path.islink(p) and os.path.isfile(os.path.join(p, "meta.json"))]
-    return sorted(p for p in done if run_id is None or _run_id_of(p) == run_id)
-
-
-def _run_id_of(directory: str) -> str | None:
-    try:
-        with open(os.path.join(directory, "meta.json")) as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def read_checkpoint_meta(directory: str) -> dict:
-    """meta.json of a checkpoint, with a clear error for a missing, incomplete, corrupt or foreign one."""
-    path = os.path.join(directory, "meta.json")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--resume: no checkpoint directory {directory}")
-    for needed in (path, os.path.join(directory, "dcp", ".metadata")):
-        if not os.path.exists(needed):
-            raise ValueError(f"--resume: {directory} is incomplete ({needed} is missing): it was interrupted while being "
-                             "written — resume from an earlier checkpoint")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--resume: {path} is corrupt ({e})") from e
-    missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
-    missing += [f"loop.{k}" for k in LOOP_KEYS if not missing and k not in meta["loop"]]
-    if missing:
-        raise ValueError(f"--resume: {path} lacks {', '.join(missing)}: not a checkpoint written by this version of "
-                         "flowgrpo.py")
-    return meta
-
-
-def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=()) -> tuple[str, dict]:
-    """(checkpoint directory, its meta.json) for `--resume PATH|auto`, checked before anything is built: its files
-    against its manifest, and its flags against this run's `flags` (those that decide the result), except the ones
-    named in `may_change`."""
-    if resume == "auto":
-        if run_dir is None:
-            raise ValueError("--resume auto needs --run-dir (the run whose newest checkpoint to continue)")
-        found = list_checkpoints(os.path.join(run_dir, "checkpoints"))
-        if not found:
-            raise FileNotFoundError(f"--resume auto: no complete checkpoint in {os.path.join(run_dir, 'checkpoints')}")
-        resume = found[-1]
-    meta = verify_checkpoint(resume)
-    saved = meta["flags"]
-    diff = {k: (saved.get(k), v) for k, v in flags.items() if saved.get(k) != v and k not in may_change}
-    if diff:
-        raise ValueError(f"--resume: {os.path.join(resume, 'meta.json')} was written with different flags, which would "
-                         "break exact resumption: " + "; ".join(f"--{k.replace('_', '-')}: checkpoint {a!r}, this run "
-                                                               f"{b!r}" for k, (a, b) in diff.items())
-                         + " (use the checkpoint's values, or name the flags in --allow-change to change them)")
-    return resume, meta

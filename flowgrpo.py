@@ -23,9 +23,19 @@ Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs
 5. Each image's noise comes from its own generator, seeded by (seed, iteration, image index): images do
    not depend on the number of ranks or the micro-batch size.
 6. Qwen-Image's LoRA targets omit `to_out.0` (vLLM-Omni cannot serve it) and `to_add_out`.
-7. No EMA of the policy weights (the Qwen-Image recipe runs without it).
+7. EMA is off in the Qwen-Image recipe, as in its public config; `--ema-decay` updates it once per K optimizer
+   steps (Flow-GRPO's SD3 script: once per micro-batch, so several times per step under accumulation).
 8. `--model tiny` is a toy recipe (32×32, 4 steps, a cheap image-space reward, large clip range and
    learning rate) chosen so that learning is visible on a CPU within a couple of minutes.
+
+Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
+`train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
+    --sde-type dance             DanceGRPO's SDE: constant noise level η, score drift        scheduler.py
+    --window-schedule sliding    MixGRPO: the window slides later every 25 iterations        scheduler.py
+    --ode-solver dpm2            MixGRPO-Flash: ODE after the window in half the passes       scheduler.py
+    --branch                     Flow-GRPO-Fast: a group shares its prefix, branches at s     rollout.py
+    --ratio-norm                 GRPO-Guard: std-scaled, bias-corrected log-ratio             flowgrpo.py
+    --ema-decay D --ema-every K  EMA weights for evaluation and the exported LoRA             engine.py
 """
 import dataclasses
 import math
@@ -41,6 +51,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import checkpoint
 import engine as eng
 import models
 import prompts as prompt_sets
@@ -93,14 +104,26 @@ class Args:
     """true-CFG scale w (1 = no CFG, one transformer pass per step)"""
     negative_prompt: str = " "
     """negative prompt for true CFG"""
-    sde_type: Literal["sde", "cps"] = "sde"
-    """stochastic sampler: Flow-GRPO's marginal-preserving SDE or coefficients-preserving sampling"""
+    sde_type: Literal["sde", "cps", "dance"] = "sde"
+    """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
     noise_level: float = 0.7
     """SDE noise level a (> 0; < 1 for cps)"""
     window: int = 0
     """trained SDE steps per image, consecutive; 0 = full mode (every step but the last)"""
     window_range: tuple[int, int] = (0, 3)
     """[lo, hi): the window lies inside these step indices"""
+    window_schedule: Literal["random", "sliding"] = "random"
+    """where each iteration's window lies: uniformly in --window-range, or MixGRPO's window sliding later every 25"""
+    branch: bool = False
+    """Flow-GRPO-Fast: a group shares its noise and ODE path up to the window, then branches (needs --window)"""
+    ode_solver: Literal["euler", "dpm2"] = "euler"
+    """the ODE steps after the window: Euler, or DPM-Solver++(2M) in half the passes (MixGRPO-Flash)"""
+    ratio_norm: bool = False
+    """GRPO-Guard's ratio normalisation: log r = std·(logp − logp_old) + mean((μ − μ_old)²)/(2·std)"""
+    ema_decay: float = 0.0
+    """EMA decay of the trained weights in [0, 1), used for evaluation and <run-dir>/lora (0 = off; SD3 recipe: 0.9)"""
+    ema_every: int = 8
+    """optimizer steps between EMA updates (decay min((1 + n)/(10 + n), --ema-decay) at step n)"""
     clip_range: float = 0.2
     """PPO clip ε on the probability ratio"""
     adv_clip: float = 5.0
@@ -198,12 +221,17 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     need(a.cfg_scale >= 1, f"--cfg-scale must be >= 1 (1 = no CFG), got {a.cfg_scale}")
     need(a.eval_images >= 1 or not a.eval_every, f"--eval-images must be >= 1 with --eval-every > 0, got {a.eval_images}")
     need(not (a.full_finetune and a.kl_beta > 0), "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
-    need(a.sde_type != "cps" or a.noise_level < 1, f"--noise-level must be in (0, 1) for cps, got {a.noise_level}")
+    need(not a.branch or a.window > 0, "--branch needs a window (--window > 0): the group branches at its start")
+    need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
+         f"got {a.ema_decay}, {a.ema_every}")
+    need(a.rollout == "local" or not (a.branch or a.ratio_norm or a.ode_solver != "euler"),
+         "--branch, --ode-solver dpm2 and --ratio-norm need --rollout local (the vLLM-Omni pipeline has none yet)")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
          "checkpoint's tensor shapes and cannot change on --resume")
-    sch.check_window(a.num_steps, a.window, a.window_range)
+    sch.check_variants(a.num_steps, a.window, a.window_range, sde_type=a.sde_type, noise_level=a.noise_level,
+                       window_schedule=a.window_schedule, ode_solver=a.ode_solver)
     sch.check_window(a.eval_steps, 0, (0, 0))
     models.check_resolution(a.model, a.height, a.width)
     rewards.check_reward_spec(a.reward)
@@ -212,7 +240,7 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     rollout.check_backend(a.rollout, a.rollout_url)
     if not a.resume:
         return None
-    ckpt, meta = eng.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
+    ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
     need(meta["loop"]["iteration"] + 1 < a.iterations, f"--iterations {a.iterations} leaves nothing to train after "
          f"{ckpt}, which ends iteration {meta['loop']['iteration']}: --iterations is the total, pass more")
     return ckpt, meta
@@ -267,6 +295,19 @@ def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: fl
     return adv.clamp(-clip, clip).float(), zero / len(group.unique())
 
 
+def log_ratio(logp, mean, std, mb: rollout.Batch, j: int) -> torch.Tensor:
+    """log(π_θ/π_old) of trained transition j, (b,)."""
+    return logp - mb.log_probs[:, j]
+
+
+def guard_log_ratio(logp, mean, std, mb: rollout.Batch, j: int) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio (docs/algorithm.md §10), (b,): needs the behaviour means."""
+    return sch.guard_log_ratio(logp, mb.log_probs[:, j], mean, mb.means[:, j], std)
+
+
+LOG_RATIOS = {False: log_ratio, True: guard_log_ratio}  # --ratio-norm
+
+
 def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torch.Tensor, dict]:
     """PPO-clip loss (and optional KL) of trained transition j for a micro-batch of b images."""
     x, x_next, sigma, sigma_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
@@ -274,7 +315,7 @@ def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torc
     v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
     _, logp, mean, std = sch.step(v, x, sigma, sigma_next, **kw)  # logp: (b,)
     delta = logp - mb.log_probs[:, j]
-    ratio = torch.exp(delta)
+    ratio = torch.exp(LOG_RATIOS[a.ratio_norm](logp, mean, std, mb, j))
     adv = mb.advantages
     loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range)).mean()
     # detached tensors, read once per iteration: an .item() here would sync the GPU every step
@@ -355,7 +396,7 @@ def main(a: Args) -> list[dict]:
                         weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed,
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
-                        shard_text_encoder=a.shard_text_encoder)
+                        shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every)
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
@@ -377,7 +418,8 @@ def main(a: Args) -> list[dict]:
                                            engine.world_size, seed=a.seed * 7919 + it)  # (world, B) global image ids
             mine = assignment[engine.rank]
             group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
-            steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it)
+            steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it, iteration=it,
+                                      schedule=a.window_schedule)
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
             t0 = time.perf_counter()
@@ -389,7 +431,7 @@ def main(a: Args) -> list[dict]:
                                    height=a.height, width=a.width, cfg_scale=a.cfg_scale,
                                    negative_prompt=a.negative_prompt, noise_level=a.noise_level, sde_type=a.sde_type,
                                    seed=a.seed, iteration=it, chunk=a.micro_batch, progress=engine.is_main,
-                                   on_images=score_chunk)
+                                   on_images=score_chunk, branch=a.branch, ode_solver=a.ode_solver)
             t1 = time.perf_counter()
 
             # --- 3. rewards (already running since each chunk was decoded), gathered over ranks -----
@@ -416,7 +458,8 @@ def main(a: Args) -> list[dict]:
             # --- 7. eval every K iterations and at the end ------------------------------------------
             if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
                 model.transformer.eval()
-                row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
+                with engine.ema_weights():
+                    row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
             log.log(row)
             bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
 
@@ -424,7 +467,7 @@ def main(a: Args) -> list[dict]:
             if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):
                 loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
                         "wandb_id": log.wandb_id}
-                engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{eng.CKPT_PREFIX}{it:06d}"),
+                engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
                                        {"run_id": run_id, "flags": fingerprint(a), "loop": loop}, a.keep_checkpoints)
     finally:  # an error or Ctrl-C too: stop scoring threads and remove exchange files; checkpoints stay as written
         scorer.close()

@@ -7,6 +7,8 @@ chunking or ranks. Backend `vllm-omni`: vLLM-Omni servers running `omni_pipeline
 `scheduler.step` inside vLLM-Omni's pipeline) sample; `OmniBackend`, their HTTP client, returns the same
 `Batch`. This module never imports vllm_omni.
 """
+import contextlib
+import functools
 import glob
 import http.client
 import json
@@ -14,6 +16,7 @@ import os
 import queue
 import random
 import shutil
+import stat
 import time
 import urllib.error, urllib.parse, urllib.request  # noqa: E401
 import uuid
@@ -21,8 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load, save_file
 from tqdm import tqdm
 
 import scheduler as sch
@@ -41,13 +43,15 @@ class Batch:
     cond: dict  # embeds (B, L, D), mask (B, L), and for CFG neg_embeds, neg_mask
     images: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]
     advantages: torch.Tensor | None = None  # (B,) set by the loop after the rewards
+    means: torch.Tensor | None = None  # (B, W, S, C) float32: behaviour means of the trained transitions
 
     def chunk(self, start: int, stop: int) -> "Batch":
         """Images [start, stop) as a Batch (views, no copies)."""
         s = slice(start, stop)
         return Batch(self.prompts[s], self.metadata[s], self.group[s], self.latents[s], self.log_probs[s],
                      self.sigmas, self.sigma_max, {k: v[s] for k, v in self.cond.items()}, self.images[s],
-                     None if self.advantages is None else self.advantages[s])
+                     None if self.advantages is None else self.advantages[s],
+                     None if self.means is None else self.means[s])
 
 
 def image_seed(seed: int, iteration: int, image_id: int) -> int:
@@ -60,46 +64,85 @@ def image_generators(seed: int, iteration: int, image_ids) -> list[torch.Generat
     return [torch.Generator().manual_seed(image_seed(seed, iteration, i)) for i in image_ids]
 
 
+def branch_prefixes(model, prompts: list[str], group: torch.Tensor, *, sigmas: torch.Tensor, start: int,
+                    negative_prompt: str, cfg_scale: float, seed: int, iteration: int, height: int,
+                    width: int) -> dict[int, torch.Tensor]:
+    """{group id: (1, S, C) float32, the state at σ_start that all the group's images share}: the group's own
+    initial noise (seeded as image index −1 − g, which no image has), then the `start` Euler steps before the
+    window. Each group is computed alone (its prompt encoded alone, batch 1), so the bits do not depend on
+    what else a rank holds: every rank holding part of a group computes the same prefix."""
+    prefixes = {}
+    for g, prompt in dict(zip(group.tolist(), prompts)).items():  # a group's images share its prompt
+        cond = model.conditioning([prompt], negative_prompt, cfg_scale)
+        x = model.noise([torch.Generator().manual_seed(image_seed(seed, iteration, -1 - g))], height, width)
+        velocity = functools.partial(model.velocity, cond=cond, cfg_scale=cfg_scale, height=height, width=width)
+        prefixes[g] = sch.ode_euler(velocity, x, sigmas[:start + 1])
+    return prefixes
+
+
 @torch.no_grad()
 def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *, steps: list[int], num_steps: int,
            height: int, width: int, cfg_scale: float, negative_prompt: str, noise_level: float, sde_type: str,
-           seed: int, iteration: int, chunk: int, progress: bool = False, on_images=None) -> Batch:
+           seed: int, iteration: int, chunk: int, progress: bool = False, on_images=None, branch: bool = False,
+           ode_solver: str = "euler") -> Batch:
     """Sample B images in chunks of `chunk`; SDE (recorded) on `steps` (consecutive: full or window mode),
     ODE elsewhere (no steps and noise 0: the evaluation sampler). Work: one transformer call per step per CFG
     branch, one VAE decode per image, as diffusers' pipeline. `on_images(start, images)` gets each chunk's
-    images once decoded (the loop scores them while the next chunk samples)."""
+    images once decoded (the loop scores them while the next chunk samples).
+    branch: a group's images share their initial noise and the s = steps[0] ODE steps before the window
+    (`branch_prefixes`, once per group on each rank that holds part of it) and branch there into their own
+    SDE steps: s + G·(N − s) calls per group instead of G·N.
+    ode_solver: how the ODE steps after the window are taken (scheduler.ODE_SOLVERS: `euler`, or `dpm2`,
+    diffusers' DPM-Solver++(2M) in half the calls); the trained steps and stored latents do not change."""
     assert list(steps) == list(range(steps[0], steps[0] + len(steps))) if steps else True, f"not consecutive: {steps}"
+    if branch and not steps:
+        raise ValueError("branching needs SDE steps to branch into (a window); the ODE-only sampler has none")
     sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
     sigma_max = float(sigmas[1])
+    group = torch.as_tensor(group)
     cond = model.conditioning(prompts, negative_prompt, cfg_scale)
-    gens = image_generators(seed, iteration, image_ids)
-    latents, log_probs, images = [], [], []
-    bar = tqdm(total=len(prompts) * num_steps, desc="rollout", unit="step", disable=not progress, leave=False)
+    gens = image_generators(seed, iteration, image_ids)  # each image's own noise: initial (unless branched) and SDE
+    start = steps[0] if branch else 0  # the first step an image takes on its own
+    tail = steps[-1] + 1 if steps else num_steps  # the first step after the window: ODE_SOLVERS[ode_solver] from here
+    shared = branch_prefixes(model, prompts, group, sigmas=sigmas, start=start, negative_prompt=negative_prompt,
+                             cfg_scale=cfg_scale, seed=seed, iteration=iteration, height=height,
+                             width=width) if branch else {}
+    tail_calls = sch.ode_calls(ode_solver, num_steps - tail)
+    latents, log_probs, means, images = [], [], [], []
+    bar = tqdm(total=len(prompts) * (tail - start + tail_calls), desc="rollout", unit="step", disable=not progress,
+               leave=False)
     for c in range(0, len(prompts), chunk):
         b_gens = gens[c:c + chunk]
         b_cond = {k: v[c:c + chunk] for k, v in cond.items()}
-        x = model.noise(b_gens, height, width)  # (b, S, C) float32 at σ = 1
-        states, lps = [], []
-        for i in range(num_steps):
+        velocity = functools.partial(model.velocity, cond=b_cond, cfg_scale=cfg_scale, height=height, width=width)
+        # (b, S, C) float32 at σ_start: the groups' shared prefixes, or each image's own noise at σ = 1
+        b_group = group[c:c + chunk].tolist()
+        x = torch.cat([shared[g] for g in b_group]) if branch else model.noise(b_gens, height, width)
+        states, lps, mus = [], [], []
+        for i in range(start, tail):
             sde = i in steps
             if sde and not states:
                 states.append(x)
-            v = model.velocity(x, sigmas[i].expand(x.shape[0]), b_cond, cfg_scale, height, width)
-            x, log_prob, _, _ = sch.step(v, x, sigmas[i], sigmas[i + 1], sigma_max=sigma_max,
-                                         noise_level=noise_level if sde else 0, sde_type=sde_type, generator=b_gens)
+            v = velocity(x, sigmas[i].expand(x.shape[0]))
+            x, log_prob, mean, _ = sch.step(v, x, sigmas[i], sigmas[i + 1], sigma_max=sigma_max,
+                                            noise_level=noise_level if sde else 0, sde_type=sde_type, generator=b_gens)
             if sde:
                 states.append(x)
                 lps.append(log_prob)
+                mus.append(mean)
             bar.update(x.shape[0])
+        x = sch.ODE_SOLVERS[ode_solver](velocity, x, sigmas[tail:])
+        bar.update(x.shape[0] * tail_calls)
         latents.append(torch.stack(states, 1) if states else x.new_zeros(x.shape[0], 0, *x.shape[1:]))
         log_probs.append(torch.stack(lps, 1) if lps else x.new_zeros(x.shape[0], 0))
+        means.append(torch.stack(mus, 1) if mus else x.new_zeros(x.shape[0], 0, *x.shape[1:]))
         images.append(model.decode(x, height, width))
         if on_images:
             on_images(c, images[-1])
     bar.close()
     trained = sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0]
-    return Batch(list(prompts), list(metadata), torch.as_tensor(group), torch.cat(latents), torch.cat(log_probs),
-                 trained, sigma_max, cond, torch.cat(images))
+    return Batch(list(prompts), list(metadata), group, torch.cat(latents), torch.cat(log_probs),
+                 trained, sigma_max, cond, torch.cat(images), means=torch.cat(means))
 
 
 def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width: int, cfg_scale: float,
@@ -129,7 +172,7 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
         raise ValueError("--rollout-url is only used with --rollout vllm-omni")
     if kind == "vllm-omni" and not given:
         raise ValueError("--rollout vllm-omni needs --rollout-url http://HOST:PORT[,http://HOST:PORT...]: vLLM-Omni "
-                         "servers running omni_pipeline.FlowGRPOQwenImagePipeline (see README)")
+                         "servers running omni_pipeline.FlowGRPOQwenImagePipeline with a trajectory_root (see README)")
     for i, url in enumerate(given):
         p = urllib.parse.urlsplit(url)
         try:
@@ -143,7 +186,8 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
 
 def make_backend(kind: str, urls: str | None, run_dir: str, engine):
     """The backend of `--rollout`. vllm-omni: a collective (every rank calls it); its knobs are OMNI_DEFAULTS,
-    overridden by FLOWGRPO_ROLLOUT_DIR (where adapters and trajectories go, e.g. /dev/shm/run1), _TIMEOUT, ..."""
+    overridden by FLOWGRPO_ROLLOUT_DIR (default: the run directory; the run's adapters and trajectories go to a
+    directory of its own beneath it, which must lie beneath the servers' trajectory_root), _TIMEOUT, ..."""
     if not check_backend(kind, urls):
         return LocalBackend()
     opts = {k: os.environ.get(f"FLOWGRPO_ROLLOUT_{k.upper()}", v) for k, v in OMNI_DEFAULTS.items()}
@@ -182,20 +226,23 @@ def build_requests(prompts, image_ids, *, steps, num_steps, height, width, cfg_s
     return jobs
 
 
-def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, latent_shape, image_shape) -> dict:
-    """The tensors of a trajectory file written by omni_pipeline.py, checked against the request and against
-    the trainer's σ schedule `sigmas` (W+1,) (else the server serves another model or scheduler config)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no trajectory file {path}: the server must see this path (same machine, or a "
-                                "shared filesystem: README) and run omni_pipeline.FlowGRPOQwenImagePipeline")
-    try:
-        with safe_open(path, "pt") as f:
-            meta, t = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors' own error types (truncated header, bad JSON, short data)
-        raise ValueError(f"malformed trajectory file {path}: {e}") from None
+def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_max: float, latent_shape,
+                    image_shape) -> dict:
+    """The tensors of a trajectory file written by omni_pipeline.py, checked against the request and against the
+    trainer's σ schedule, `sigmas` (W+1,) and `sigma_max`. The server's σ come from the same diffusers scheduler
+    config and formula (scheduler.sigma_schedule), so they must be equal to the bit (tests/omni: they are);
+    anything else is another model, another scheduler config, or a server not to be trusted."""
     n, states, W = len(seeds), len(sigmas), max(len(sigmas) - 1, 0)  # ODE only (W = 0): no states, as `sample`
     want = {"latents": (n, states, *latent_shape), "log_probs": (n, W), "sigmas": (states,), "sigma_max": (),
             "images": (n, *image_shape)}
+    # float32 data, plus the header: 5 tensor entries, the seeds and the prompt (JSON-escaped: <= 6 bytes a byte)
+    limit = 4 * sum(torch.Size(s).numel() for s in want.values()) + 8 + 4096 + 6 * len(prompt.encode())
+    data = _read_regular(path, limit)
+    try:  # the safetensors layout: an 8-byte little-endian header size, the JSON header, then the data
+        t = load(data)
+        meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+    except Exception as e:  # safetensors' own error types (truncated header, bad JSON, short data)
+        raise ValueError(f"malformed trajectory file {path}: {e}") from None
     bad = [f"{k} missing" if k not in t else f"{k} has shape {tuple(t[k].shape)} {t[k].dtype}, expected {s} float32"
            for k, s in want.items() if k not in t or tuple(t[k].shape) != s or t[k].dtype != torch.float32]
     bad += [f"{k} is not finite" for k in want if k in t and not bool(torch.isfinite(t[k]).all())]
@@ -203,19 +250,61 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, latent_
         bad.append(f"format {meta.get('format')!r}, expected {FORMAT!r}")
     elif json.loads(meta.get("seeds", "null")) != list(seeds) or meta.get("prompt") != prompt:
         bad.append(f"written for prompt {meta.get('prompt')!r}, seeds {meta.get('seeds')}")
-    if not bad and not torch.allclose(t["sigmas"], sigmas, rtol=0, atol=1e-6):
-        bad.append(f"sampled with sigmas {t['sigmas'].tolist()}; the trainer's are {sigmas.tolist()} (--model-path?)")
+    if not bad and not (torch.equal(t["sigmas"], sigmas) and t["sigma_max"].item() == sigma_max):
+        gap = max([abs(t["sigma_max"].item() - sigma_max), *(t["sigmas"] - sigmas).abs().tolist()])
+        bad.append(f"sampled with sigmas {t['sigmas'].tolist()}, sigma_max {t['sigma_max'].item()}; the trainer's are "
+                   f"{sigmas.tolist()}, {sigma_max} (max |diff| {gap:.3g}: does the server serve --model-path?)")
     if bad:
         raise ValueError(f"malformed trajectory file {path}: " + "; ".join(bad))
     return t
 
 
+def _read_regular(path: str, limit: int) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `limit` bytes. Opened non-blocking and not
+    following a link, then checked on the descriptor: a plain open of a FIFO blocks until someone writes to it,
+    and a directory, a device or a link is no trajectory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no trajectory file {path}: the server wrote none; it must run omni_pipeline."
+                                "FlowGRPOQwenImagePipeline (--custom-pipeline-args, README) and see this path (the "
+                                "same machine, or a shared filesystem)") from None
+    except OSError as e:  # a symbolic link (ELOOP), no permission
+        raise ValueError(f"trajectory file {path} cannot be opened: {e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"trajectory file {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+    with open(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"trajectory file {path} has more than the {limit} bytes a trajectory of this request takes "
+                         "(a server with another model, or a broken one?)")
+    return data
+
+
+def _exchange_dir(base: str) -> tuple[str | None, str | None]:
+    """(a new directory beneath `base` for one run's files, None), or (None, why it could not be made)."""
+    path = os.path.join(base, f"rollout-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(base, exist_ok=True)
+        os.mkdir(path)  # fails if it exists: the directory is this run's alone
+        for sub in ("policy", "trajectories"):
+            os.mkdir(os.path.join(path, sub))
+    except OSError as e:
+        return None, f"FLOWGRPO_ROLLOUT_DIR (default: the run directory) {base}: cannot create {path}: {e}"
+    return path, None
+
+
 class OmniBackend:
-    """Rollout on vLLM-Omni servers. `sync` exports the policy as `<exchange>/policy/v<k>`; `sample` sends the
-    rank's requests (<= `concurrency` in flight per server, to whichever is free), reads and deletes the files
-    `<exchange>/trajectories/*`, and returns the local backend's Batch: the servers' latents, log-probs, σ and
-    images (float32 from the file, not the response's 8-bit PNGs: the reward sees what the local backend would
-    give it), and the prompt conditioning, encoded here by the trainer's own text encoder."""
+    """Rollout on vLLM-Omni servers. All files go to `<exchange>/rollout-<time>-<random>/`, a directory that rank 0
+    creates for this run alone (os.mkdir: never one that exists, so runs sharing FLOWGRPO_ROLLOUT_DIR, or a
+    resumed run and its predecessor, never touch each other's files) and `close` removes. `sync` exports the
+    policy as `policy/v<k>` there; `sample` sends the rank's requests (<= `concurrency` in flight per server, to
+    whichever is free), reads and deletes the files `trajectories/*`, and returns the local backend's Batch: the
+    servers' latents, log-probs and images (float32 from the file, not the response's 8-bit PNGs: the reward sees
+    what the local backend would give it), the trainer's σ (the files' must equal them), and the prompt
+    conditioning, encoded here by the trainer's own text encoder."""
 
     def __init__(self, urls: str, run_dir: str, engine, *, exchange_dir: str | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 2.0, concurrency: int = 2):
@@ -224,16 +313,20 @@ class OmniBackend:
             raise ValueError("--rollout vllm-omni hands the policy to the servers as a LoRA: not with --full-finetune")
         if not (timeout > 0 and retries >= 0 and backoff >= 0 and concurrency >= 1):
             raise ValueError("FLOWGRPO_ROLLOUT_TIMEOUT > 0, _RETRIES >= 0, _BACKOFF >= 0, _CONCURRENCY >= 1 needed")
-        root = os.path.abspath(exchange_dir or run_dir)  # absolute: the server resolves it, not our cwd
-        self.policy_dir, self.traj_dir = os.path.join(root, "policy"), os.path.join(root, "trajectories")
         self.timeout, self.retries, self.backoff, self.concurrency = timeout, retries, backoff, concurrency
-        # vLLM-Omni caches adapters by int_id: an id reused for other weights serves the stale ones, also across
-        # restarts of the trainer against a long-lived server. int_id = base + version, base drawn per start.
-        self.id_base = engine.broadcast_object(random.SystemRandom().randrange(1, 2**31) << 24)
-        self.lora, self.rank = None, engine.rank
-        os.makedirs(self.traj_dir, exist_ok=True)
+        self.lora, self.rank, self.is_main = None, engine.rank, engine.is_main
         for url in self.urls:  # fail at start-up, not in the first iteration
             self._call(url, "/health", None, "GET /health")
+        # vLLM-Omni caches adapters by int_id: an id reused for other weights serves the stale ones, also across
+        # restarts of the trainer against a long-lived server. int_id = base + version, base drawn per start.
+        # Rank 0 makes the run's directory (absolute: the server resolves the paths, not our cwd) and names it,
+        # or its error, to all ranks: none waits for a directory that failed.
+        made = _exchange_dir(os.path.abspath(exchange_dir or run_dir)) if engine.is_main else None
+        id_base = random.SystemRandom().randrange(1, 2**31) << 24
+        (self.root, error), self.id_base = engine.broadcast_object((made, id_base))
+        if error:
+            raise OSError(error)
+        self.policy_dir, self.traj_dir = os.path.join(self.root, "policy"), os.path.join(self.root, "trajectories")
 
     def sync(self, engine, iteration: int) -> None:
         """Export the current policy as version `iteration`. Every rank calls it: lora_state_dict is a collective,
@@ -241,11 +334,9 @@ class OmniBackend:
         state = engine.lora_state_dict()
         path = os.path.join(self.policy_dir, f"v{iteration}")
         if engine.is_main:  # PEFT's layout, which vLLM-Omni loads; built in v<k>.tmp, renamed when complete
-            shutil.rmtree(path + ".tmp", ignore_errors=True)
             engine.lora_config.save_pretrained(path + ".tmp")  # adapter_config.json: r, lora_alpha, targets
             save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
                       os.path.join(path + ".tmp", "adapter_model.safetensors"))
-            shutil.rmtree(path, ignore_errors=True)  # a resumed run exports its first version again
             os.rename(path + ".tmp", path)
             for old in set(glob.glob(os.path.join(self.policy_dir, "v*"))) - {path}:
                 shutil.rmtree(old, ignore_errors=True)
@@ -253,9 +344,13 @@ class OmniBackend:
         self.lora = {"name": f"flowgrpo-v{iteration}", "local_path": path, "int_id": self.id_base + iteration}
 
     def sample(self, model, prompts, metadata, group, image_ids, *, steps, num_steps, height, width, cfg_scale,
-               negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False, on_images=None) -> Batch:
+               negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False, on_images=None,
+               branch=False, ode_solver="euler") -> Batch:
         """`sample`'s contract; `chunk` is unused (a request is one prompt's run of at most MAX_N images);
         `on_images` gets the whole batch at the end (the servers already overlap with each other)."""
+        if branch or ode_solver != "euler":  # flowgrpo.check_args refuses them before anything is built
+            raise ValueError("the vLLM-Omni pipeline samples independent images with Euler ODE steps: no --branch, "
+                             "no --ode-solver but euler")
         if self.lora is None:
             raise RuntimeError("OmniBackend.sample before sync(): the servers need the current policy")
         jobs = build_requests(list(prompts), [int(i) for i in image_ids], steps=steps, num_steps=num_steps,
@@ -265,8 +360,8 @@ class OmniBackend:
                                                                                   f"{uuid.uuid4().hex[:8]}"))
         seq_len = model.image_seq_len(height, width)
         sigmas = sch.sigma_schedule(model.scheduler, num_steps, seq_len)
-        expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], image_shape=(3, height, width),
-                      latent_shape=(seq_len, model.transformer.config.in_channels))
+        expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=float(sigmas[1]),
+                      image_shape=(3, height, width), latent_shape=(seq_len, model.transformer.config.in_channels))
         slots = queue.SimpleQueue()  # each server `concurrency` times: a request takes a free slot, then returns it
         for url in self.urls * self.concurrency:
             slots.put(url)
@@ -288,16 +383,17 @@ class OmniBackend:
         order = torch.tensor([i for pos, _ in jobs for i in pos]).argsort()  # requests' rows -> batch order
         cat = lambda k: torch.cat([p[k] for p in parts])[order]  # noqa: E731
         batch = Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
-                      cat("log_probs").to(model.device), parts[0]["sigmas"], float(parts[0]["sigma_max"]),
+                      cat("log_probs").to(model.device), expect["sigmas"], expect["sigma_max"],
                       model.conditioning(list(prompts), negative_prompt, cfg_scale), cat("images"))
         if on_images:
             on_images(0, batch.images)
         return batch
 
     def close(self) -> None:
-        """Remove trajectory files this rank may have left behind (a request that timed out on the client)."""
-        for path in glob.glob(os.path.join(self.traj_dir, f"*-r{self.rank}-*.safetensors*")):
-            os.remove(path)
+        """Remove the run's directory (rank 0): its adapters and what requests may have left (one that timed out on
+        the client). Every rank has read its last rollout by now: the loop all-gathers the rewards after it."""
+        if self.is_main:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def _generate(self, url: str, body: dict, expect: dict) -> dict:
         knobs = body["extra_params"][KEY]
@@ -309,9 +405,9 @@ class OmniBackend:
             return read_trajectory(knobs["trajectory"], seeds=knobs["seeds"], prompt=body["prompt"], **expect)
         except (FileNotFoundError, ValueError) as e:  # also a response that is not JSON
             raise RuntimeError(f"vLLM-Omni server {url}, {what}: {e}") from None
-        finally:
-            if os.path.exists(knobs["trajectory"]):
-                os.remove(knobs["trajectory"])
+        finally:  # never over the request's own error: what cannot be unlinked (a directory) goes with close()
+            with contextlib.suppress(OSError):
+                os.unlink(knobs["trajectory"])
 
     def _call(self, url: str, path: str, body: dict | None, what: str) -> bytes:
         """GET (body None) or POST JSON -> the body; connection errors, timeouts, 502/503/504 retried with backoff."""
@@ -324,7 +420,10 @@ class OmniBackend:
                 with _OPENER.open(req, timeout=self.timeout) as r:
                     return r.read()
             except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")[:2000]
+                detail = e.read().decode(errors="replace")
+                with contextlib.suppress(ValueError, TypeError, KeyError):  # vLLM-Omni's {"error": {"message": …}}
+                    detail = str(json.loads(detail)["error"]["message"])
+                detail = detail[:2000]
                 if e.code not in (502, 503, 504):
                     raise RuntimeError(f"vLLM-Omni server {url} answered HTTP {e.code} to {what}: {detail}") from None
                 last = f"HTTP {e.code}: {detail}"

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import engine as eng
+import checkpoint
 import flowgrpo
 import models
 from tiny_setup import tiny_setup
@@ -177,7 +177,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(straight, tmp
     proc.wait()
     assert (ckpts / "iter_000001.tmp").exists() and not (ckpts / "iter_000001").exists()
     previous = str(ckpts / "iter_000000")
-    assert eng.resolve_resume("auto", str(run), flowgrpo.fingerprint(flowgrpo.parse_args(SMALL)))[0] == previous
+    assert checkpoint.resolve_resume("auto", str(run), flowgrpo.fingerprint(flowgrpo.parse_args(SMALL)))[0] == previous
     launch(run, "--iterations", "4", "--checkpoint-every", "1", "--resume", "auto")
     assert_same(lora(straight), lora(run), exact=True)
     assert [r["iteration"] for r in rows(run)] == [0, 1, 2, 3]
@@ -209,18 +209,18 @@ def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):
 def test_bad_resume_input(straight, tmp_path):
     good = os.path.join(straight, "checkpoints", "iter_000003")
     fp = flowgrpo.fingerprint(flowgrpo.parse_args(SMALL))
-    assert eng.resolve_resume("auto", str(straight), fp)[0] == good
+    assert checkpoint.resolve_resume("auto", str(straight), fp)[0] == good
     with pytest.raises(FileNotFoundError, match="no checkpoint directory /no/such"):
-        eng.resolve_resume("/no/such", None, fp)
+        checkpoint.resolve_resume("/no/such", None, fp)
     with pytest.raises(ValueError, match="--lora-rank: checkpoint 8, this run 4"):
-        eng.resolve_resume(good, None, fp | {"lora_rank": 4})
+        checkpoint.resolve_resume(good, None, fp | {"lora_rank": 4})
     with pytest.raises(ValueError, match="--model: checkpoint 'tiny', this run 'qwen-image'"):
-        eng.resolve_resume(good, None, fp | {"model": "qwen-image"})
+        checkpoint.resolve_resume(good, None, fp | {"model": "qwen-image"})
     bad = tmp_path / "iter_000009"
     shutil.copytree(good, bad)
     (bad / "meta.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"{bad}/meta.json is corrupt"):
-        eng.resolve_resume(str(bad), None, fp)
+        checkpoint.resolve_resume(str(bad), None, fp)
     meta = json.loads(open(os.path.join(good, "meta.json")).read())
     for missing in ("manifest", "loop.iteration"):  # written by something else: named, not a KeyError
         part, _, key = missing.rpartition(".")
@@ -228,10 +228,10 @@ def test_bad_resume_input(straight, tmp_path):
         del (broken[part] if part else broken)[key]
         (bad / "meta.json").write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=f"meta.json lacks {missing}: not a checkpoint written by"):
-            eng.resolve_resume(str(bad), None, fp)
+            checkpoint.resolve_resume(str(bad), None, fp)
     os.remove(bad / "meta.json")
     with pytest.raises(ValueError, match="incomplete"):
-        eng.resolve_resume(str(bad), None, fp)
+        checkpoint.resolve_resume(str(bad), None, fp)
     shutil.copy(os.path.join(good, "meta.json"), bad / "meta.json")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), *SMALL, "--lora-rank", "4", "--resume",
                           good], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -269,6 +269,37 @@ def test_a_checkpoint_file_swapped_for_a_pickle_is_refused_before_it_is_read(str
     out = resume_cli(bad, tmp_path)
     assert out.returncode != 0 and f"{bad}/{victim} is missing" in out.stderr, out.stderr[-2000:]
     assert "batch arithmetic" not in out.stdout  # both refused before anything was built
+
+
+# ---- the variants together keep the guarantees: on-policy, 1 vs 2 ranks, exact resume ----------------
+VARIANTS = ["--num-steps", "6", "--window", "2", "--window-range", "0", "4", "--branch", "--ema-decay", "0.9",
+            "--ema-every", "2", "--ratio-norm"]
+
+
+def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_path):
+    """--branch --ema-decay 0.9 --ratio-norm together: every first update exactly on-policy, 2 ranks as 1 process
+    (the same tolerance and reason as test_two_ranks_match_one_process), and 2 + resume + 2 iterations equal 4
+    straight, bit for bit, EMA included (in the checkpoint's DCP state and in the exported, EMA, LoRA)."""
+    runs = {name: tmp_path / name for name in ("one", "two", "resumed")}
+    launch(runs["one"], "--iterations", "4", *VARIANTS)
+    launch(runs["two"], "--iterations", "4", *VARIANTS, ranks=2)
+    launch(runs["resumed"], "--iterations", "2", *VARIANTS)
+    launch(runs["resumed"], "--iterations", "4", "--resume", "auto", *VARIANTS)
+    assert all(r["train/logp_gap"] == 0 for run in runs.values() for r in rows(run))
+    assert rows(runs["one"])[0]["reward/mean"] == rows(runs["two"])[0]["reward/mean"]
+    rel, worst = relative_difference(lora(runs["one"]), lora(runs["two"]))
+    assert rel < 1e-3, f"EMA LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
+    state = {k: train_state(runs[k], "iter_000003", tmp_path) for k in ("one", "resumed")}
+    assert any(k.startswith("ema.") for k in flat(state["one"]))  # the EMA is in the checkpoint ...
+    assert_same(state["one"], state["resumed"], exact=True)  # ... and resumes exactly, as the weights and AdamW do
+    assert_same(lora(runs["one"]), lora(runs["resumed"]), exact=True)
+    assert [without_perf(r) for r in rows(runs["resumed"])] == [without_perf(r) for r in rows(runs["one"])]
+    # The exported LoRA is the EMA, not the trained weights (the two differ after 8 optimizer steps).
+    exported, saved = lora(runs["one"], "iter_000003"), flat(state["one"])
+    for name in ("transformer_blocks.0.attn.to_q.lora_B", "transformer_blocks.1.img_mlp.net.2.lora_A"):
+        ema, trained = saved[f"ema.{name}.default.weight"], saved[f"model.{name}.default.weight"]
+        assert torch.equal(exported[f"transformer.{name}.weight"], ema), name
+        assert not torch.equal(ema, trained), name
 
 
 # ---- a run directory belongs to one run ------------------------------------------------------------
