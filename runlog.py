@@ -5,13 +5,9 @@ import os
 import time
 import uuid
 
-import matplotlib
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def wrap(text: str, font, width: float, max_lines: int) -> list[str]:
@@ -50,6 +46,9 @@ def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
 
 def plot_curve(path: str, rows: list[dict]) -> None:
     """Train reward (mean ± std per iteration) and eval reward against the iteration, from metrics rows."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
     it = [r["iteration"] for r in rows]
     mean, std = np.array([r["reward/mean"] for r in rows]), np.array([r["reward/std"] for r in rows])
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)

@@ -1,7 +1,7 @@
 """The sampling step with its log-probability, the sigma schedule, the ODE solvers, and the trained steps.
 
 Pure tensor functions; all step math runs in float32 whatever the model dtype (bf16 overflows in
-s_t² / (2σ) terms). Notation and formulas: docs/algorithm.md, "One sampling step" and "Variants".
+s_t² / (2σ) terms). Notation and formulas: docs/algorithm.md §1–4, §10.
     x_σ = (1 − σ)·x0 + σ·ε,   v ≈ ε − x0,   σ_0 = 1 > σ_1 > … > σ_N = 0,   dt = σ' − σ < 0.
 Variants are small functions in tables, chosen by name: SDE_TYPES, ODE_SOLVERS, WINDOW_SCHEDULES.
 """
@@ -10,20 +10,19 @@ import random
 
 import numpy as np
 import torch
-from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-from diffusers.utils.torch_utils import randn_tensor
 
 
 # ----------------------------------------------------------------------------------------------
 # Sigma schedule: exactly what the model's diffusers pipeline would use, never re-derived.
 
-def sigma_schedule(scheduler: FlowMatchEulerDiscreteScheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
+def sigma_schedule(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
     """σ_0 … σ_N (N + 1 values, float32, last = 0) for `num_steps` steps at `image_seq_len` tokens.
 
     Qwen-Image and FLUX pipelines pass `sigmas = linspace(1, 1/N, N)` and a resolution-dependent
     `mu` (dynamic shift); diffusers' scheduler then applies the shift and the terminal stretch.
     """
+    from diffusers import FlowMatchEulerDiscreteScheduler  # diffusers loads in seconds: only where it is used
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)  # never mutate the caller's
     cfg = scheduler.config
     if cfg.use_dynamic_shifting:
@@ -91,6 +90,7 @@ def step(v, x, sigma, sigma_next, *, sigma_max, noise_level, sde_type="sde", gen
         return (mean if x_next is None else x_next.float()), None, mean, torch.zeros_like(dt)
     mean, std = SDE_TYPES[sde_type](v, x, sigma, sigma_next, dt, sigma_max, noise_level)
     if x_next is None:
+        from diffusers.utils.torch_utils import randn_tensor  # one draw per generator, as the pipelines draw noise
         noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
         x_next = mean + std * noise
     x_next = x_next.float()
@@ -135,10 +135,11 @@ def dpm2_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas[torch.from_numpy(idx)]
 
 
-def dpm_solver(sigmas: torch.Tensor) -> DPMSolverMultistepScheduler:
+def dpm_solver(sigmas: torch.Tensor):
     """diffusers' DPM-Solver++(2M) for flow matching (x0 = x − σ·v; MixGRPO-Flash's dpmsolver++, order 2,
     midpoint), set to step between `sigmas` (M + 1 values, last 0). Its `set_timesteps` takes no custom
     sigmas (diffusers 0.42), so the table it steps through is filled in after it."""
+    from diffusers import DPMSolverMultistepScheduler
     solver = DPMSolverMultistepScheduler(solver_order=2, algorithm_type="dpmsolver++", solver_type="midpoint",
                                          prediction_type="flow_prediction", use_flow_sigmas=True,
                                          final_sigmas_type="zero", lower_order_final=True)

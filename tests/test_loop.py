@@ -86,6 +86,15 @@ def test_recipes_take_two_optimizer_steps_and_help_shows_the_defaults_it_uses():
     assert option_help(bare, "--model-path").count("default") == 1, option_help(bare, "--model-path")
 
 
+def test_help_loads_no_model_library():
+    """`--help` answers before diffusers, transformers and peft (seconds of imports) load: they are imported where a
+    model is built. (Its wall time is measured in the README, not here.)"""
+    probe = "import sys, flowgrpo; print(sorted({m.split('.')[0] for m in sys.modules} & {'diffusers', 'transformers', " \
+            "'peft', 'matplotlib'}))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
 def option_help(text: str, flag: str) -> str:
     """One option's block of tyro's --help: from its `--flag` line up to the next option's."""
     lines = [line.strip("│ ") for line in text.splitlines()]
