@@ -79,7 +79,7 @@ class Args:
     prompts: str = "general"
     """prompt set: a built-in name (ocr, general) or a .txt / .jsonl file"""
     reward: str = "brightness"
-    """reward name, or weighted list `ocr=1.0,pickscore=0.5`, or `remote=http://host:port`"""
+    """a reward, or a weighted list `ocr=1.0,pickscore=0.5`; also `remote=URL` and `judge:match=URL` (README)"""
     group_size: int = 8
     """G: images per prompt; advantages compare images within a group"""
     prompts_per_iteration: int = 4

@@ -1,20 +1,31 @@
-"""Rewards by name, weighted multi-reward, asynchronous scoring, and a remote-reward HTTP server and client.
+"""Rewards by name, weighted multi-reward, asynchronous scoring; the HTTP side (remote rewards, the judge, the server
+behind `python rewards.py serve`) is in reward_http.py.
 
---reward SPEC:  SPEC = ITEM[,ITEM...]   ITEM = NAME[:ARG][=WEIGHT] | remote=URL[=WEIGHT]   (ARG: no "," or "=")
+--reward SPEC:  SPEC = ITEM[,ITEM...]
+                ITEM = NAME[:ARG][=WEIGHT] | remote=URL[=WEIGHT] | judge:TASK=URL[+URL...][=WEIGHT]
   e.g. jpeg_compressibility | ocr=1.0,pickscore=0.5 | pickscore:/ckpt/pickscore | remote=http://host:8000
+       | judge:ocr=http://h1:8000+http://h2:8000 | ocr=1,judge:match=http://h1:8000=0.5     (ARG: no "," or "=")
 A reward: fn(images (B,3,H,W) float in [0,1] on CPU, prompts, metadata) -> (scores (B,) float64, info), info =
 each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to uint8
-exactly as a PNG stores them, so a remote reward scores bit-identical pixels. ARG of the CLIP rewards: a hub id
-or a directory holding a CLIPModel and its CLIPProcessor. Server: python rewards.py serve --reward SPEC --port P
+exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. ARG of the CLIP rewards: a
+hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key of JUDGE_TASKS.
 """
 from __future__ import annotations
 
-import argparse, base64, contextlib, inspect, io, json, os, re, threading, time, traceback  # noqa: E401
-import urllib.error, urllib.parse, urllib.request  # noqa: E401
-from concurrent.futures import ThreadPoolExecutor, wait
+import contextlib
+import inspect
+import io
+import math
+import os
+import queue
+import re
+import threading
+import time
+import urllib.parse
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass
 from functools import lru_cache
-from http.client import HTTPException
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,8 +64,8 @@ def ocr_target(prompt: str) -> str:
     return m.group(1)
 
 def ocr_score(recognised: str, target: str) -> float:
-    """ALGORITHM.md §8: whitespace removed, case-folded; 1 if the target occurs in the recognised text, else
-    1 - min(edit distance, len)/len (capped: much unrelated text costs no more than none)."""
+    """Whitespace removed, case-folded; 1 if the target occurs in the recognised text, else
+    1 - min(edit distance, len)/len (capped: much unrelated text costs no more than none), as Flow-GRPO's OCR reward."""
     from rapidfuzz.distance import Levenshtein
     rec, tgt = "".join(recognised.split()).casefold(), "".join(target.split()).casefold()
     return 1.0 if tgt in rec else 1.0 - min(Levenshtein.distance(rec, tgt), len(tgt)) / len(tgt)
@@ -139,79 +150,132 @@ def aesthetic(model=None):
         return head(_image_embeds(model, processor, images)).squeeze(1).double().cpu().numpy()
     return fn
 
-# ---------------------------------------------------------------- remote rewards: client
+# ---------------------------------------------------------------- a vision-language judge: its questions and scores
+# The HTTP client is reward_http.judge; what is asked and how a reply becomes a score is here, beside `ocr`.
+YES_NO = {"Yes": 1.0, "No": 0.0}  # the match task's answers and their values
+READ_CHARS = 64  # the ocr task's longest reading (the ocr prompt set's targets have at most 14 characters)
+
+def _score_reading(choice: dict, prompt: str) -> float:
+    """ocr: the judge's reading of the image, scored by the OCR formula against the prompt's quoted text (as `ocr`)."""
+    text = choice["message"]["content"]
+    if not isinstance(text, str):
+        raise ValueError("the reply has no text")
+    return ocr_score(text, ocr_target(prompt))
+
+def _score_yes_no(choice: dict, prompt: str) -> float:
+    """match: E[value] = P(Yes)·1 + P(No)·0 under the judge's probabilities for the answer's first token. A listed
+    token counts for the one answer it begins ("Y", "Ye" and "Yes" all begin Yes); the sum is renormalised over the
+    answers, so a server that reports unconstrained probabilities gives the same expectation."""
+    if choice["message"]["content"] not in YES_NO:
+        raise ValueError(f"the answer is not one of {list(YES_NO)}")
+    mass = dict.fromkeys(YES_NO, 0.0)
+    for top in choice["logprobs"]["content"][0]["top_logprobs"]:
+        token = top["token"].strip()
+        begun = [answer for answer in YES_NO if token and answer.startswith(token)]
+        if len(begun) == 1:
+            mass[begun[0]] += math.exp(top["logprob"])
+    total = sum(mass.values())
+    if not total > 0:
+        raise ValueError("no token of its top_logprobs begins an answer")
+    return sum(YES_NO[answer] * p for answer, p in mass.items()) / total
+
+@dataclass(frozen=True)
+class JudgeTask:
+    question: str  # sent with the image; {prompt} is the image's prompt
+    request: dict  # decoding options: length, logprobs, and the constrained answer (vLLM's `structured_outputs`)
+    score: Callable[[dict, str], float]  # (the reply's choices[0], prompt) -> score
+    check: Callable[[str], object] | None = None  # a cheap start-up check of each prompt
+
+JUDGE_TASKS = {
+    "ocr": JudgeTask("Read the text in this image. Reply with the text only, on one line.",
+                     # A token holds >= 1 byte of UTF-8 (<= 4 a character): the regex ends the reply within this length.
+                     {"max_completion_tokens": 4 * READ_CHARS + 1,
+                      "structured_outputs": {"regex": f"[^\\n]{{0,{READ_CHARS}}}"}},
+                     _score_reading, ocr_target),
+    "match": JudgeTask("Description: {prompt}\nDoes this image match the description? Answer Yes or No.",
+                       {"max_completion_tokens": 8, "logprobs": True, "top_logprobs": 20,
+                        "structured_outputs": {"choice": list(YES_NO)}}, _score_yes_no),
+}
+
+# ---------------------------------------------------------------- rewards over HTTP (reward_http.py; imported on use)
+def remote(url):
+    import reward_http
+    return reward_http.remote(url)
+
+def judge(task, urls):
+    import reward_http
+    return reward_http.judge(task, urls)
+
 def _env(name, default):
     try:
         return type(default)(os.environ.get(name, default))
     except ValueError:
         raise ValueError(f"{name}={os.environ[name]!r} is not a valid {type(default).__name__}") from None
 
-def _http_json(url, body, timeout, retries, backoff):
-    """GET (body None) or POST JSON; retries connection errors, timeouts and 5xx with exponential backoff, not 4xx."""
-    last = None
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
-        try:
-            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            if e.code < 500:
-                raise ValueError(f"remote reward {url} refused the request: HTTP {e.code}: {detail}") from None
-            last = f"HTTP {e.code}: {detail}"
-        except (OSError, HTTPException) as e:  # URLError, refused/reset connections, timeouts, cut-off replies
-            last = repr(e)
-    raise RuntimeError(f"remote reward server {url} failed {retries + 1} times (last: {last}); "
-                       "is `python rewards.py serve` running and reachable there?")
-
-def remote(url):
-    base, timeout, retries = url.rstrip("/"), _env("FLOWGRPO_REMOTE_TIMEOUT", 120.0), _env("FLOWGRPO_REMOTE_RETRIES", 4)
-    backoff, batch = _env("FLOWGRPO_REMOTE_BACKOFF", 1.0), _env("FLOWGRPO_REMOTE_BATCH", 16)
-    if batch < 1 or retries < 0 or timeout <= 0:
-        raise ValueError("FLOWGRPO_REMOTE_BATCH and _TIMEOUT must be positive, FLOWGRPO_REMOTE_RETRIES >= 0")
-    _http_json(base + "/health", None, timeout, retries, backoff)  # fail at start-up, not mid-run
-    def fn(images, prompts, metadata):
-        scores = []
-        for i in range(0, len(images), batch):
-            body = json.dumps({"images": [base64.b64encode(_encode(a, "PNG", compress_level=1)).decode()
-                                          for a in images[i:i + batch]],
-                               "prompts": prompts[i:i + batch], "metadata": metadata[i:i + batch]}).encode()
-            scores += _http_json(base + "/score", body, timeout, retries, backoff)["scores"]
-        return scores
-    return fn
-
 # ---------------------------------------------------------------- make_reward: parse, quantise, call, check
+def _weight(text, item):
+    w = float(text) if re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", text) else math.nan
+    if not math.isfinite(w):
+        raise ValueError(f"--reward: bad weight {text!r} in {item!r}; write NAME=WEIGHT with a finite number, "
+                         "e.g. ocr=1.0")
+    return w
+
+def _urls(text, item, one):
+    """The http(s)://HOST:PORT servers of `text` ("+"-separated), checked without touching the network."""
+    urls = [u.strip().rstrip("/") for u in text.split("+")]
+    for url in urls:
+        u = urllib.parse.urlsplit(url)
+        try:
+            port = u.port
+        except ValueError:  # not a number, or outside 0-65535
+            port = 0
+        if u.scheme not in ("http", "https") or not u.hostname or u.username or port == 0 or u.path or u.query \
+                or u.fragment or urls.count(url) > 1:
+            raise ValueError(f"--reward: bad server URL {url!r} in {item!r} (port 1-65535, no path, each server once); "
+                             f"write {one}")
+    return urls
+
+def _remote_item(arg, text, item):
+    if arg:
+        raise ValueError(f"--reward: remote takes no :ARG, got {item!r}; write remote=http://HOST:PORT")
+    url = _urls(text, item, "remote=http://HOST:PORT")
+    if len(url) > 1:
+        raise ValueError(f"--reward: remote takes one server, got {item!r}")
+    return f"remote@{urllib.parse.urlsplit(url[0]).netloc}", "remote", (url[0],)
+
+def _judge_item(task, text, item):
+    if task not in JUDGE_TASKS:
+        raise ValueError(f"--reward: judge needs a task, one of {', '.join(JUDGE_TASKS)}, got {item!r}; write "
+                         "judge:ocr=http://HOST:PORT[+http://HOST2:PORT]")
+    urls = _urls(text, item, "judge:TASK=http://HOST:PORT[+http://HOST2:PORT...]")
+    netlocs = "+".join(urllib.parse.urlsplit(u).netloc for u in urls)
+    return f"judge:{task}@{netlocs}", f"judge:{task}", (task, urls)
+
+URL_ITEMS = {"remote": _remote_item, "judge": _judge_item}  # NAME[:ARG]=URL[=WEIGHT]: -> (label, kind, args)
+
 def _parse(spec):
-    """[(label, name, arg, weight)], validated without importing or building anything."""
+    """[(label, kind, name, args, weight)], validated without importing or building anything. `kind` names the
+    reward's prompt check (PROMPT_CHECKS): its name, or judge:TASK."""
     valid, items, parsed = ", ".join(sorted(REWARDS)), [s.strip() for s in spec.split(",")], []
     if not all(items):
         raise ValueError(f"--reward: empty reward in {spec!r}; write e.g. ocr=1.0,pickscore=0.5; valid: {valid}")
     for item in items:
-        head, weight = (item.replace("=", ":", 1) if item.startswith("remote=") else item), 1.0
-        if "=" in head:
-            head, w = head.rsplit("=", 1)
-            if not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", w.strip()):
-                raise ValueError(f"--reward: bad weight {w!r} in {item!r}; write NAME=WEIGHT, e.g. ocr=1.0")
-            weight = float(w)
-        name, _, arg = head.partition(":")
+        head, eq, rest = item.partition("=")
+        name, _, arg = head.strip().partition(":")
         if name not in REWARDS:
             raise ValueError(f"--reward: unknown reward {name!r}; valid: {valid}")
-        if arg and not inspect.signature(REWARDS[name]).parameters:
+        if name in URL_ITEMS:  # the first "=" begins the URL(s), a second one the weight
+            urls, eq, rest = rest.partition("=")
+            label, kind, args = URL_ITEMS[name](arg, urls, item)
+        elif arg and not inspect.signature(REWARDS[name]).parameters:
             raise ValueError(f"--reward: reward {name!r} takes no argument, got {item!r}")
-        label = name
-        if name == "remote":
-            u = urllib.parse.urlsplit(arg)
-            if u.scheme not in ("http", "https") or not u.hostname or u.path.strip("/") or u.query or \
-                    not re.fullmatch(r"[^:]+(:\d{1,5})?|\[.*\](:\d{1,5})?", u.netloc):
-                raise ValueError(f"--reward: bad remote URL {arg!r}; write remote=http://HOST:PORT")
-            label = f"remote@{u.netloc}"
+        else:
+            label, kind, args = name, name, (arg,) if arg else ()
         if name == "aesthetic":
             _aesthetic_head_path()
         if label in [p[0] for p in parsed]:
             raise ValueError(f"--reward: reward {label!r} appears twice in {spec!r}")
-        parsed.append((label, name, arg or None, weight))
+        parsed.append((label, kind, name, args, _weight(rest, item) if eq else 1.0))
     return parsed
 
 def check_reward_spec(spec: str) -> None:
@@ -220,10 +284,9 @@ def check_reward_spec(spec: str) -> None:
 
 def check_prompts_for_reward(spec: str, prompts: list[str]) -> None:
     """Start-up validation that every prompt suits every reward of spec (ocr needs quoted text)."""
-    for _, name, _, _ in _parse(spec):
-        if name in PROMPT_CHECKS:
-            for prompt in prompts:
-                PROMPT_CHECKS[name](prompt)
+    for _, kind, _, _, _ in _parse(spec):
+        for prompt in prompts if kind in PROMPT_CHECKS else ():
+            PROMPT_CHECKS[kind](prompt)
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """(B, 3, H, W) float in [0, 1] -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do."""
@@ -235,7 +298,7 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
 
 def _checked(label, fn, serial):
     # Model rewards run one call at a time: they are not assumed thread-safe (transformers' fast tokenizers are
-    # not, transformers#47085), and torch/onnxruntime use every core per call anyway. Remote calls may overlap.
+    # not, transformers#47085), and torch/onnxruntime use every core per call anyway. HTTP calls may overlap.
     lock = threading.Lock() if serial else contextlib.nullcontext()
 
     def reward(images, prompts, metadata=None):
@@ -257,8 +320,8 @@ def _checked(label, fn, serial):
 
 def make_reward(spec: str):
     """The RewardFn for --reward SPEC (grammar in the module docstring); builds every model it needs."""
-    parts = [(label, w, _checked(label, REWARDS[name](*([arg] if arg else [])), serial=name != "remote"))
-             for label, name, arg, w in _parse(spec)]
+    parts = [(label, w, _checked(label, REWARDS[name](*args), serial=name not in URL_ITEMS))
+             for label, _, name, args, w in _parse(spec)]
     if len(parts) == 1 and parts[0][1] == 1.0:
         return parts[0][2]
     def weighted(images, prompts, metadata=None):
@@ -270,99 +333,88 @@ def make_reward(spec: str):
     return weighted
 
 
+class Workers:
+    """Daemon threads taking jobs from one queue; thread i calls each of its jobs as fn(keys[i], *args) (a key is,
+    e.g., a server URL, listed once per request that server may have in flight). Unlike ThreadPoolExecutor's threads,
+    daemon threads are not joined at exit: a request stuck on a hung server cannot keep a stopped (Ctrl-C) run alive."""
+
+    def __init__(self, keys, name: str):
+        self.jobs, self.size = queue.SimpleQueue(), len(keys)
+        for i, key in enumerate(keys):
+            threading.Thread(target=self._work, args=(key,), name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def _work(self, key):
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(key, *args))
+                except BaseException as e:  # handed to whoever waits on the future
+                    future.set_exception(e)
+            del job, future, fn, args  # hold no chunk of images while idle
+
+    def close(self):
+        for _ in range(self.size):
+            self.jobs.put(None)
+
+
+def gather(futures: list[Future]) -> list:
+    """The futures' results, in order. The first to fail raises at once, without waiting for the others (a chunk or
+    request stuck on a hung server); those not started yet are cancelled."""
+    wait(futures, return_when=FIRST_EXCEPTION)
+    failed = [f for f in futures if f.done() and f.exception() is not None]
+    if failed:
+        for f in futures:
+            f.cancel()
+        failed[0].result()  # raises its error
+    return [f.result() for f in futures]
+
+
 class AsyncRewards:
     """Scores rollout chunks in background threads while the next chunk is sampled (the reward models release the
-    GIL). A model reward still takes one chunk at a time (see _checked); workers > 1 helps remote rewards.
+    GIL). A model reward still takes one chunk at a time (see _checked); workers > 1 helps HTTP rewards.
     collect() returns every chunk submitted since the last collect, in submission order."""
 
     def __init__(self, fn, workers: int = 1):
-        self.fn, self.pool, self.pending = fn, ThreadPoolExecutor(workers, thread_name_prefix="reward"), []
+        self.fn, self.workers, self.pending = fn, Workers([None] * workers, "reward"), []
+
+    def _score(self, _key, images, prompts, metadata):
+        return self.fn(images, prompts, metadata)
 
     def submit(self, images, prompts, metadata=None):
         # A private CPU copy: the caller may overwrite its image buffer while this chunk is scored.
-        future = self.pool.submit(self.fn, images.detach().cpu().clone(), list(prompts),
-                                  None if metadata is None else [dict(m) for m in metadata])
+        future = self.workers.submit(self._score, images.detach().cpu().clone(), list(prompts),
+                                     None if metadata is None else [dict(m) for m in metadata])
         self.pending.append(future)
         return future
 
     def collect(self):
-        """-> (scores (N,), info {name: (N,)}, seconds the caller waited here)."""
+        """-> (scores (N,), info {name: (N,)}, seconds the caller waited here). The first failed chunk raises at once,
+        without waiting for the others (which are cancelled if not started)."""
         pending, self.pending = self.pending, []
         if not pending:
             raise RuntimeError("AsyncRewards.collect(): nothing was submitted since the last collect")
         start = time.perf_counter()
-        wait(pending)
+        results = gather(pending)
         waited = time.perf_counter() - start
-        results = [f.result() for f in pending]  # re-raises the first failed chunk's error
         info = {k: np.concatenate([r[1][k] for r in results]) for k in results[0][1]}
         return np.concatenate([r[0] for r in results]), info, waited
 
     def close(self):
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        for f in self.pending:
+            f.cancel()
+        self.workers.close()
 
 # ---------------------------------------------------------------- the registry: one line per reward
 REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
-                                    aesthetic, remote)}
-PROMPT_CHECKS = {"ocr": ocr_target}  # cheap per-prompt checks for check_prompts_for_reward
+                                    aesthetic, remote, judge)}
+PROMPT_CHECKS = {"ocr": ocr_target, **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 
-# ---------------------------------------------------------------- remote rewards: server
-def make_server(spec: str, host: str = "127.0.0.1", port: int = 0, max_request_mb: float = 256.0):
-    """A ThreadingHTTPServer serving make_reward(spec): GET /health, POST /score (JSON, base64 PNG images)."""
-    fn, limit = make_reward(spec), int(max_request_mb * 2**20)
-
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, code, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            ok = self.path == "/health"
-            self._send(200 if ok else 404, {"status": "ok", "reward": spec} if ok else {"error": "GET /health"})
-
-        def do_POST(self):
-            size = int(self.headers.get("Content-Length") or -1)
-            if self.path != "/score" or size < 0:
-                return self._send(404 if self.path != "/score" else 411, {"error": "POST /score with a Content-Length"})
-            if size > limit:
-                for start in range(0, size, 2**20):  # drain, not store, the body so that the client reads this reply
-                    self.rfile.read(min(2**20, size - start))
-                return self._send(413, {"error": f"request of {size} bytes exceeds the server's limit of {limit}: "
-                                        "lower FLOWGRPO_REMOTE_BATCH or raise --max-request-mb"})
-            try:
-                req = json.loads(self.rfile.read(size))
-                images = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(s))).convert("RGB"))
-                                   for s in req["images"]])
-                images = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255  # to_uint8 restores it exactly
-                prompts, metadata = req["prompts"], req.get("metadata")
-            except Exception as e:  # a malformed request: the client's fault
-                return self._send(400, {"error": f"bad request: {e!r}"})
-            try:
-                scores, info = fn(images, prompts, metadata)
-            except ValueError as e:
-                return self._send(422, {"error": str(e)})
-            except Exception:
-                traceback.print_exc()
-                return self._send(500, {"error": traceback.format_exc(limit=3)})
-            self._send(200, {"scores": scores.tolist(), "info": {k: v.tolist() for k, v in info.items()}})
-
-    return ThreadingHTTPServer((host, port), Handler)
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Serve a reward over HTTP for `--reward remote=http://HOST:PORT`.")
-    s = p.add_subparsers(dest="cmd", required=True).add_parser("serve")
-    s.add_argument("--reward", required=True, help="a reward spec, as for flowgrpo.py --reward")
-    s.add_argument("--port", type=int, required=True, help="0 picks a free port (printed)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 exposes it to the network")
-    s.add_argument("--max-request-mb", type=float, default=256.0)
-    a = p.parse_args(argv)
-    check_reward_spec(a.reward)
-    server = make_server(a.reward, a.host, a.port, a.max_request_mb)
-    print(f"serving reward {a.reward!r} on http://{a.host}:{server.server_address[1]}", flush=True)
-    server.serve_forever()
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P (reward_http.main)
+    import reward_http
+    reward_http.main()

@@ -1,5 +1,11 @@
-"""The remote reward over real HTTP on 127.0.0.1: `python rewards.py serve` and the `remote=URL` client."""
+"""The remote reward over real HTTP on 127.0.0.1: `python rewards.py serve` and the `remote=URL` client, with
+well-behaved, broken and hostile peers on either side (fake servers and raw sockets here, bounded loops)."""
+import base64
+import io
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -7,6 +13,7 @@ import time
 import types
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +23,11 @@ from PIL import Image, ImageDraw, ImageFont
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import checkpoint  # noqa: E402
+import reward_http  # noqa: E402
 import rewards  # noqa: E402
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def draw(text):
@@ -25,14 +36,20 @@ def draw(text):
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 255
 
 
+def png_b64(width, height, mode="RGB"):
+    buf = io.BytesIO()
+    Image.new(mode, (width, height)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 @pytest.fixture
 def serve():
-    """Start make_server(spec) in a thread on a free port; yields a starter returning the base URL."""
+    """Start reward_http.make_server(spec) in a thread on a free port; yields a starter returning the base URL."""
     servers = []
 
-    def start(spec, **kw):
-        server = rewards.make_server(spec, **kw)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+    def start(spec, **limits):
+        server = reward_http.make_server(spec, limits=reward_http.Limits(**limits))
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(server)
         host, port = server.server_address[:2]
         assert host == "127.0.0.1"  # loopback unless --host says otherwise
@@ -44,15 +61,61 @@ def serve():
 
 
 @pytest.fixture
+def fake():
+    """A loopback server answering with `handler(request_handler)`; yields a starter returning its URL."""
+    servers = []
+
+    def start(handler):
+        class Handler(BaseHTTPRequestHandler):
+            do_GET = do_POST = handler
+
+            def log_message(self, *args):
+                pass
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def reply(handler, code, body: bytes, content_type="application/json"):
+    handler.send_response(code)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@pytest.fixture
 def fast_retries(monkeypatch):
     """Few, short retries; records the backoff sleeps instead of sleeping."""
     monkeypatch.setenv("FLOWGRPO_REMOTE_RETRIES", "2")
     monkeypatch.setenv("FLOWGRPO_REMOTE_BACKOFF", "0.01")
     monkeypatch.setenv("FLOWGRPO_REMOTE_TIMEOUT", "20")
-    sleeps = []  # rewards' own `time` only, so servers and subprocesses sleep normally
-    monkeypatch.setattr(rewards, "time", types.SimpleNamespace(sleep=sleeps.append, perf_counter=time.perf_counter))
+    sleeps = []  # reward_http's own `time` only, so servers and subprocesses sleep normally
+    monkeypatch.setattr(reward_http, "time", types.SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
     return sleeps
 
+
+def post(url, body: bytes, headers=None):
+    """(status, parsed JSON error or reply) of a raw POST /score."""
+    req = urllib.request.Request(url + "/score", data=body, headers=headers or {"Content-Type": "application/json"})
+    try:
+        with NO_PROXY.open(req, timeout=20) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def handler_threads():
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------- the happy paths
 
 def test_remote_equals_in_process_with_batching(serve, fast_retries, monkeypatch):
     # JPEG size changes with any pixel change, so equal scores mean both sides scored identical pixels,
@@ -86,13 +149,13 @@ def test_remote_ocr_equals_in_process(serve, fast_retries):
 
 
 def test_cli_server_stopped_mid_run_retries_then_names_url(fast_retries):
-    proc = subprocess.Popen([sys.executable, "rewards.py", "serve", "--reward", "jpeg_compressibility", "--port", "0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "rewards.py", "serve", "--reward", "jpeg_compressibility", "--port", "0",
+                             "--max-connections", "4"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()  # "serving reward ... on http://127.0.0.1:PORT"
-        url = line.split(" on ")[-1].strip()
-        assert url.startswith("http://127.0.0.1:"), line
-        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        line = proc.stdout.readline()  # "serving reward ... on http://127.0.0.1:PORT with limits {...}"
+        url = line.split(" on ")[-1].split()[0]
+        assert url.startswith("http://127.0.0.1:") and "'max_connections': 4" in line, line
+        with NO_PROXY.open(url + "/health", timeout=10) as r:
             assert json.loads(r.read())["status"] == "ok"
         fn = rewards.make_reward(f"remote={url}")
         images = torch.rand(2, 3, 16, 16)
@@ -114,55 +177,289 @@ def test_unreachable_server_fails_at_make_reward(fast_retries, serve):
         rewards.make_reward(f"remote={url}")
 
 
+# ---------------------------------------------------------------- the server under broken and hostile clients
+
 def test_oversized_and_malformed_requests_are_refused(serve, fast_retries):
     url, _ = serve("jpeg_compressibility", max_request_mb=0.05)  # ~52 kB
     fn = rewards.make_reward(f"remote={url}")
     fn(torch.rand(1, 3, 32, 32), ["small"])  # ~4 kB: fine
-    with pytest.raises(ValueError, match=r"HTTP 413.*exceeds the server's limit.*FLOWGRPO_REMOTE_BATCH"):
+    with pytest.raises(ValueError, match=r"HTTP 413.*over the server's limit.*--max-request-mb.*FLOWGRPO_REMOTE_BATCH"):
         fn(torch.rand(4, 3, 128, 128), ["big"] * 4)  # ~260 kB of noise PNGs
     assert fast_retries == []  # refused, not retried
+    assert post(url, b"x" * 200_000)[0] == 413
+    assert post(url, b"{not json")[0] == 400
+    assert post(url, json.dumps({"images": ["not base64 png"], "prompts": ["a"]}).encode())[0] == 400
+    assert fn(torch.rand(1, 3, 32, 32), ["small"])[0].shape == (1,)  # still healthy afterwards
 
-    def post(body):
-        req = urllib.request.Request(url + "/score", data=body, headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=10)
-        return e.value.code, json.loads(e.value.read())["error"]
 
-    assert post(b"x" * 200_000)[0] == 413
-    assert post(b"{not json")[0] == 400
-    assert post(json.dumps({"images": ["not base64 png"], "prompts": ["a"]}).encode())[0] == 400
-    # The server is still healthy afterwards.
-    assert fn(torch.rand(1, 3, 32, 32), ["small"])[0].shape == (1,)
+@pytest.mark.parametrize("body, message", [
+    ({"images": ["P"] * 2, "prompts": "ab"}, '"prompts" must be a list of 2 strings'),  # was split into characters
+    ({"images": ["P"], "prompts": 5}, '"prompts" must be a list of 1 strings'),
+    ({"images": ["P"], "prompts": ["a"], "metadata": 5}, '"metadata" must be absent or a list of 1 objects'),
+    ({"images": ["P"], "prompts": ["a"], "metadata": ["x"]}, '"metadata" must be absent or a list of 1 objects'),
+    ({"images": "P", "prompts": ["a"]}, '"images" must be a non-empty list'),
+    ([1, 2], "the body must be a JSON object"),
+])
+def test_malformed_fields_are_400_with_a_message(serve, body, message):
+    url, _ = serve("jpeg_compressibility")
+    raw = json.dumps(body).replace('"P"', json.dumps(png_b64(8, 8))).encode()
+    status, text = post(url, raw)
+    assert (status, json.loads(text)["error"][:len(message)]) == (400, message), text
+
+
+def test_no_response_carries_a_traceback(serve, monkeypatch):
+    def boom():
+        def fn(images, prompts, metadata):
+            raise RuntimeError("secret detail in /srv/reward/model.py")
+        return fn
+    monkeypatch.setitem(rewards.REWARDS, "boom", boom)
+    url, _ = serve("boom")
+    status, text = post(url, json.dumps({"images": [png_b64(8, 8)], "prompts": ["a"]}).encode())
+    assert status == 500 and "RuntimeError" in text, text
+    assert "Traceback" not in text and "/srv/" not in text and ".py" not in text, text
+    # A Content-Length that is not a number: a 400 with a message, not a dropped connection.
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=20) as s:
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: lots\r\n\r\n{}")
+        answer = s.makefile("rb").read().decode()
+    assert answer.startswith("HTTP/1.0 400") and "Content-Length 'lots' is not a number" in answer, answer
+
+
+def test_huge_png_is_refused_from_its_header(serve):
+    # A 4000×4000 PNG of one colour is a few kB on the wire and ~48 MB decoded (~560 MB of server memory on the
+    # float path): refused from the header's size, per image and per request.
+    url, _ = serve("jpeg_compressibility", max_image_pixels=1000 * 1000, max_request_pixels=3 * 600 * 600)
+    big = png_b64(4000, 4000, mode="1")
+    assert len(big) < 100_000
+    status, text = post(url, json.dumps({"images": [big], "prompts": ["a"]}).encode())
+    assert status == 413 and "4000x4000" in text and "--max-image-pixels" in text, text
+    status, text = post(url, json.dumps({"images": [png_b64(600, 600)] * 4, "prompts": ["a"] * 4}).encode())
+    assert status == 413 and "1440000 pixels" in text and "--max-request-pixels" in text, text
+    status, _ = post(url, json.dumps({"images": [png_b64(600, 600)] * 3, "prompts": ["a"] * 3}).encode())
+    assert status == 200
+
+
+def wait_until(condition, seconds=20.0):
+    """Polls condition() for up to `seconds`; returns its last value (the test asserts on it)."""
+    end = time.monotonic() + seconds
+    while not (ok := condition()) and time.monotonic() < end:
+        time.sleep(0.05)
+    return ok
+
+
+def test_endless_content_length_then_close_is_answered_and_frees_the_thread(serve):
+    # Content-Length 10^18, then the client stops sending: the old drain loop spun on empty reads for ever at 100%
+    # CPU and never answered. (A half-close, so that the answer can still be read.)
+    url, _ = serve("jpeg_compressibility", max_request_mb=1)
+    before = set(threading.enumerate())
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=20) as s:
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000000000\r\n\r\n" + b"x" * 1000)
+        s.shutdown(socket.SHUT_WR)
+        answer = s.makefile("rb").read().decode()
+    assert answer.startswith("HTTP/1.0 413") and "--max-request-mb" in answer, answer
+
+    def busy():
+        return [t for t in threading.enumerate() if t not in before and "process_request_thread" in t.name]
+    assert wait_until(lambda: not busy()), f"{len(busy())} handler thread(s) still running"
+
+
+def test_connections_are_bounded(serve):
+    # 4 idle connections hold the server's 4 slots (the old server gave every connection a thread for ever);
+    # the next 16 are answered 503 at once, and the slots free up when the idle ones leave.
+    url, _ = serve("jpeg_compressibility", max_connections=4, request_timeout=60)
+    port, before = int(url.rsplit(":", 1)[1]), handler_threads()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+    assert wait_until(lambda: handler_threads() - before == 4), handler_threads() - before
+    for _ in range(16):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            answer = s.makefile("rb").read()
+            assert answer.startswith(b"HTTP/1.0 503") and b"too many connections" in answer, answer
+    assert handler_threads() - before == 4
+    for s in idle:
+        s.close()
+    assert wait_until(lambda: handler_threads() == before), handler_threads() - before
+    assert post(url, json.dumps({"images": [png_b64(8, 8)], "prompts": ["a"]}).encode())[0] == 200
+
+
+def test_idle_and_trickling_clients_are_cut_at_the_request_deadline(serve):
+    url, _ = serve("jpeg_compressibility", request_timeout=0.5)
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        assert s.makefile("rb").read() == b""  # closed by the server, not by this 30 s client timeout
+    # Headers sent a byte every 0.1 s: no single read waits 0.5 s, but the whole request may take only 0.5 s.
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        sent = 0
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"y" * 200:
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:  # reset by the server
+                break
+            sent += 1
+            time.sleep(0.1)
+        assert sent < 100, f"the server still read after {sent} bytes, ~{sent / 10:.1f} s"
+    assert post(url, json.dumps({"images": [png_b64(8, 8)], "prompts": ["a"]}).encode())[0] == 200
+
+
+# ---------------------------------------------------------------- the client under broken and hostile servers
+
+def test_every_batch_is_checked(fake, fast_retries, monkeypatch):
+    monkeypatch.setenv("FLOWGRPO_REMOTE_BATCH", "4")
+    counts = iter([5, 3])  # 5 then 3 scores for two batches of 4: the total (8) is right, the images are not
+
+    def handler(h):
+        if h.path == "/health":
+            return reply(h, 200, b'{"status": "ok"}')
+        h.rfile.read(int(h.headers["Content-Length"]))
+        reply(h, 200, json.dumps({"scores": [0.5] * next(counts)}).encode())
+    url = fake(handler)
+    with pytest.raises(ValueError, match=rf"remote reward server {url}/score answered images 0-3 with .*expected "
+                                         r"\{\"scores\": \[4 numbers\]\}"):
+        rewards.make_reward(f"remote={url}")(torch.rand(8, 3, 8, 8), ["p"] * 8)
+
+
+@pytest.mark.parametrize("body, content_type, message", [
+    (b"<html><body>502 Bad Gateway</body></html>", "text/html", "with a body that is not JSON: '<html>"),
+    (b'{"result": [1]}', "application/json", 'expected {"scores": \\[1 numbers\\]}'),
+    (b'{"scores": ["1"]}', "application/json", 'expected {"scores": \\[1 numbers\\]}'),
+])
+def test_replies_that_are_not_scores_name_the_server(fake, fast_retries, body, content_type, message):
+    def handler(h):
+        if h.path == "/health":
+            return reply(h, 200, b'{"status": "ok"}')
+        reply(h, 200, body, content_type)
+    url = fake(handler)
+    with pytest.raises(ValueError, match=f"remote reward server {url}/score answered.*{message}"):
+        rewards.make_reward(f"remote={url}")(torch.rand(1, 3, 8, 8), ["p"])
+    assert fast_retries == []  # a well-formed wrong answer is not retried
+
+
+def test_a_trickling_server_hits_the_whole_request_deadline(fake, fast_retries, monkeypatch):
+    monkeypatch.setenv("FLOWGRPO_REMOTE_TIMEOUT", "0.5")
+    monkeypatch.setenv("FLOWGRPO_REMOTE_RETRIES", "0")
+
+    def handler(h):  # a reply a byte every 0.1 s: each read succeeds well within any per-read timeout
+        if h.path == "/health":
+            return reply(h, 200, b'{"status": "ok"}')
+        h.rfile.read(int(h.headers["Content-Length"]))
+        body = b'{"scores": [0.5]}' + b" " * 40
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        for byte in body:
+            try:
+                h.wfile.write(bytes([byte]))
+                h.wfile.flush()
+            except OSError:  # the client gave up: the point of the test
+                return
+            time.sleep(0.1)
+    url = fake(handler)
+    fn = rewards.make_reward(f"remote={url}")
+    with pytest.raises(RuntimeError, match=r"/score failed 1 times.*TimeoutError: no complete answer within the 0.5 s"):
+        fn(torch.rand(1, 3, 8, 8), ["p"])
+
+
+def test_proxy_variables_are_ignored(serve, fake, fast_retries, monkeypatch):
+    # A "proxy" that records what reaches it: 127.0.0.1 must be reached directly, as by the rollout client.
+    url, _ = serve("jpeg_compressibility")
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's opener, built once per process, reads the proxies
+    seen = []
+
+    def proxy(h):
+        seen.append(h.path)
+        reply(h, 502, b"proxy")
+    proxy_url = fake(proxy)
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, proxy_url)
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    scores, _ = rewards.make_reward(f"remote={url}")(torch.rand(2, 3, 8, 8), ["a", "b"])
+    assert scores.shape == (2,) and seen == [], seen
+
+
+# ---------------------------------------------------------------- the training loop against a dead or hung server
+
+def start_trainer(port, run, env):
+    return subprocess.Popen([sys.executable, str(ROOT / "flowgrpo.py"), "--model", "tiny", "--reward",
+                             f"remote=http://127.0.0.1:{port}", "--iterations", "30", "--checkpoint-every", "1",
+                             "--group-size", "2", "--prompts-per-iteration", "2", "--micro-batch", "2",  # 2 chunks
+                             "--eval-every", "0", "--no-wandb", "--run-dir", str(run)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(trainer, run, iteration):
+    meta = run / "checkpoints" / f"iter_{iteration:06d}" / "meta.json"
+    deadline = time.monotonic() + 300
+    while not meta.exists() and time.monotonic() < deadline:
+        assert trainer.poll() is None, trainer.communicate()
+        time.sleep(0.1)
+    assert meta.exists(), "no checkpoint within 300 s"
+
+
+def last_checkpoint_iteration(run):
+    """The iteration of the newest checkpoint, after checking every file against its manifest (intact)."""
+    last = checkpoint.list_checkpoints(str(run / "checkpoints"))[-1]
+    return checkpoint.verify_checkpoint(last)["loop"]["iteration"]
 
 
 def test_training_run_whose_reward_server_dies_fails_clearly_and_keeps_its_checkpoint(tmp_path):
     """The real loop with `--reward remote=URL`: the server is killed after the first checkpoints; the run
     retries, stops with an error naming the server, and its newest complete checkpoint still resumes."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, str(ROOT / "rewards.py"), "serve", "--reward", "brightness", "--port",
                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = tmp_path / "run"
-    env = {**__import__("os").environ, "FLOWGRPO_REMOTE_RETRIES": "2", "FLOWGRPO_REMOTE_BACKOFF": "0.2",
-           "WANDB_MODE": "offline"}
+    env = {**os.environ, "FLOWGRPO_REMOTE_RETRIES": "2", "FLOWGRPO_REMOTE_BACKOFF": "0.2", "WANDB_MODE": "offline"}
     try:
         assert "serving reward" in server.stdout.readline()
-        trainer = subprocess.Popen([sys.executable, str(ROOT / "flowgrpo.py"), "--model", "tiny", "--reward",
-                                    f"remote=http://127.0.0.1:{port}", "--iterations", "30", "--checkpoint-every", "1",
-                                    "--eval-every", "0", "--no-wandb", "--run-dir", str(run)], cwd=ROOT, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300
-        while not (run / "checkpoints" / "iter_000001" / "meta.json").exists() and time.time() < deadline:
-            assert trainer.poll() is None, trainer.communicate()
-            time.sleep(0.1)
+        trainer = start_trainer(port, run, env)
+        wait_for_checkpoint(trainer, run, 1)
     finally:
         server.kill()
         server.wait()
     _, err = trainer.communicate(timeout=300)
     assert trainer.returncode != 0
     assert f"remote reward server http://127.0.0.1:{port}/score failed 3 times" in err
-    import engine
-    last = engine.list_checkpoints(str(run / "checkpoints"))[-1]
-    assert engine.read_checkpoint_meta(last)["loop"]["iteration"] >= 1
+    assert last_checkpoint_iteration(run) >= 1
+
+
+def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path):
+    """SIGINT to a run whose reward server accepted a request and never answers (deadline 600 s): the run stops
+    at once, its last checkpoint complete. Before, a non-daemon reward thread held the process until the deadline."""
+    hung, answered = threading.Event(), []
+
+    def handler(h):
+        if h.path == "/health":
+            return reply(h, 200, b'{"status": "ok"}')
+        n = len(json.loads(h.rfile.read(int(h.headers["Content-Length"])))["prompts"])
+        if len(answered) >= 2:  # the first iteration's 2 chunks are scored; then the server hangs
+            hung.set()
+            time.sleep(120)  # bounded: the daemon handler thread ends by itself after the test
+            return
+        answered.append(n)
+        reply(h, 200, json.dumps({"scores": [0.5] * n}).encode())
+
+    class Handler(BaseHTTPRequestHandler):
+        do_GET = do_POST = handler
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    run = tmp_path / "run"
+    env = {**os.environ, "FLOWGRPO_REMOTE_TIMEOUT": "600", "WANDB_MODE": "offline"}
+    trainer = start_trainer(server.server_address[1], run, env)
+    try:
+        wait_for_checkpoint(trainer, run, 0)
+        assert hung.wait(300), "the trainer never reached the hung request"
+        trainer.send_signal(signal.SIGINT)
+        _, err = trainer.communicate(timeout=60)  # ~600 s before the fix
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        server.shutdown()
+        server.server_close()
+    assert trainer.returncode != 0 and "interrupt" in err.lower(), err[-2000:]
+    assert last_checkpoint_iteration(run) >= 0
+    assert not list((run / "checkpoints").glob("*.tmp")), "a checkpoint was left half-written"

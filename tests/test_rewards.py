@@ -2,6 +2,7 @@
 random-weight CLIP models built here (no downloads), weighted multi-reward, async scoring, bad input."""
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def test_start_up_checks_build_no_models():
     # In a fresh interpreter: the checks must not import the OCR or CLIP libraries.
     code = (
         "import sys, rewards\n"
-        "rewards.check_reward_spec('ocr=1.0,pickscore=0.5,clipscore,remote=http://127.0.0.1:1=0.1')\n"
+        "rewards.check_reward_spec('ocr=1.0,pickscore=0.5,clipscore,remote=http://127.0.0.1:1=0.1,"
+        "judge:ocr=http://127.0.0.1:2')\n"
         "try:\n"
         "    rewards.check_prompts_for_reward('ocr=1,jpeg_compressibility=0.1', ['ok \"A\"', 'no quotes here'])\n"
         "except ValueError as e:\n"
@@ -91,18 +93,42 @@ def test_start_up_checks_build_no_models():
     ("ocr=1.0,bar=2", "unknown reward 'bar'"),
     ("ocr=heavy", "bad weight 'heavy'"),
     ("ocr=nan", "bad weight 'nan'"),
+    ("brightness=1e999", "bad weight '1e999' in 'brightness=1e999'; write NAME=WEIGHT with a finite number"),
+    ("ocr=", "bad weight ''"),
     ("ocr:somepath", "takes no argument"),
     ("", "empty reward"),
     ("ocr,,pickscore", "empty reward"),
     ("ocr,ocr=2", "appears twice"),
-    ("remote", "bad remote URL"),
-    ("remote=127.0.0.1:8000", "bad remote URL"),
-    ("remote=http://host:port", "bad remote URL"),
-    ("remote=http://host:1/score?x=1", "bad remote URL"),
+    ("remote", "bad server URL '' in 'remote' .*; write remote=http://HOST:PORT"),
+    ("remote=127.0.0.1:8000", "bad server URL '127.0.0.1:8000'"),
+    ("remote=http://host:port", "bad server URL 'http://host:port'"),
+    ("remote=http://h:99999", r"bad server URL 'http://h:99999' in 'remote=http://h:99999' \(port 1-65535"),
+    ("remote=http://h:0", "bad server URL 'http://h:0'"),
+    ("remote=http://host:1/score?x=1", "bad server URL"),
+    ("remote=http://user@host:1", "bad server URL"),
+    ("remote=http://a:1+http://b:2", "remote takes one server"),
+    ("remote=http://a:1=inf", "bad weight 'inf'"),
+    ("remote=http://a:1,remote=http://a:1/", "'remote@a:1' appears twice"),
+    ("judge=http://a:1", "judge needs a task, one of ocr, match"),
+    ("judge:foo=http://a:1", "judge needs a task, one of ocr, match, got 'judge:foo=http://a:1'"),
+    ("judge:ocr", r"bad server URL '' in 'judge:ocr' .*; write judge:TASK=http://HOST:PORT\[\+http://HOST2:PORT"),
+    ("judge:match=http://a:1+http://a:1", "bad server URL 'http://a:1'.*each server once"),
+    ("judge:match=http://a:1+http://b:70000", "bad server URL 'http://b:70000'"),
 ])
 def test_bad_reward_specs(spec, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message):  # a regular expression
         rewards.check_reward_spec(spec)
+
+
+def test_url_rewards_parse_to_labels_and_weights():
+    parsed = rewards._parse("ocr=1,judge:match=http://h1:8000+https://h2:8001/=0.5, remote=http://[::1]:9=2")
+    assert [(label, weight) for label, _, _, _, weight in parsed] == [
+        ("ocr", 1.0), ("judge:match@h1:8000+h2:8001", 0.5), ("remote@[::1]:9", 2.0)]
+    assert parsed[1][3] == ("match", ["http://h1:8000", "https://h2:8001"]) and parsed[2][3] == ("http://[::1]:9",)
+    # judge:ocr checks the prompts as ocr does (quoted text), judge:match does not.
+    rewards.check_prompts_for_reward("judge:match=http://h:1", ["no quotes is fine here"])
+    with pytest.raises(ValueError, match="'no quotes here' has no text between double quotes"):
+        rewards.check_prompts_for_reward("judge:ocr=http://h:1", ['ok "A"', "no quotes here"])
 
 
 def test_weighted_multi_reward_total_and_components():
@@ -178,6 +204,27 @@ def test_async_rewards_copy_images_and_surface_errors(monkeypatch):
     with pytest.raises(ValueError, match="'the bad one'"):
         pool.collect()
     pool.close()
+
+
+def test_async_rewards_raise_a_failed_chunk_without_waiting_for_a_hung_one():
+    # Chunk 0 hangs (a server that never answers), chunk 1 fails: collect() raises chunk 1's error at once.
+    release = threading.Event()
+
+    def fn(images, prompts, metadata):
+        if prompts[0] == "hung":
+            release.wait(60)
+            return np.zeros(1), {}
+        raise ValueError("chunk 1 broke")
+    pool = rewards.AsyncRewards(fn, workers=2)
+    first = pool.submit(torch.rand(1, 3, 4, 4), ["hung"])
+    pool.submit(torch.rand(1, 3, 4, 4), ["bad"])
+    try:
+        with pytest.raises(ValueError, match="chunk 1 broke"):
+            pool.collect()
+        assert first.running(), "collect() waited for the hung chunk"
+    finally:
+        release.set()
+        pool.close()
 
 
 # ---------------------------------------------------------------- CLIP family on tiny random models
