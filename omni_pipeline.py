@@ -1,15 +1,17 @@
 """The vLLM-Omni 0.30.0 custom pipeline: Qwen-Image sampled with this project's `scheduler.step`, writing the
-trajectory the trainer needs (DESIGN.md, "Data contract") to the file a request names.
+trajectory the trainer needs (rollout.Batch's tensors) to the file a request names.
 
-    PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 \
-        --custom-pipeline-args '{"pipeline_class": "omni_pipeline.FlowGRPOQwenImagePipeline"}'
+    PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
+        '{"pipeline_class": "omni_pipeline.FlowGRPOQwenImagePipeline", "trajectory_root": "/dev/shm/flowgrpo"}'
 
-DESIGN.md puts this class in rollout.py; it lives in its own module on purpose, so that rollout.py (imported
-by the trainer and by the CPU test suite) never imports vllm_omni: only the server process imports this file.
+It lives in its own module, not beside its client in rollout.py, so that rollout.py (imported by the trainer
+and by the CPU test suite) never imports vllm_omni: only the server process imports this file.
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
     trajectory    absolute path of the .safetensors file to write (atomically: a temporary name, then
-                  os.replace), before the images are returned
+                  os.replace), before the images are returned. Its directory must exist and lie beneath the
+                  server's `trajectory_root` (symlinks and `..` resolved): a server without one writes nothing,
+                  so no client can make it overwrite a file elsewhere (model weights, say)
     seeds         n ints, one per image: each image's initial noise and SDE noise come from its own CPU
                   generator, drawn exactly as the local backend (rollout.sample) draws them
     steps         the trained step indices (consecutive; [] = pure ODE); noise_level; sde_type
@@ -28,10 +30,11 @@ part of the rollout-vs-trainer gap that `train/logp_gap` is there to measure.
 """
 import json
 import os
+import uuid
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import save
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
@@ -42,6 +45,36 @@ FORMAT = "flowgrpo-trajectory-v1"
 SAMPLER_KNOBS = ("steps", "noise_level", "sde_type")  # shared by all requests sampled in one pass
 
 
+def checked_root(custom_pipeline_args: dict | None) -> str | None:
+    """The server's `trajectory_root` (symlinks resolved), checked at start-up; None: it writes no trajectories."""
+    root = (custom_pipeline_args or {}).get("trajectory_root")
+    if root is not None and not (isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root)):
+        raise ValueError(f"--custom-pipeline-args: trajectory_root must be an existing directory's absolute path, "
+                         f"got {root!r}")
+    return root and os.path.realpath(root)
+
+
+def place(path, root: str | None) -> tuple[str, str]:
+    """(directory relative to `root`, file name) of a trajectory path, refused unless its directory exists and,
+    symlinks and `..` resolved, lies beneath `root`."""
+    if root is None:
+        raise ValueError("this server has no trajectory_root, so it writes no trajectory files: start it with "
+                         "--custom-pipeline-args '{\"pipeline_class\": \"omni_pipeline.FlowGRPOQwenImagePipeline\", "
+                         "\"trajectory_root\": \"/DIR\"}', /DIR holding the trainers' FLOWGRPO_ROLLOUT_DIR (README)")
+    if not (isinstance(path, str) and os.path.isabs(path) and path.endswith(".safetensors")):
+        raise ValueError(f"extra_params.{KEY}.trajectory must be an absolute *.safetensors path, got {path!r}")
+    folder, name = os.path.split(path)
+    rel = os.path.relpath(os.path.realpath(folder), root)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        raise ValueError(f"trajectory path {path} is not beneath this server's trajectory_root {root} (symlinks and "
+                         "'..' resolved): set the trainer's FLOWGRPO_ROLLOUT_DIR (default: its run directory) to a "
+                         "directory beneath it")
+    if not os.path.isdir(os.path.join(root, rel)):
+        raise ValueError(f"trajectory path {path}: no such directory on this server (the trainer creates it; both "
+                         "must see the same filesystem at the same path)")
+    return rel, name
+
+
 def parse_knobs(extra_args: dict | None, n: int, num_steps: int, root: str | None) -> dict | None:
     """This request's knobs from extra_params["flowgrpo"], checked (None: not a FlowGRPO request)."""
     knobs = (extra_args or {}).get(KEY)
@@ -50,11 +83,7 @@ def parse_knobs(extra_args: dict | None, n: int, num_steps: int, root: str | Non
     missing = [k for k in ("trajectory", "seeds", *SAMPLER_KNOBS) if k not in knobs]
     if missing:
         raise ValueError(f"extra_params.{KEY} lacks {missing}")
-    path, steps, seeds = knobs["trajectory"], list(knobs["steps"]), [int(s) for s in knobs["seeds"]]
-    if not (os.path.isabs(path) and path.endswith(".safetensors")):
-        raise ValueError(f"extra_params.{KEY}.trajectory must be an absolute *.safetensors path, got {path!r}")
-    if root and os.path.commonpath([os.path.realpath(path), os.path.realpath(root)]) != os.path.realpath(root):
-        raise ValueError(f"trajectory path {path} is outside this server's trajectory_root {root}")
+    where, steps, seeds = place(knobs["trajectory"], root), list(knobs["steps"]), [int(s) for s in knobs["seeds"]]
     if len(seeds) != n:
         raise ValueError(f"extra_params.{KEY}.seeds has {len(seeds)} seeds for n = {n} images")
     if steps and (steps != list(range(steps[0], steps[0] + len(steps))) or steps[0] < 0 or steps[-1] > num_steps - 2):
@@ -63,7 +92,7 @@ def parse_knobs(extra_args: dict | None, n: int, num_steps: int, root: str | Non
         raise ValueError(f"noise_level must be > 0 on trained steps, got {knobs['noise_level']}")
     if knobs["sde_type"] not in sch.SDE_TYPES:
         raise ValueError(f"sde_type must be one of {sch.SDE_TYPES}, got {knobs['sde_type']!r}")
-    return dict(knobs, steps=steps, seeds=seeds, noise_level=float(knobs["noise_level"]))
+    return dict(knobs, where=where, steps=steps, seeds=seeds, noise_level=float(knobs["noise_level"]))
 
 
 class FlowGRPOQwenImagePipeline(QwenImagePipeline):
@@ -72,11 +101,15 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
     supports_step_execution = False
     _run: dict | None = None  # the pass in progress: generators, knobs, then the recorded tensors
 
+    def __init__(self, *, od_config, prefix: str = ""):
+        root = checked_root(od_config.custom_pipeline_args)  # a bad trajectory_root fails before the weights load
+        super().__init__(od_config=od_config, prefix=prefix)
+        self.trajectory_root = root
+
     def forward(self, req: DiffusionRequestBatch):
         params = req.sampling_params_list
         n = params[0].num_outputs_per_prompt if params[0].num_outputs_per_prompt > 0 else 1
-        root = (self.od_config.custom_pipeline_args or {}).get("trajectory_root")
-        knobs = [parse_knobs(sp.extra_args, n, sp.num_inference_steps or 50, root) for sp in params]
+        knobs = [parse_knobs(sp.extra_args, n, sp.num_inference_steps or 50, self.trajectory_root) for sp in params]
         # vLLM-Omni batches requests that agree on size/steps/n/LoRA but not on our knobs: a mixed batch
         # is sampled one request at a time (each request's outputs stay in its own order).
         if len({json.dumps(k and [k[s] for s in SAMPLER_KNOBS]) for k in knobs}) > 1:
@@ -97,7 +130,7 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
                 rows = slice(i * n, (i + 1) * n)
                 # out.output: (n, 3, H, W) in [-1, 1]; [0, 1] as VaeImageProcessor.postprocess(output_type="pt")
                 images = (out.output.float() / 2 + 0.5).clamp(0, 1)
-                write_trajectory(k["trajectory"], {
+                write_trajectory(self.trajectory_root, *k["where"], {
                     "latents": run["latents"][rows], "log_probs": run["log_probs"][rows], "sigmas": run["sigmas"],
                     "sigma_max": torch.tensor(run["sigma_max"]), "images": images},
                     {"format": FORMAT, "seeds": json.dumps(k["seeds"]), "prompt": _prompt_text(req.prompts[i])})
@@ -135,8 +168,8 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
                                    image_latents, cfg_normalize, additional_transformer_kwargs)
         if image_latents is not None:
             raise ValueError("FlowGRPOQwenImagePipeline samples text-to-image only (no image latents)")
-        # σ_0 … σ_N (N + 1, last 0): set for this request by prepare_timesteps (the same shift and terminal
-        # stretch as scheduler.sigma_schedule); timesteps = σ_i · 1000.
+        # σ_0 … σ_N (N + 1, last 0), timesteps = σ_i · 1000: set for this request by prepare_timesteps, with the
+        # shift and terminal stretch of scheduler.sigma_schedule (the client requires the same σ to the bit).
         sigmas = self.scheduler.sigmas.float().cpu()
         steps, sigma_max = run["steps"], float(sigmas[1])
         self.transformer.do_true_cfg = do_true_cfg
@@ -174,9 +207,20 @@ def _prompt_text(prompt) -> str:
     return prompt if isinstance(prompt, str) else (prompt.get("prompt") or "")
 
 
-def write_trajectory(path: str, tensors: dict, metadata: dict) -> None:
-    """safetensors at `path`, atomically: the client never sees a partial file (tmp name, then os.replace)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
+def write_trajectory(root: str, rel: str, name: str, tensors: dict, metadata: dict) -> None:
+    """safetensors `root/rel/name`, atomically (a new temporary name, then os.replace: the client never sees a
+    partial file). Each directory below `root` is opened without following symlinks, so one swapped for a
+    symlink after `place` checked it is an error, not a way out of `root`."""
+    data = save({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in [] if rel == os.curdir else rel.split(os.sep):
+            sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"  # O_EXCL: never opens what is already there (a FIFO, a link)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=fd), "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+    finally:
+        os.close(fd)

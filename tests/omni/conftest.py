@@ -36,8 +36,10 @@ def tiny_pipeline_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def omni_server(tiny_pipeline_dir, tmp_path_factory):
     """The tier's shared server. It fuses up to 4 waiting requests into one forward, waiting up to 50 ms for
-    them (vLLM-Omni's defaults: 1, 0 ms), so the pipeline's multi-request path is exercised too."""
+    them (vLLM-Omni's defaults: 1, 0 ms), so the pipeline's multi-request path is exercised too. Its
+    trajectory_root is pytest's base temporary directory: every test's tmp_path lies beneath it."""
     server = OmniServer(tiny_pipeline_dir, tmp_path_factory.mktemp("omni-log") / "vllm-serve.log",
-                        extra_args=["--max-num-seqs", "4", "--request-batch-max-wait-ms", "50"])
+                        extra_args=["--max-num-seqs", "4", "--request-batch-max-wait-ms", "50"],
+                        pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
     yield server
     server.stop()

@@ -1,22 +1,26 @@
 """Rollout through the real vLLM-Omni 0.30.0 server running omni_pipeline.FlowGRPOQwenImagePipeline.
 
-In-process: the served trajectories equal the local backend's (same seeds, same LoRA), every policy version is
-a new adapter that changes the images, the PNG response is the trajectory's image quantised, and a bad
-request, a missing or a malformed trajectory file are errors naming the server and the request.
+In-process: the served trajectories equal the local backend's (same seeds, same LoRA) and their σ equal the
+trainer's to the bit, every policy version is a new adapter that changes the images, the PNG response is the
+trajectory's image quantised, a bad request, a missing or a malformed trajectory file are errors naming the
+server and the request, and a server writes only beneath its trajectory_root (none without one).
 Through the CLI (`flowgrpo.py --rollout vllm-omni`): a training run learns with a tiny rollout-vs-trainer
 log-prob gap; a server that answers an error or dies mid-run stops the run with an error naming the server
 and the request, and the last checkpoint resumes on another server.
 
-One server (the session's `omni_server`) serves every test but the one that kills its own server.
+One server (the session's `omni_server`) serves every test but two: the one that kills its own server, and the
+one that needs a server without trajectory_root.
 """
 import base64
 import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,6 +33,7 @@ from safetensors.torch import load_file
 
 from harness import ROOT, OmniServer, http
 
+import checkpoint
 import engine as eng
 import models
 import rollout
@@ -92,7 +97,7 @@ def test_served_trajectories_equal_the_local_backend(omni_server, trainer, tmp_p
         assert getattr(served, name).shape == getattr(local, name).shape
         assert getattr(served, name).dtype == torch.float32
     assert max(diffs.values()) < 1e-5 and max(gaps) < 1e-5  # float32, CPU: vLLM-Omni's transformer vs diffusers'
-    assert os.listdir(tmp_path / "trajectories") == []
+    assert os.listdir(backend.traj_dir) == []
 
 
 def test_each_version_is_a_new_adapter_that_changes_the_images(omni_server, trainer, tmp_path):
@@ -106,7 +111,7 @@ def test_each_version_is_a_new_adapter_that_changes_the_images(omni_server, trai
         served, local = both(backend, model, [0, 1, 2], 1.0, "sde")
         assert (served.images - local.images).abs().max() < 1e-5  # the served policy is the trainer's policy
         images.append(served.images)
-    assert len(set(ids)) == 3 and os.listdir(tmp_path / "policy") == ["v2"]
+    assert len(set(ids)) == 3 and os.listdir(backend.policy_dir) == ["v2"]
     assert all((a - b).abs().max() > 1e-3 for a, b in ((images[0], images[1]), (images[1], images[2])))
     loaded = re.findall(r"Loading new adapter: id=(\d+), name=(flowgrpo-v\d)", omni_server.log_text())
     assert [(str(i), f"flowgrpo-v{v}") for v, i in enumerate(ids)] == loaded[-3:]
@@ -165,6 +170,88 @@ def test_a_bad_request_is_an_error_and_the_server_stays_up(omni_server, tmp_path
     assert http("GET", omni_server.url + "/health")[0] == 200
 
 
+def test_served_sigmas_equal_the_trainers_to_the_bit(omni_server, trainer, tmp_path):
+    """The client requires the file's σ and σ_max to equal the trainer's exactly. The server's come from
+    vLLM-Omni's prepare_timesteps on its own diffusers' scheduler, the trainer's from scheduler.sigma_schedule:
+    they agree to the bit over step counts and image sizes (the size sets image_seq_len, hence the shift)."""
+    model, _ = trainer
+    sampler = dict(cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0, iteration=0, lora=None)
+    for num_steps, height, width in [(2, 32, 32), (10, 64, 32), (50, 64, 64)]:
+        [(_, body)] = rollout.build_requests(["a blue ball"], [0], steps=list(range(num_steps - 1)),
+                                             num_steps=num_steps, height=height, width=width,
+                                             prefix=str(tmp_path / f"s{num_steps}"), **sampler)
+        del body["lora"]  # the base model
+        status, resp = http("POST", omni_server.url + "/v1/images/generations", body)
+        assert status == 200, resp
+        served = load_file(body["extra_params"]["flowgrpo"]["trajectory"])
+        sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
+        assert served["sigmas"].shape == (num_steps,) and served["sigmas"].dtype == torch.float32
+        diff = (served["sigmas"] - sigmas[:num_steps]).abs().max().item()
+        assert torch.equal(served["sigmas"], sigmas[:num_steps]), (num_steps, height, width, diff)
+        assert served["sigma_max"].item() == float(sigmas[1]), (served["sigma_max"].item(), float(sigmas[1]))
+
+
+def test_the_server_writes_only_beneath_its_trajectory_root(omni_server, trainer, tmp_path, monkeypatch):
+    """The session server's trajectory_root is pytest's base temporary directory. A path outside it (plainly,
+    through `..`, through a symlinked directory) or in a directory that does not exist is refused before any
+    sampling, and nothing is written; a symlink at the file name itself is replaced, never followed (its target,
+    model weights say, is untouched). A trainer whose FLOWGRPO_ROLLOUT_DIR lies outside gets an error naming the
+    server, the root and the setting."""
+    model, engine = trainer
+    outside = Path(tempfile.mkdtemp(prefix="flowgrpo-outside-"))  # /tmp/…: not beneath pytest's base directory
+    try:
+        weights = outside / "model.safetensors"
+        weights.write_bytes(b"weights")
+        (tmp_path / "link").symlink_to(outside, target_is_directory=True)
+        (tmp_path / "weights.safetensors").symlink_to(weights)
+        refused = {str(weights): "not beneath this server's trajectory_root",
+                   os.path.join(tmp_path, os.path.relpath(weights, tmp_path)): "not beneath",  # tmp_path/../../…
+                   str(tmp_path / "link" / "model.safetensors"): "not beneath",
+                   str(tmp_path / "missing" / "t.safetensors"): "no such directory on this server"}
+        for path, needle in {**refused, str(tmp_path / "weights.safetensors"): None}.items():
+            knobs = dict(trajectory=path, seeds=[1], steps=[0], noise_level=0.7, sde_type="sde")
+            body = dict(prompt="x", size=f"{W}x{H}", num_inference_steps=4, extra_params={"flowgrpo": knobs})
+            status, resp = http("POST", omni_server.url + "/v1/images/generations", body)
+            assert (status, needle) == (200, None) or status == 500 and needle in resp["error"]["message"], (path, resp)
+        assert weights.read_bytes() == b"weights" and os.listdir(outside) == ["model.safetensors"]
+        assert not (tmp_path / "weights.safetensors").is_symlink()  # the link was replaced by the trajectory
+        assert load_file(tmp_path / "weights.safetensors")["images"].shape == (1, 3, H, W)
+        assert not (tmp_path / "missing").exists()
+        monkeypatch.setenv("FLOWGRPO_ROLLOUT_DIR", str(outside))
+        backend = rollout.make_backend("vllm-omni", omni_server.url, str(tmp_path / "run"), engine)
+        backend.sync(engine, 0)
+        with pytest.raises(RuntimeError) as err:
+            backend.sample(model, PROMPTS[:1], [{}], [0], [0],
+                           **dict(KW, steps=[0, 1, 2], cfg_scale=1.0, sde_type="sde"))
+        print("\n" + str(err.value))
+        assert f"vLLM-Omni server {omni_server.url} answered HTTP 500" in str(err.value)
+        assert re.search(r"not beneath this server's trajectory_root \S+ .*FLOWGRPO_ROLLOUT_DIR", str(err.value))
+        assert os.listdir(backend.traj_dir) == []
+        backend.close()
+    finally:
+        shutil.rmtree(outside)
+
+
+def test_a_server_without_trajectory_root_writes_nothing(tiny_pipeline_dir, trainer, tmp_path):
+    """Started without trajectory_root (as the README once showed): it still serves plain requests (its warm-up
+    ran), but refuses every FlowGRPO request with an error naming the missing setting; the trainer shows it with
+    the server and the request."""
+    model, engine = trainer
+    server = OmniServer(tiny_pipeline_dir, tmp_path / "no-root.log")
+    try:
+        backend = rollout.OmniBackend(server.url, str(tmp_path), engine)
+        backend.sync(engine, 0)
+        with pytest.raises(RuntimeError) as err:
+            backend.sample(model, PROMPTS[:2], [{}] * 2, [0, 0], [0, 1],
+                           **dict(KW, steps=[0, 1, 2], cfg_scale=1.0, sde_type="sde"))
+        print("\n" + str(err.value))
+        assert f"vLLM-Omni server {server.url} answered HTTP 500 to the request for prompt" in str(err.value)
+        assert "this server has no trajectory_root" in str(err.value) and '"trajectory_root": ' in str(err.value)
+        assert os.listdir(backend.traj_dir) == [] and server.request("GET", "/health")[0] == 200
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("damage,needle", [("delete", "no trajectory file"), ("truncate", "malformed trajectory")])
 def test_a_missing_or_malformed_file_is_an_error_naming_the_server(omni_server, trainer, tmp_path, monkeypatch,
                                                                   damage, needle):
@@ -185,7 +272,7 @@ def test_a_missing_or_malformed_file_is_an_error_naming_the_server(omni_server, 
     with pytest.raises(RuntimeError, match=needle) as err:
         both(backend, model, [0, 1, 2], 1.0, "sde")
     assert omni_server.url in str(err.value) and "a red cube on a table" in str(err.value)
-    assert os.listdir(tmp_path / "trajectories") == []
+    assert os.listdir(backend.traj_dir) == []
 
 
 # ---- through the CLI ----------------------------------------------------------------------------
@@ -218,7 +305,7 @@ def test_cli_training_run_learns_with_a_tiny_logp_gap(omni_server, tiny_pipeline
     assert last - first > 3 * rows[0]["reward/std"], (first, last)  # the margin tests/test_loop.py uses
     loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", omni_server.log_text()[log_start:])
     assert [int(v) for _, v in loaded] == list(range(iterations)) and len({i for i, _ in loaded}) == iterations
-    assert os.listdir(run / "policy") == [f"v{iterations - 1}"] and os.listdir(run / "trajectories") == []
+    assert not [p for p in os.listdir(run) if p.startswith("rollout-")]  # the run's exchange directory: removed
 
 
 @needs_cli
@@ -239,13 +326,14 @@ def test_cli_server_error_names_the_server_and_the_request(omni_server, tiny_pip
 def test_cli_server_death_stops_the_run_and_the_checkpoint_resumes_elsewhere(omni_server, tiny_pipeline_dir,
                                                                              tmp_path):
     exchange = tmp_path / "exchange"  # the dying server only accepts trajectory paths under it
+    exchange.mkdir()  # a trajectory_root must exist when the server starts
     doomed = OmniServer(tiny_pipeline_dir, tmp_path / "doomed.log", pipeline_args={"trajectory_root": str(exchange)})
     try:
         knobs = dict(trajectory=str(tmp_path / "outside.safetensors"), seeds=[1], steps=[0], noise_level=0.7,
                      sde_type="sde")
         status, resp = http("POST", doomed.url + "/v1/images/generations",
                             dict(prompt="x", size=f"{W}x{H}", num_inference_steps=4, extra_params={"flowgrpo": knobs}))
-        assert status == 500 and "outside this server's trajectory_root" in resp["error"]["message"]
+        assert status == 500 and "not beneath this server's trajectory_root" in resp["error"]["message"], resp
         run = tmp_path / "run"
         proc = trainer_cli("--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
                            doomed.url, "--run-dir", str(run), "--iterations", "30", "--checkpoint-every", "1",
@@ -254,7 +342,7 @@ def test_cli_server_death_stops_the_run_and_the_checkpoint_resumes_elsewhere(omn
                                                                 "FLOWGRPO_ROLLOUT_BACKOFF": "0.5"})
         try:
             deadline = time.monotonic() + 300
-            while not (run / "checkpoints" / f"{eng.CKPT_PREFIX}{1:06d}" / "meta.json").exists():
+            while not (run / "checkpoints" / f"{checkpoint.PREFIX}{1:06d}" / "meta.json").exists():
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
                 time.sleep(0.2)
             os.killpg(doomed.pgid, signal.SIGKILL)  # the server dies mid-run
@@ -270,8 +358,8 @@ def test_cli_server_death_stops_the_run_and_the_checkpoint_resumes_elsewhere(omn
     print("\n" + err.strip().splitlines()[-1])
     assert f"vLLM-Omni server {doomed.url} stayed down for the request for prompt" in err, err
     # the newest checkpoint is complete and continues the run on the other server
-    newest = eng.list_checkpoints(str(run / "checkpoints"))[-1]
-    done = eng.read_checkpoint_meta(newest)["loop"]["iteration"]
+    newest = checkpoint.list_checkpoints(str(run / "checkpoints"))[-1]
+    done = checkpoint.read_checkpoint_meta(newest)["loop"]["iteration"]
     out = trainer_cli("--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
                       omni_server.url, "--run-dir", str(run), "--iterations", str(done + 3), "--checkpoint-every", "1",
                       "--eval-every", "0", "--resume", "auto")
