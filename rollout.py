@@ -14,20 +14,20 @@ import glob
 import http.client
 import json
 import os
-import queue
 import random
 import shutil
 import stat
 import time
-import urllib.error, urllib.parse, urllib.request  # noqa: E401
+import urllib.parse
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load, save_file
 from tqdm import tqdm
 
+import reward_http
+import rewards
 import scheduler as sch
 
 
@@ -162,7 +162,6 @@ KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v1"  # as in omni_pipeline.py (no
 PIPELINE = "omni_pipeline.FlowGRPOQwenImagePipeline"  # the servers' --custom-pipeline-args pipeline_class
 MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
 OMNI_DEFAULTS = dict(dir="", timeout=600.0, retries=3, backoff=2.0, concurrency=2)  # FLOWGRPO_ROLLOUT_<NAME>
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # servers are on our network: no proxy
 
 
 def check_backend(kind: str, urls: str | None) -> list[str]:
@@ -360,24 +359,17 @@ class OmniBackend:
         sigmas = sch.sigma_schedule(model.scheduler, num_steps, seq_len)
         expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=float(sigmas[1]),
                       image_shape=(3, height, width), latent_shape=(seq_len, model.transformer.config.in_channels))
-        slots = queue.SimpleQueue()  # each server `concurrency` times: a request takes a free slot, then returns it
-        for url in self.urls * self.concurrency:
-            slots.put(url)
-
-        def one(body):
-            url = slots.get()
-            try:
-                return self._generate(url, body, expect)
-            finally:
-                slots.put(url)
-        with ThreadPoolExecutor(len(self.urls) * self.concurrency) as pool, \
-                tqdm(total=len(prompts), desc="rollout", unit="img", disable=not progress, leave=False) as bar:
-            futures, parts = [pool.submit(one, body) for _, body in jobs], []
+        # Each server `concurrency` times: a request goes to whichever slot is free. Daemon threads (rewards.Workers):
+        # a request stuck on a hung server cannot hold up a stopped (Ctrl-C) run.
+        workers = rewards.Workers(self.urls * self.concurrency, "rollout")
+        with tqdm(total=len(prompts), desc="rollout", unit="img", disable=not progress, leave=False) as bar:
+            futures = [workers.submit(self._generate, body, expect) for _, body in jobs]
             for future, (_, body) in zip(futures, jobs):
-                if future.exception() is not None:  # the first error ends the rollout: start nothing new
-                    pool.shutdown(wait=False, cancel_futures=True)
-                parts.append(future.result())  # leaving `with` waits for the requests still in flight
-                bar.update(body["n"])
+                future.add_done_callback(lambda _, n=body["n"]: bar.update(n))
+            try:
+                parts = rewards.gather(futures)  # the first error ends the rollout; requests not yet sent are cancelled
+            finally:
+                workers.close()
         order = torch.tensor([i for pos, _ in jobs for i in pos]).argsort()  # requests' rows -> batch order
         cat = lambda k: torch.cat([p[k] for p in parts])[order]  # noqa: E731
         batch = Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
@@ -408,24 +400,24 @@ class OmniBackend:
                 os.unlink(knobs["trajectory"])
 
     def _call(self, url: str, path: str, body: dict | None, what: str) -> bytes:
-        """GET (body None) or POST JSON -> the body; connection errors, timeouts, 502/503/504 retried with backoff."""
+        """GET (body None) or POST JSON -> the body, all of it within the timeout (reward_http.exchange: a direct
+        connection, a whole-request deadline); connection errors, the deadline, 502/503/504 retried with backoff."""
         data, last = None if body is None else json.dumps(body).encode(), None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
             try:
-                with _OPENER.open(req, timeout=self.timeout) as r:
-                    return r.read()
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")
-                with contextlib.suppress(ValueError, TypeError, KeyError):  # vLLM-Omni's {"error": {"message": …}}
-                    detail = str(json.loads(detail)["error"]["message"])
-                detail = detail[:2000]
-                if e.code not in (502, 503, 504):
-                    raise RuntimeError(f"vLLM-Omni server {url} answered HTTP {e.code} to {what}: {detail}") from None
-                last = f"HTTP {e.code}: {detail}"
-            except (OSError, http.client.HTTPException) as e:  # refused/reset connections, timeouts, cut replies
+                status, raw = reward_http.exchange(url, path, data, self.timeout, max_reply=64 * 2**20)
+            except (OSError, http.client.HTTPException) as e:  # refused/reset connections, the deadline, cut replies
                 last = f"{type(e).__name__}: {e}"
+                continue
+            if status < 300:
+                return raw
+            detail = raw.decode(errors="replace")
+            with contextlib.suppress(ValueError, TypeError, KeyError):  # vLLM-Omni's {"error": {"message": …}}
+                detail = str(json.loads(detail)["error"]["message"])
+            if status not in (502, 503, 504):
+                raise RuntimeError(f"vLLM-Omni server {url} answered HTTP {status} to {what}: {detail[:2000]}")
+            last = f"HTTP {status}: {detail[:2000]}"
         raise RuntimeError(f"vLLM-Omni server {url} stayed down for {what}: {self.retries + 1} attempts failed "
                            f"(last: {last}); is it running and reachable from this node (README)?")
