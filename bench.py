@@ -38,23 +38,21 @@ def texts_of(a: flowgrpo.Args) -> list[str]:  # the iteration's P·G prompts: im
     chosen = prompt_sets.load_prompts(a.prompts).train[:a.prompts_per_iteration]
     return [p for p, _ in chosen for _ in range(a.group_size)]
 
-def sample(model, a, steps, cfg=None, on_images=None):  # rollout.sample on the iteration's images; random advantages
-    ids = torch.arange(a.prompts_per_iteration * a.group_size)
+def sample(model, a, steps, cfg=None, on_images=None, **variant):  # rollout.sample on the iteration's images (branch=,
+    ids = torch.arange(a.prompts_per_iteration * a.group_size)  # ode_solver= in `variant`); random advantages
     model.transformer.eval()
     b = rollout.sample(model, texts_of(a), [{}] * len(ids), ids // a.group_size, ids, steps=steps, height=a.height,
                        width=a.width, num_steps=a.num_steps, cfg_scale=a.cfg_scale if cfg is None else cfg,
                        negative_prompt=a.negative_prompt, noise_level=a.noise_level if steps else 0.0, seed=a.seed,
-                       sde_type=a.sde_type, iteration=0, chunk=a.micro_batch, on_images=on_images)
+                       sde_type=a.sde_type, iteration=0, chunk=a.micro_batch, on_images=on_images, **variant)
     b.advantages = torch.randn(len(ids), generator=torch.Generator().manual_seed(1)).to(model.device)
     return b
 
 def diffusers_call(model, a, cfg, prompts):
     """The pipeline's call on the same initial latents (generators) and embeddings (not strings: BENCHMARKS.md)."""
     c = model.conditioning(prompts, a.negative_prompt, cfg)
-    neg = dict(negative_prompt_embeds=c["neg_embeds"], negative_prompt_embeds_mask=c["neg_mask"]) if cfg > 1 else {}
-    return model.pipe(prompt_embeds=c["embeds"], prompt_embeds_mask=c["mask"], **neg, true_cfg_scale=cfg,
-                      num_inference_steps=a.num_steps, height=a.height, width=a.width, output_type="pt",
-                      generator=rollout.image_generators(a.seed, 0, range(len(prompts)))).images
+    return model.pipe(**model.pipeline_kwargs(c, cfg), num_inference_steps=a.num_steps, height=a.height, width=a.width,
+                      output_type="pt", generator=rollout.image_generators(a.seed, 0, range(len(prompts)))).images
 
 def train(model, engine, batch, a):  # one policy update as the loop takes it (every micro-batch × trained step)
     a = dataclasses.replace(a, optimizer_steps=1, prompts_per_iteration=1, group_size=len(batch.prompts))
@@ -62,15 +60,14 @@ def train(model, engine, batch, a):  # one policy update as the loop takes it (e
     flowgrpo.train_on(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
 
 def bare_fwd_bwd(model, engine, batch, a):
-    """`train`'s floor: its transformer calls alone (the adapter's `_forward`) on the same inputs, then backward."""
+    """`train`'s floor: the adapter's velocity alone (its transformer calls and the pipeline's own CFG arithmetic)
+    on the same inputs, then backward."""
     model.transformer.train()
-    shapes = [[(1, a.height // model.multiple, a.width // model.multiple)]] * a.micro_batch
     for mb in (batch.chunk(m, m + a.micro_batch) for m in range(0, len(batch.prompts), a.micro_batch)):
         for j in range(len(mb.sigmas) - 1):
-            t = (mb.sigmas[j].expand(a.micro_batch) * 1000).to(model.dtype) / 1000  # as the adapter and pipeline
-            sum(model._forward(mb.latents[:, j].to(model.dtype), t, mb.cond[f"{neg}embeds"], mb.cond[f"{neg}mask"],
-                               shapes).float().square().mean() for neg in ("", "neg_")[:1 + (a.cfg_scale > 1)]
-                ).backward()
+            v = model.velocity(mb.latents[:, j], mb.sigmas[j].expand(a.micro_batch), mb.cond, a.cfg_scale, a.height,
+                               a.width)
+            v.float().square().mean().backward()
     engine.optimizer.zero_grad(set_to_none=False)
 
 def model_rows(t: list, o, a: flowgrpo.Args):
@@ -122,6 +119,54 @@ def model_rows(t: list, o, a: flowgrpo.Args):
         f"images {a.height}² (OCR at 64²); rollout {ms(roll)}, serial {ms(serial)}")
     pool.close()
 
+def family_rows(t: list, o, a: flowgrpo.Args, name: str, cfg: float, guide: str):
+    """The tiny SD3 (CFG 4.5) and FLUX (guidance embedding 3.5) models: rollout and training against their floors."""
+    model = models.load_model(name, None, o.device, seed=a.seed)
+    a = dataclasses.replace(a, model=name, lora_targets=model.lora_targets, cfg_scale=cfg, negative_prompt="")
+    engine, full = make_engine(a, model), list(range(a.num_steps - 1))
+    ode = sample(model, a, [])  # the same inputs, checked: our ODE path reproduces the pipeline's images
+    assert torch.allclose(ode.images, diffusers_call(model, a, cfg, ode.prompts).cpu(), atol=1e-5)
+    r = measure({"ours": lambda: sample(model, a, full),
+                 "diffusers": lambda: diffusers_call(model, a, cfg, ode.prompts)}, o.repeats)
+    row(t, f"{name}: rollout ÷ diffusers", np.divide(r["ours"], r["diffusers"]), "×", "≤ 1.10", f"full SDE, {guide}, "
+        f"{a.num_steps} steps, {len(ode.prompts)} images {a.height}²; {ms(r['ours'])} vs {ms(r['diffusers'])}")
+    full_b = sample(model, a, full)
+    r = measure({"train": lambda: train(model, engine, full_b, a),
+                 "bare": lambda: bare_fwd_bwd(model, engine, full_b, a)}, o.repeats)
+    row(t, f"{name}: training ÷ bare fwd+bwd", np.divide(r["train"], r["bare"]), "×", "≤ 1.15", f"full mode, {guide}, "
+        f"W = {len(full)}, {len(full_b.prompts)} images; train {ms(r['train'])}, bare {ms(r['bare'])}")
+
+def variant_rows(t: list, o, a: flowgrpo.Args):
+    """--branch and --ode-solver dpm2 against independent Euler rollouts of the same images, window and model: the
+    rollout's transformer work per image (the VAE decode, the same per image in all three and most of the tiny model's
+    rollout time, is skipped), G = 8, N = 10, window [s, s + 1]."""
+    model, rows, s = models.load_model(a.model, None, o.device, seed=a.seed), [], 3
+    a = dataclasses.replace(a, num_steps=10, group_size=8, micro_batch=8, cfg_scale=1.0, height=o.variant_size,
+                            width=o.variant_size)
+    velocity, images = model.velocity, a.prompts_per_iteration * a.group_size
+    def counted(x, *args, **kwargs):  # image rows through the transformer  # noqa: E306
+        rows.append(len(x))
+        return velocity(x, *args, **kwargs)
+    def no_decode(x, height, width):  # noqa: E306
+        return x.new_zeros(len(x), 3, 1, 1)
+    model.velocity, model.decode = counted, no_decode
+    kinds = {"independent": {}, "branch": dict(branch=True), "dpm2": dict(ode_solver="dpm2")}
+    calls = {}
+    for k, kw in kinds.items():  # transformer rows per image, counted on one rollout
+        rows.clear()
+        sample(model, a, [s, s + 1], **kw)
+        calls[k] = sum(rows) / images
+    r = measure({k: (lambda kw=kw: sample(model, a, [s, s + 1], **kw)) for k, kw in kinds.items()}, o.repeats)
+    expect = (s / a.group_size + a.num_steps - s) / a.num_steps
+    row(t, "rollout per image, --branch ÷ independent", np.divide(r["branch"], r["independent"]), "×",
+        f"(s/G + N − s)/N = {expect:.4f} ± 10%", f"s = {s}, G = {a.group_size}, N = {a.num_steps}, {images} images "
+        f"{a.height}², VAE decode skipped; transformer rows per image {calls['branch']:.3f} vs "
+        f"{calls['independent']:.0f}; {ms(r['branch'])} vs {ms(r['independent'])}")
+    row(t, "rollout per image, --ode-solver dpm2 ÷ euler", np.divide(r["dpm2"], r["independent"]), "×",
+        f"calls {calls['dpm2']:.0f}/{calls['independent']:.0f} = {calls['dpm2'] / calls['independent']:.2f}", f"window "
+        f"[{s}, {s + 1}] of {a.num_steps} steps, the {a.num_steps - s - 2} ODE steps after it in "
+        f"{sch.ode_calls('dpm2', a.num_steps - s - 2)} calls; {ms(r['dpm2'])} vs {ms(r['independent'])}")
+
 def vm_hwm(pid) -> int:  # a process's peak resident memory so far: the kernel's own high-water mark, no sampling gaps
     return next(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status") if line.startswith("VmHWM:"))
 
@@ -154,9 +199,9 @@ def rank_rows(t: list, o):  # 1-rank and 2-rank launches alternate, as the load 
 class RandomText(models.QwenImage):  # no 7B text encoder: real token counts and masks (tiny encoder), random values
     @torch.no_grad()
     def encode(self, prompts):
-        mask = super().encode(prompts)[1]
+        mask = super().encode(prompts)["mask"]
         e = torch.randn(*mask.shape, self.transformer.config.joint_attention_dim, generator=torch.Generator())
-        return (e * mask.cpu()[..., None]).to(self.device, self.dtype), mask
+        return {"embeds": (e * mask.cpu()[..., None]).to(self.device, self.dtype), "mask": mask}
 
 def random_model(kind: str, device: str) -> RandomText:  # --random-init: diffusers' defaults = the published configs
     pipe, dtype = models.build_tiny_qwen_pipeline(0), torch.bfloat16 if device != "cpu" else torch.float32
@@ -216,9 +261,44 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
     row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
         f"{a.micro_batch} images: {a.micro_batch / med([s.sum() for s in splits]):.3g} images/s")
 
+def judge_rows(t: list, o):
+    """Judge requests/s at concurrency 1 and at the default, against FLOWGRPO_BENCH_JUDGE_URL (e.g. a `vllm serve` of
+    a VL model) or a stand-in that answers each request 20 ms after it arrives, in parallel, as a batching server
+    does (then the row measures the client's concurrency, not a model)."""
+    import http.server
+    import threading
+    import reward_http
+    answer = json.dumps({"choices": [{"message": {"content": "Yes"}, "finish_reason": "stop", "logprobs": {"content": [
+        {"top_logprobs": [{"token": "Yes", "logprob": -0.2}, {"token": "No", "logprob": -1.7}]}]}}]}).encode()
+
+    class StandIn(http.server.BaseHTTPRequestHandler):
+        def do_GET(self, body=b'{"data": [{"id": "stand-in"}]}'):  # GET /v1/models; do_POST's answer
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            time.sleep(0.02)
+            self.do_GET(answer)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    given, n, c = os.environ.get("FLOWGRPO_BENCH_JUDGE_URL"), 16 if o.quick else 64, reward_http.JUDGE_CONCURRENCY
+    url = given or f"http://127.0.0.1:{server.server_address[1]}"
+    images, prompts = rewards.to_uint8(torch.rand(n, 3, 64, 64)), [f"a photo of thing {i}" for i in range(n)]
+    fns = {k: reward_http.judge("match", [url], concurrency=k) for k in (1, c)}
+    r = measure({k: lambda f=f: f(images, prompts, [{}] * n) for k, f in fns.items()}, o.repeats)
+    row(t, f"judge requests/s, concurrency {c} ÷ 1", np.divide(r[1], r[c]), "×", f"≤ {c}",
+        f"{n} requests (64² PNG) to {given or 'the stand-in'}; {n / med(r[1]):.0f} vs {n / med(r[c]):.0f} requests/s")
+    server.shutdown()
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=models.MODELS, default="tiny")
+    p.add_argument("--model", choices=("tiny", "qwen-image"), default="tiny")
     p.add_argument("--device", default="cuda" if CUDA else "cpu")
     p.add_argument("--random-init", action="store_true", help="the public recipe end to end, random weights (GPU)")
     p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
@@ -239,8 +319,14 @@ def main(argv=None):
         o.groups, o.chunks, o.reward_images, o.reward_size, o.rank_pairs = \
             ((2, 4), 2, 2, 128, 1) if quick else ((4, 8, 16), 4, 4, 512, 3)
         o.ranks = ("--model tiny --no-wandb --eval-every 0 --checkpoint-every 0 --iterations " + ("1 --group-size 4 "
-                   "--prompts-per-iteration 2 --micro-batch 4" if quick else "6")).split()
-        model_rows(t, o, a), rank_rows(t, o)
+                   "--prompts-per-iteration 2 --micro-batch 2" if quick else "6")).split()
+        model_rows(t, o, a)
+        family_rows(t, o, a, "tiny-sd3", 4.5, "CFG 4.5")
+        family_rows(t, o, a, "tiny-flux", 1.0, "guidance 3.5 (embedded)")
+        o.variant_size = 32 if quick else 256  # 256² (1024 tokens): the transformer's work, not per-call overhead
+        variant_rows(t, o, a)
+        rank_rows(t, o)
+        judge_rows(t, o)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
         head = f"`python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}` at {rev.stdout.strip() or '?'}"

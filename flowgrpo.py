@@ -7,7 +7,8 @@ their sources: docs/algorithm.md.
 
 Launch (the same file everywhere; parallelism lives in engine.py only):
     python flowgrpo.py                                           # = --model tiny: random weights, 1 CPU, ~2 min
-    python flowgrpo.py --model qwen-image                        # 1 GPU (Qwen/Qwen-Image or --model-path)
+    python flowgrpo.py --model qwen-image                        # 1 GPU (Qwen/Qwen-Image or --model-path); also
+                                                                 # sd3.5-medium, flux.1-dev, tiny-sd3, tiny-flux
     torchrun --nproc_per_node=8 flowgrpo.py --model qwen-image   # 8 GPUs; add --nnodes/--rdzv-endpoint for more
 
 Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs/algorithm.md §8):
@@ -22,11 +23,13 @@ Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs
    exactly on-policy (`train/logp_gap` == 0 in float32). The public code re-shuffles after the rollout.
 5. Each image's noise comes from its own generator, seeded by (seed, iteration, image index): images do
    not depend on the number of ranks or the micro-batch size.
-6. Qwen-Image's LoRA targets omit `to_out.0` (vLLM-Omni cannot serve it) and `to_add_out`.
+6. Qwen-Image's LoRA targets omit `to_out.0` (vLLM-Omni cannot serve it) and `to_add_out`; SD3.5 and FLUX keep
+   the public ones. Every family trains in bf16 mixed precision (public SD3.5: fp16). `flux.1-dev` uses the
+   built-in `general` prompts (the public PickScore prompt file is not shipped).
 7. EMA is off in the Qwen-Image recipe, as in its public config; `--ema-decay` updates it once per K optimizer
    steps (Flow-GRPO's SD3 script: once per micro-batch, so several times per step under accumulation).
-8. `--model tiny` is a toy recipe (32×32, 4 steps, a cheap image-space reward, large clip range and
-   learning rate) chosen so that learning is visible on a CPU within a couple of minutes.
+8. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, large clip range and learning rate)
+   chosen so that learning is visible on a CPU within a couple of minutes.
 
 Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
 `train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
@@ -66,8 +69,8 @@ class Args:
     """Flow-GRPO training (docs/algorithm.md). `--model` picks a recipe, whose values are the defaults shown here.
     A bare `python flowgrpo.py` is `--model tiny`, the CPU demo; `--model qwen-image --help` shows that recipe.
     Flags given override the recipe. The recipes and their sources: docs/algorithm.md §7."""
-    model: Literal["tiny", "qwen-image"] = "tiny"
-    """model family: `tiny` (random weights built in code, CPU, no downloads) or `qwen-image`"""
+    model: Literal["tiny", "tiny-sd3", "tiny-flux", "qwen-image", "sd3.5-medium", "flux.1-dev"] = "tiny"
+    """Qwen-Image, SD3.5-Medium or FLUX.1-dev; the `tiny` ones are their classes at toy size, random, no downloads"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
@@ -101,9 +104,11 @@ class Args:
     eval_steps: int = 8
     """ODE steps for evaluation images"""
     cfg_scale: float = 1.0
-    """true-CFG scale w (1 = no CFG, one transformer pass per step)"""
+    """two-pass CFG w: Qwen-Image's true CFG or SD3's standard CFG (1 = none; FLUX takes --guidance instead)"""
+    guidance: float | None = None
+    """FLUX's distilled guidance embedding, one pass per step (unset: the pipeline's 3.5; only for FLUX)"""
     negative_prompt: str = " "
-    """negative prompt for true CFG"""
+    """negative prompt for two-pass CFG"""
     sde_type: Literal["sde", "cps", "dance"] = "sde"
     """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
     noise_level: float = 0.7
@@ -172,13 +177,26 @@ class Args:
     """log to wandb on rank 0 (offline unless WANDB_MODE or WANDB_API_KEY says otherwise)"""
 
 
-RECIPES = {
+LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux")}  # cheap: no diffusers
+RECIPES = {  # docs/algorithm.md §7: every public value with its source
     "tiny": Args(),
+    "tiny-sd3": Args(model="tiny-sd3", cfg_scale=4.5, negative_prompt="", lora_targets=LORA_TARGETS["tiny-sd3"]),
+    "tiny-flux": Args(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
     "qwen-image": Args(model="qwen-image", iterations=300, prompts="ocr", reward="ocr", group_size=16,
                        prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,
                        cfg_scale=4.0, noise_level=1.2, window=2, window_range=(0, 5), clip_range=1e-4, lr=3e-4,
                        lora_rank=64, lora_alpha=128, mixed_precision=True, activation_checkpointing=True,
                        checkpoint_every=20),
+    "sd3.5-medium": Args(model="sd3.5-medium", iterations=300, prompts="ocr", reward="ocr", group_size=24,
+                         prompts_per_iteration=48, micro_batch=9, height=512, width=512, num_steps=10, eval_steps=40,
+                         cfg_scale=4.5, negative_prompt="", window_range=(0, 5), clip_range=1e-4, kl_beta=0.04,
+                         lr=3e-4, lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
+                         mixed_precision=True, ema_decay=0.9, ema_every=8, checkpoint_every=60, eval_every=60),
+    "flux.1-dev": Args(model="flux.1-dev", iterations=300, prompts="general", reward="pickscore", group_size=24,
+                       prompts_per_iteration=48, micro_batch=3, height=512, width=512, num_steps=6, eval_steps=28,
+                       guidance=3.5, noise_level=0.9, window_range=(0, 3), clip_range=1e-4, lr=3e-4, lora_rank=64,
+                       lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"], mixed_precision=True, ema_decay=0.9,
+                       ema_every=8, checkpoint_every=30, eval_every=30),
 }
 # Flags that say only how the work is done or recorded: they may change on --resume without breaking exactness
 # (micro-batches and ranks change float reduction order only). Every other flag decides the result.
@@ -233,7 +251,10 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     sch.check_variants(a.num_steps, a.window, a.window_range, sde_type=a.sde_type, noise_level=a.noise_level,
                        window_schedule=a.window_schedule, ode_solver=a.ode_solver)
     sch.check_window(a.eval_steps, 0, (0, 0))
-    models.check_resolution(a.model, a.height, a.width)
+    models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
+                            model_path=a.model_path)
+    if not a.full_finetune:
+        models.check_lora_targets(a.model, a.model_path, a.lora_targets)
     rewards.check_reward_spec(a.reward)
     prompts = prompt_sets.load_prompts(a.prompts)
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
@@ -391,7 +412,7 @@ def main(a: Args) -> list[dict]:
                   " the public recipes use cps only with a window (--window 2)", file=sys.stderr)
 
     # --- build: model → engine (LoRA, FSDP2, optimizer) → reward → prompts → resume -----------------
-    model = models.load_model(a.model, a.model_path, device, seed=a.seed)
+    model = models.load_model(a.model, a.model_path, device, seed=a.seed, guidance=a.guidance)
     engine = eng.Engine(model, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets, lr=a.lr,
                         weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed,
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,

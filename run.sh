@@ -9,6 +9,10 @@ CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_co
 case $recipe in
   tiny)            python flowgrpo.py --model tiny "$@" ;;                                  # CPU demo, ~1 minute
   tiny-2ranks)     torchrun --standalone --nproc_per_node=2 flowgrpo.py --model tiny "$@" ;;  # FSDP2 over gloo
+  tiny-sd3)        python flowgrpo.py --model tiny-sd3 "$@" ;;                              # CPU: SD3.5's classes, toy size
+  tiny-flux)       python flowgrpo.py --model tiny-flux "$@" ;;                             # CPU: FLUX.1's classes, toy size
+  sd3-ocr-8gpu)    torchrun --standalone --nproc_per_node=8 flowgrpo.py --model sd3.5-medium "$@" ;;  # Flow-GRPO's OCR
+  flux-pick-8gpu)  torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.1-dev "$@" ;;    # recipes (docs)
   qwen-ocr-1gpu)   python flowgrpo.py --model qwen-image "$@" ;;                            # one GPU (--offload if short of memory)
   qwen-ocr-8gpu)   torchrun --standalone --nproc_per_node=8 flowgrpo.py --model qwen-image "$@" ;;
   qwen-ocr-2nodes) torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
@@ -22,6 +26,6 @@ case $recipe in
                      -d .whl $(grep -iE "^($CARRY)==" requirements.txt) ;;
   bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
                    PYTHONPATH=/tmp/site python3 bench.py --device cuda --model qwen-image --random-init "$@" ;;
-  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes" \
-          "qwen-ocr-vllm gpu-wheels bench-gpu (got '$recipe')" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux sd3-ocr-8gpu flux-pick-8gpu" \
+          "qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-ocr-vllm gpu-wheels bench-gpu (got '$recipe')" >&2; exit 2 ;;
 esac

@@ -46,6 +46,8 @@ def test_cpu_table_smallest(tmp_path):
                  "window ÷ full training", "cost per image (rollout + train), G = 4 ÷ G = 2",
                  "reward jpeg_compressibility", "reward jpeg_incompressibility", "reward brightness", "reward ocr",
                  "rollout + OCR reward: AsyncRewards overlapped ÷ serial", "ranks: time per iteration, 2 ÷ 1",
+                 "tiny-sd3: rollout ÷ diffusers", "tiny-sd3: training ÷ bare fwd+bwd", "tiny-flux: rollout ÷ diffusers",
+                 "tiny-flux: training ÷ bare fwd+bwd",
                  "ranks: peak RSS per rank, 2 ÷ 1"):
         assert name in rows, (name, list(rows))
     written = md.read_text()

@@ -302,6 +302,24 @@ def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_p
         assert not torch.equal(ema, trained), name
 
 
+def test_flux_two_ranks_match_one_process_and_resume_exactly(tmp_path):
+    """A second model family through the same engine (only the adapter's block list differs): FLUX's tiny recipe,
+    its guidance embedding on, 1 process vs 2 ranks, and 2 + resume + 2 iterations vs 4 straight."""
+    runs = {name: tmp_path / name for name in ("one", "two", "resumed")}
+    flux = ["--model", "tiny-flux", "--lora-targets", *flowgrpo.RECIPES["tiny-flux"].lora_targets, "--guidance", "3.5"]
+    launch(runs["one"], "--iterations", "4", *flux)
+    launch(runs["two"], "--iterations", "4", *flux, ranks=2)
+    launch(runs["resumed"], "--iterations", "2", *flux)
+    launch(runs["resumed"], "--iterations", "4", "--resume", "auto", *flux)
+    assert all(r["train/logp_gap"] == 0 for run in runs.values() for r in rows(run))
+    assert rows(runs["one"])[0]["reward/mean"] == rows(runs["two"])[0]["reward/mean"]
+    rel, worst = relative_difference(lora(runs["one"]), lora(runs["two"]))
+    assert rel < 1e-3, f"FLUX LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
+    assert_same(lora(runs["one"]), lora(runs["resumed"]), exact=True)
+    assert_same(train_state(runs["one"], "iter_000003", tmp_path), train_state(runs["resumed"], "iter_000003", tmp_path),
+                exact=True)
+
+
 # ---- a run directory belongs to one run ------------------------------------------------------------
 def test_run_directories_never_mix_runs(straight, tmp_path):
     run = tmp_path / "run"

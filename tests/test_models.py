@@ -1,4 +1,9 @@
-"""The tiny Qwen-Image adapter against diffusers' own QwenImagePipeline."""
+"""The tiny Qwen-Image adapter against diffusers' own QwenImagePipeline; the model registry's cheap import and
+one-line loading errors."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -25,7 +30,7 @@ def test_tiny_is_deterministic_from_its_seed(model):
 
 
 def test_encode_matches_the_pipeline_and_pads(model):
-    embeds, mask = model.encode(PROMPTS)
+    embeds, mask = model.encode(PROMPTS).values()
     ref, ref_mask = model.pipe.encode_prompt(PROMPTS, device="cpu")
     assert torch.equal(embeds, ref) and torch.equal(mask, ref_mask)
     assert mask[0].sum() < mask[1].sum() == mask.shape[1]  # the short prompt is padded
@@ -41,10 +46,7 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(model, cfg):
                            chunk=2)
     x1 = model.noise(rollout.image_generators(3, 5, [0, 1]), H, W)
     cond = model.conditioning(PROMPTS, " ", cfg)
-    kw = dict(prompt_embeds=cond["embeds"], prompt_embeds_mask=cond["mask"], true_cfg_scale=cfg, height=H, width=W,
-              num_inference_steps=n_steps)
-    if cfg > 1:
-        kw |= dict(negative_prompt_embeds=cond["neg_embeds"], negative_prompt_embeds_mask=cond["neg_mask"])
+    kw = dict(model.pipeline_kwargs(cond, cfg), height=H, width=W, num_inference_steps=n_steps)
     ref_latents = model.pipe(latents=x1.clone(), output_type="latent", **kw).images
     ref_images = model.pipe(latents=x1.clone(), output_type="pt", **kw).images
     torch.testing.assert_close(model.decode(ref_latents, H, W), ref_images, rtol=0, atol=0)
@@ -75,3 +77,32 @@ def test_bad_resolution_and_model_name(model):
         models.check_resolution("tiny", 36, 32)
     with pytest.raises(ValueError, match="--model"):
         models.load_model("sd9", None, "cpu")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_importing_models_loads_neither_diffusers_nor_transformers():
+    """`flowgrpo.py --help` must not pay for diffusers or transformers: models*.py import them only to build or load."""
+    code = ("import sys, models, models_sd3, models_flux; models.check_model_args('flux.1-dev', height=512, width=512, "
+            "cfg_scale=1.0, guidance=3.5, model_path=None); print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('diffusers', 'transformers', 'peft')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_weights_that_cannot_be_reached_are_one_clear_line(tmp_path):
+    """A hub id with HF_HUB_OFFLINE=1 and an empty cache, and a missing local directory: one line naming
+    --model-path and HF_HUB_OFFLINE, and no deprecation warning from our own call."""
+    code = ("import models\ntry:\n    models.load_model('qwen-image', None, 'cpu')\nexcept ValueError as e:\n"
+            "    print(e)")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and len(lines) == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Qwen/Qwen-Image" in lines[0] and "--model-path" in lines[0] and "HF_HUB_OFFLINE" in lines[0], lines[0]
+    for noise in ("torch_dtype", "local_files_only", "Couldn't connect to the Hub", "Traceback"):
+        assert noise not in out.stdout + out.stderr, out.stderr[-2000:]
+    with pytest.raises(ValueError, match="--model sd3.5-medium: cannot load .*--model-path") as e:
+        models.load_model("sd3.5-medium", str(tmp_path / "missing"), "cpu")
+    assert "\n" not in str(e.value)

@@ -71,7 +71,7 @@ def test_missing_empty_and_unknown_prompt_specs(tmp_path):
     with pytest.raises(ValueError, match=r"expected a \.txt or \.jsonl file or one of \['general', 'ocr'\]"):
         prompts.load_prompts("prompts.csv")
     (tmp_path / "dir.txt").mkdir()  # a directory with a file's name is not "missing"
-    with pytest.raises(FileNotFoundError, match="dir.txt is a directory, not a file"):
+    with pytest.raises(FileNotFoundError, match="dir.txt is a directory"):
         prompts.load_prompts(str(tmp_path / "dir.txt"))
     (tmp_path / "latin1.txt").write_bytes("a caf\u00e9 sign\n".encode() + "a caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.txt:2: not UTF-8 text .* save the file as UTF-8"):
