@@ -111,7 +111,10 @@ def metrics_until(path: str, last: int) -> list[dict]:
 
 
 def _holds_run(run_dir: str) -> bool:
-    return any(os.path.exists(os.path.join(run_dir, f)) for f in ("args.json", "metrics.jsonl", "checkpoints"))
+    """A run that trained: a logged iteration or a checkpoint (one that failed while starting left no result)."""
+    metrics, checkpoints = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "checkpoints")
+    return (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) or bool(os.path.isdir(checkpoints)
+                                                                            and os.listdir(checkpoints))
 
 
 def _unused(path: str) -> str:

@@ -150,6 +150,9 @@ def _cli(*flags, timeout=600):
     (["--group-size", "1"], "--group-size"), (["--model", "sd9"], "--model"), (["--seed", "-1"], "--seed"),
     (["--eval-images", "0"], "--eval-images"), (["--group-size", "1000000000"], "--group-size"),
     (["--run-dir", "/dev/null/run"], "--run-dir /dev/null/run: cannot write there"),
+    (["--lora-targets", "to_q", "nosuch"], "--lora-targets nosuch: no module of --model tiny's transformer"),
+    (["--reward", "brightness=1e999"], "--reward"), (["--reward", "remote=http://h:99999"], "--reward"),
+    (["--lr", "inf"], "--lr must be a finite number"), (["--prompts", "/dev/null/x.txt"], "x.txt"),
 ])
 def test_cli_rejects_bad_input_before_building_anything(flags, needle):
     out = _cli("--model", "tiny", *flags) if flags[0] != "--model" else _cli(*flags)
@@ -158,6 +161,21 @@ def test_cli_rejects_bad_input_before_building_anything(flags, needle):
     assert "Traceback" not in out.stderr and "batch arithmetic" not in out.stdout  # stopped before the model was built
     if flags[0] != "--model":  # tyro prints its own usage for a bad choice; ours is one line
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_unreachable_weights_fail_in_one_line_and_leave_the_directory_reusable(tmp_path):
+    """`--model qwen-image` with no weights on this machine: one line naming --model-path and HF_HUB_OFFLINE (no
+    traceback, no deprecation warning); the run directory it claimed holds no run, so the next start may use it."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), "--model", "qwen-image", "--run-dir",
+                          str(run), "--no-wandb"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("flowgrpo.py: error:")]
+    assert len(error) == 1 and "--model-path" in error[0] and "HF_HUB_OFFLINE" in error[0], out.stderr[-3000:]
+    assert "torch_dtype" not in out.stderr and "local_files_only" not in out.stderr
+    out = _cli("--model", "tiny", "--run-dir", str(run), "--iterations", "1", "--eval-every", "0", "--no-wandb")
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_run_sh_recipes_launch():
