@@ -173,11 +173,14 @@ def _not_hub_notice(record) -> bool:
 
 class Adapter:
     """What every family shares: loading, freezing, prompt de-duplication, LoRA export. A family sets the
-    class attributes and defines `encode`, `noise`, `velocity`, `decode`, `blocks`, `text_encoder_shards`."""
+    class attributes and defines `encode`, `noise`, `velocity`, `decode`, `blocks`, `text_encoder_shards`, and
+    `omni_request` (the vLLM-Omni request fields that guide as `velocity` does)."""
     pipeline_class: str  # diffusers pipeline class name
     default_path: str  # hub id loaded when --model-path is not given
     lora_targets: tuple[str, ...]  # default LoRA target module names
     build_tiny = None  # seed -> the tiny pipeline (a staticmethod in each family)
+    omni_pipeline_class: str  # the vLLM-Omni servers' pipeline_class for --rollout vllm-omni (omni_pipeline.py)
+    max_sequence_length: int  # the prompts' text length (T5 pads to it); the servers are told it per request
 
     def __init__(self, pipe, device, dtype: torch.dtype):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
@@ -270,6 +273,8 @@ class QwenImage(Adapter):
     """
     pipeline_class = "QwenImagePipeline"
     default_path = "Qwen/Qwen-Image"
+    omni_pipeline_class = "omni_pipeline.FlowGRPOQwenImagePipeline"
+    max_sequence_length = 1024  # QwenImagePipeline.encode_prompt's default (it pads to the longest prompt)
     # Attention projections of both streams plus the image and text MLPs. `to_out.0` and `to_add_out` are
     # left out: vLLM-Omni's Qwen-Image has a single `to_out` layer (no `.0`) and rejects `to_out.0`; both
     # diffusers and vLLM-Omni accept every name below.
@@ -287,7 +292,8 @@ class QwenImage(Adapter):
     def encode(self, prompts: list[str]) -> dict:
         """`embeds` (B, L, D) in the model dtype and their `mask` (B, L) (1 = token, 0 = padding), through the
         pipeline's own `encode_prompt` (template, dropped prefix, padding)."""
-        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device)
+        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device,
+                                               max_sequence_length=self.max_sequence_length)
         if mask is None:  # the pipeline returns None when nothing is padded
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
         return {"embeds": embeds.to(self.dtype), "mask": mask}
@@ -333,6 +339,12 @@ class QwenImage(Adapter):
         if cfg_scale > 1:
             kw |= dict(negative_prompt_embeds=cond["neg_embeds"], negative_prompt_embeds_mask=cond["neg_mask"])
         return kw
+
+    def omni_request(self, cfg_scale: float, negative_prompt: str) -> dict:
+        """The vLLM-Omni request fields that guide as `velocity` does. Its Qwen-Image runs true CFG only with a
+        negative prompt, and `true_cfg_scale` must be sent (absent or 0 means 4.0 there): scale 1 and no negative
+        prompt is one transformer pass per step, as here."""
+        return {"true_cfg_scale": cfg_scale, **({"negative_prompt": negative_prompt} if cfg_scale > 1 else {})}
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:

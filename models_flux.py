@@ -36,6 +36,7 @@ class Flux(Adapter):
     S = (H/16)·(W/16), in float32 (cast to the model dtype at the transformer's input)."""
     pipeline_class = "FluxPipeline"
     default_path = "black-forest-labs/FLUX.1-dev"
+    omni_pipeline_class = "omni_pipeline.FlowGRPOFluxPipeline"
     # Flow-GRPO's FLUX LoRA targets (scripts/train_flux.py): attention projections of both streams (the single
     # blocks' to_q/k/v too) and the double blocks' MLPs.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
@@ -95,6 +96,11 @@ class Flux(Adapter):
     def pipeline_kwargs(self, cond: dict, cfg_scale: float) -> dict:
         """The `FluxPipeline.__call__` arguments that sample from exactly these conditions."""
         return dict(prompt_embeds=cond["embeds"], pooled_prompt_embeds=cond["pooled"], guidance_scale=self.guidance)
+
+    def omni_request(self, cfg_scale: float, negative_prompt: str) -> dict:
+        """The vLLM-Omni request fields that guide as `velocity` does: the guidance embedding's value, and no
+        negative prompt (its FLUX would run true CFG with one)."""
+        return {"guidance_scale": self.guidance}
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -71,10 +71,11 @@ def build_tiny_sd3_pipeline(seed: int = 0):
         torch.manual_seed(seed)
         text_encoder, text_encoder_2 = tiny_clip(clip_tok, True), tiny_clip(clip_tok, True)
         text_encoder_3 = tiny_t5(t5_tok)
-        # pooled = both CLIP projections (16 + 16); joint_attention_dim = T5's d_model
+        # pooled = both CLIP projections (16 + 16); joint_attention_dim = T5's d_model. Position table 64×64 patches:
+        # images up to 512×512, the size of vLLM-Omni's start-up warm-up (a server of a smaller table never starts)
         transformer = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
                                             attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
-                                            caption_projection_dim=32, pooled_projection_dim=32, pos_embed_max_size=32,
+                                            caption_projection_dim=32, pooled_projection_dim=32, pos_embed_max_size=64,
                                             dual_attention_layers=(0,), qk_norm="rms_norm")
         # SD3.5's shift factor; its scaling factor (1.5305) would shrink the latents the random decoder sees until the
         # brightness reward barely moves. Rise in 30 iterations, in iteration-0 within-batch stds: without CFG 4.4 and
@@ -91,6 +92,7 @@ class SD3(Adapter):
     here in float32 (cast to the model dtype at the transformer's input); standard CFG in one batched call."""
     pipeline_class = "StableDiffusion3Pipeline"
     default_path = "stabilityai/stable-diffusion-3.5-medium"
+    omni_pipeline_class = "omni_pipeline.FlowGRPOSD3Pipeline"
     # Flow-GRPO's SD3 LoRA targets (scripts/train_sd3.py): the joint attention's projections, both streams.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
@@ -148,6 +150,11 @@ class SD3(Adapter):
         if cfg_scale > 1:
             kw |= dict(negative_prompt_embeds=cond["neg_embeds"], negative_pooled_prompt_embeds=cond["neg_pooled"])
         return kw
+
+    def omni_request(self, cfg_scale: float, negative_prompt: str) -> dict:
+        """The vLLM-Omni request fields that guide as `velocity` does: its SD3 runs CFG when guidance_scale > 1,
+        with the request's negative prompt ("" if none is sent)."""
+        return {"guidance_scale": cfg_scale, **({"negative_prompt": negative_prompt} if cfg_scale > 1 else {})}
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""The vLLM-Omni 0.30.0 custom pipeline: Qwen-Image sampled with this project's `scheduler.step`, writing the
-trajectory the trainer needs (rollout.Batch's tensors) to the file a request names.
+"""vLLM-Omni 0.30.0 custom pipelines: Qwen-Image, SD3.5 and FLUX.1 sampled with this project's `scheduler.step`,
+each writing the trajectory the trainer needs (rollout.Batch's tensors) to the file a request names.
 
     PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
-        '{"pipeline_class": "omni_pipeline.FlowGRPOQwenImagePipeline", "trajectory_root": "/dev/shm/flowgrpo"}'
+        '{"pipeline_class": "omni_pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
-It lives in its own module, not beside its client in rollout.py, so that rollout.py (imported by the trainer
-and by the CPU test suite) never imports vllm_omni: only the server process imports this file.
+<CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline).
+Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
     trajectory    absolute path of the .safetensors file to write (atomically: a temporary name, then
@@ -15,34 +15,40 @@ A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend
     seeds         n ints, one per image: each image's initial noise and SDE noise come from its own CPU
                   generator, drawn exactly as the local backend (rollout.sample) draws them
     steps         the trained step indices (consecutive; [] = pure ODE); noise_level; sde_type
+    max_sequence_length  the trainer's text length (its adapter's): T5 pads every prompt to it, so it shapes the
+                  conditioning (the request API has no field for it)
 A request without it (the server's start-up warm-up, a plain generation) runs vLLM-Omni's own sampler and
-writes nothing. Everything else (prompt encoding, latent packing, the transformer, true CFG with its norm
-rescale, the VAE decode) stays vLLM-Omni's: only the denoising loop is ours, plus one fix to how prompt
-masks are repeated for n images per prompt (`encode_prompt`), which every request gets.
+writes nothing. Everything else (prompt encoding, latent packing, the transformer, CFG, the VAE decode) stays
+vLLM-Omni's: only the denoising loop is ours (`FlowGRPOSampler`), plus fixes to three 0.30.0 defects: Qwen-Image's
+prompt masks and SD3's conditioning in fused batches of n > 1 images, FLUX's LoRA module names.
 
-The file holds, for a request of n images with W trained steps, S latent tokens, C channels:
-    latents (n, W+1, S, C), log_probs (n, W), sigmas (W+1,), sigma_max (), images (n, 3, H, W) in [0, 1]
-all float32, and metadata {"format", "seeds", "prompt"} for the client's checks. No prompt conditioning:
-the trainer re-encodes the prompts with its own (identical, frozen) text encoder. Embeddings would be the
-largest tensors in the file (L×D per image, D = 3584 for Qwen-Image) and the trainer needs its own anyway:
-its new-policy log-probs must come from its own stack, and shipping the server's conditioning would hide
-part of the rollout-vs-trainer gap that `train/logp_gap` is there to measure.
+The file holds, for n images, W trained steps, latents of shape L per image ((S, C) packed for Qwen-Image and
+FLUX, (C, h, w) for SD3): latents (n, W+1, *L), log_probs (n, W), sigmas (W+1,), sigma_max (), images
+(n, 3, H, W) in [0, 1], all float32, and metadata {"format", "seeds", "prompt"} for the client's checks. No
+prompt conditioning: the trainer re-encodes the prompts with its own (identical, frozen) text encoders; the
+embeddings would be the largest tensors in the file, and shipping them would hide part of the rollout-vs-trainer
+gap that `train/logp_gap` is there to measure.
 """
+import inspect
 import json
 import os
 import uuid
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from diffusers.utils.torch_utils import randn_tensor
 from safetensors.torch import save
+from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
 import scheduler as sch
 
 KEY = "flowgrpo"  # the extra_params entry that carries our knobs
 FORMAT = "flowgrpo-trajectory-v1"
-SAMPLER_KNOBS = ("steps", "noise_level", "sde_type")  # shared by all requests sampled in one pass
+SAMPLER_KNOBS = ("steps", "noise_level", "sde_type", "max_sequence_length")  # one value per sampling pass
 
 
 def checked_root(custom_pipeline_args: dict | None) -> str | None:
@@ -54,12 +60,12 @@ def checked_root(custom_pipeline_args: dict | None) -> str | None:
     return root and os.path.realpath(root)
 
 
-def place(path, root: str | None) -> tuple[str, str]:
+def place(path, root: str | None, pipeline: str) -> tuple[str, str]:
     """(directory relative to `root`, file name) of a trajectory path, refused unless its directory exists and,
     symlinks and `..` resolved, lies beneath `root`."""
     if root is None:
         raise ValueError("this server has no trajectory_root, so it writes no trajectory files: start it with "
-                         "--custom-pipeline-args '{\"pipeline_class\": \"omni_pipeline.FlowGRPOQwenImagePipeline\", "
+                         f"--custom-pipeline-args '{{\"pipeline_class\": \"{pipeline}\", "
                          "\"trajectory_root\": \"/DIR\"}', /DIR holding the trainers' FLOWGRPO_ROLLOUT_DIR (README)")
     if not (isinstance(path, str) and os.path.isabs(path) and path.endswith(".safetensors")):
         raise ValueError(f"extra_params.{KEY}.trajectory must be an absolute *.safetensors path, got {path!r}")
@@ -75,7 +81,8 @@ def place(path, root: str | None) -> tuple[str, str]:
     return rel, name
 
 
-def parse_knobs(extra_args: dict | None, n: int, num_steps: int, root: str | None) -> dict | None:
+def parse_knobs(extra_args: dict | None, n: int, num_steps: int | None, root: str | None,
+                pipeline: str) -> dict | None:
     """This request's knobs from extra_params["flowgrpo"], checked (None: not a FlowGRPO request)."""
     knobs = (extra_args or {}).get(KEY)
     if knobs is None:
@@ -83,7 +90,10 @@ def parse_knobs(extra_args: dict | None, n: int, num_steps: int, root: str | Non
     missing = [k for k in ("trajectory", "seeds", *SAMPLER_KNOBS) if k not in knobs]
     if missing:
         raise ValueError(f"extra_params.{KEY} lacks {missing}")
-    where, steps, seeds = place(knobs["trajectory"], root), list(knobs["steps"]), [int(s) for s in knobs["seeds"]]
+    if not num_steps:  # the pipelines' defaults differ (50, 28): the trainer's σ schedule needs its own count
+        raise ValueError("a FlowGRPO request must set num_inference_steps")
+    where, steps = place(knobs["trajectory"], root, pipeline), list(knobs["steps"])
+    seeds, text_length = [int(s) for s in knobs["seeds"]], int(knobs["max_sequence_length"])
     if len(seeds) != n:
         raise ValueError(f"extra_params.{KEY}.seeds has {len(seeds)} seeds for n = {n} images")
     if steps and (steps != list(range(steps[0], steps[0] + len(steps))) or steps[0] < 0 or steps[-1] > num_steps - 2):
@@ -92,11 +102,17 @@ def parse_knobs(extra_args: dict | None, n: int, num_steps: int, root: str | Non
         raise ValueError(f"noise_level must be > 0 on trained steps, got {knobs['noise_level']}")
     if knobs["sde_type"] not in sch.SDE_TYPES:
         raise ValueError(f"sde_type must be one of {sch.SDE_TYPES}, got {knobs['sde_type']!r}")
-    return dict(knobs, where=where, steps=steps, seeds=seeds, noise_level=float(knobs["noise_level"]))
+    if not 0 < text_length <= 1024:
+        raise ValueError(f"max_sequence_length must be in [1, 1024], got {text_length}")
+    return dict(knobs, where=where, steps=steps, seeds=seeds, noise_level=float(knobs["noise_level"]),
+                max_sequence_length=text_length)
 
 
-class FlowGRPOQwenImagePipeline(QwenImagePipeline):
-    """vLLM-Omni's QwenImagePipeline with this project's SDE/CPS sampler and a trajectory file per request."""
+class FlowGRPOSampler:
+    """What the three pipelines share, placed before vLLM-Omni's pipeline among their bases: the knobs, float32
+    noise from one CPU generator per image, our sampling loop in place of the parent's `diffuse`, one trajectory
+    file per request. A family adds `velocity`: the transformer call with its conditioning and CFG, as its
+    parent's `diffuse` makes it."""
     # Step mode (prepare_encode/denoise_step/...) would bypass `diffuse` and record nothing: request mode only.
     supports_step_execution = False
     _run: dict | None = None  # the pass in progress: generators, knobs, then the recorded tensors
@@ -109,14 +125,15 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
     def forward(self, req: DiffusionRequestBatch):
         params = req.sampling_params_list
         n = params[0].num_outputs_per_prompt if params[0].num_outputs_per_prompt > 0 else 1
-        knobs = [parse_knobs(sp.extra_args, n, sp.num_inference_steps or 50, self.trajectory_root) for sp in params]
+        name = f"{type(self).__module__}.{type(self).__name__}"
+        knobs = [parse_knobs(sp.extra_args, n, sp.num_inference_steps, self.trajectory_root, name) for sp in params]
         # vLLM-Omni batches requests that agree on size/steps/n/LoRA but not on our knobs: a mixed batch
         # is sampled one request at a time (each request's outputs stay in its own order).
         if len({json.dumps(k and [k[s] for s in SAMPLER_KNOBS]) for k in knobs}) > 1:
             return [out for r in req.requests for out in self.forward(DiffusionRequestBatch(requests=[r]))]
         if knobs[0] is None:
             return super().forward(req)
-        # Rows of the batch are [request 0 × n, request 1 × n, …], as encode_prompt (below) repeats them.
+        # Rows of the batch are [request 0 × n, request 1 × n, …], as the conditioning is repeated.
         self._run = dict(knobs[0], gens=[torch.Generator().manual_seed(s) for k in knobs for s in k["seeds"]])
         try:
             outputs = super().forward(req)
@@ -136,56 +153,41 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
                     {"format": FORMAT, "seeds": json.dumps(k["seeds"]), "prompt": _prompt_text(req.prompts[i])})
         return outputs
 
-    def encode_prompt(self, prompt, num_images_per_prompt=1, prompt_embeds=None, prompt_embeds_mask=None,
-                      max_sequence_length=1024, prompt_name="prompt"):
-        # vLLM-Omni 0.30.0 (as diffusers) repeats the (B, L) mask with `.repeat(1, n, 1).view(B·n, L)`, which
-        # interleaves it ([m0, m1, m0, m1, …]) while the embeddings come request-major ([e0, e0, …, e1, e1, …]):
-        # in a fused batch of requests whose prompts differ in length, with n > 1, rows get another prompt's
-        # mask (measured: latents off by 1e-2). Encode once per prompt, then repeat both row by row.
-        embeds, mask = super().encode_prompt(prompt=prompt, num_images_per_prompt=1, prompt_embeds=prompt_embeds,
-                                             prompt_embeds_mask=prompt_embeds_mask,
-                                             max_sequence_length=max_sequence_length, prompt_name=prompt_name)
-        return embeds.repeat_interleave(num_images_per_prompt, 0), mask.repeat_interleave(num_images_per_prompt, 0)
-
-    def prepare_latents(self, batch_size, num_channels_latents, height, width, dtype, device, generator,
-                        latents=None):
+    def prepare_latents(self, *args, **kwargs):
+        """x at σ = 1 in float32 from one generator per image, as the adapter's `noise` draws it (Qwen-Image, FLUX:
+        (B·n, S, C) packed; FLUX's image ids come along). The request's own generator (one per request, shared by
+        its n images) and the server's dtype are not used."""
         if self._run is None:
-            return super().prepare_latents(batch_size, num_channels_latents, height, width, dtype, device,
-                                           generator, latents)
-        # x at σ = 1 in float32 from one generator per image, exactly as models.QwenImage.noise draws it:
-        # (B·n, S, C) packed. The request's own generator (one per request, shared by its n images) is unused.
-        return super().prepare_latents(batch_size, num_channels_latents, height, width, torch.float32, device,
-                                       self._run["gens"], latents)
+            return super().prepare_latents(*args, **kwargs)
+        bound = inspect.signature(super().prepare_latents).bind(*args, **kwargs)
+        bound.arguments.update(dtype=torch.float32, generator=self._run["gens"])
+        return super().prepare_latents(*bound.args, **bound.kwargs)
 
-    def diffuse(self, prompt_embeds, prompt_embeds_mask, negative_prompt_embeds, negative_prompt_embeds_mask,
-                latents, img_shapes, txt_seq_lens, negative_txt_seq_lens, timesteps, do_true_cfg, guidance,
-                true_cfg_scale, image_latents=None, cfg_normalize=True, additional_transformer_kwargs=None):
+    def encode_prompt(self, *args, **kwargs):
+        if self._run is not None:  # every parent passes it by name
+            kwargs["max_sequence_length"] = self._run["max_sequence_length"]
+        return super().encode_prompt(*args, **kwargs)
+
+    def diffuse(self, *args, **kwargs):
+        if self._run is None:
+            return super().diffuse(*args, **kwargs)
+        # The parent's arguments by name (Qwen-Image's and FLUX's `forward` pass them by position, SD3's by name)
+        bound = inspect.signature(super().diffuse).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = SimpleNamespace(**bound.arguments)
+        return self._sample(a.latents, a.timesteps, self.velocity(a))
+
+    def _sample(self, latents: torch.Tensor, timesteps, velocity) -> torch.Tensor:
+        """rollout.sample's loop on a float32 state x (B·n, *L), velocity(x, t) -> v (B·n, *L): SDE (recorded) on the
+        trained steps, ODE elsewhere. σ_0 … σ_N (last 0) and timesteps σ_i·1000 come from the parent's
+        `prepare_timesteps` for this request, as scheduler.sigma_schedule (the client checks them to the bit)."""
         run = self._run
-        if run is None:
-            return super().diffuse(prompt_embeds, prompt_embeds_mask, negative_prompt_embeds,
-                                   negative_prompt_embeds_mask, latents, img_shapes, txt_seq_lens,
-                                   negative_txt_seq_lens, timesteps, do_true_cfg, guidance, true_cfg_scale,
-                                   image_latents, cfg_normalize, additional_transformer_kwargs)
-        if image_latents is not None:
-            raise ValueError("FlowGRPOQwenImagePipeline samples text-to-image only (no image latents)")
-        # σ_0 … σ_N (N + 1, last 0), timesteps = σ_i · 1000: set for this request by prepare_timesteps, with the
-        # shift and terminal stretch of scheduler.sigma_schedule (the client requires the same σ to the bit).
         sigmas = self.scheduler.sigmas.float().cpu()
         steps, sigma_max = run["steps"], float(sigmas[1])
-        self.transformer.do_true_cfg = do_true_cfg
-        dtype = prompt_embeds.dtype  # the transformer's; the state x stays float32 (as in rollout.sample)
         x, states, log_probs = latents.float(), [], []
         for i, t in enumerate(timesteps):
             self._current_timestep = t
-            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
-                       guidance=guidance, encoder_hidden_states_mask=prompt_embeds_mask,
-                       encoder_hidden_states=prompt_embeds, img_shapes=img_shapes, txt_seq_lens=txt_seq_lens,
-                       **(additional_transformer_kwargs or {}))
-            neg = dict(pos, encoder_hidden_states_mask=negative_prompt_embeds_mask,
-                       encoder_hidden_states=negative_prompt_embeds, txt_seq_lens=negative_txt_seq_lens) \
-                if do_true_cfg else None
-            # v: (B, S, C), vLLM-Omni's true CFG (n + s·(p − n), rescaled to the conditional norm per token)
-            v = self.predict_noise_maybe_with_cfg(do_true_cfg, true_cfg_scale, pos, neg, cfg_normalize)
+            v = velocity(x, t)
             sde = i in steps
             if sde and not states:
                 states.append(x)
@@ -201,6 +203,103 @@ class FlowGRPOQwenImagePipeline(QwenImagePipeline):
                    log_probs=torch.stack(log_probs, 1).cpu() if log_probs else torch.zeros(B, 0),
                    sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=sigma_max)
         return x.to(latents.dtype)
+
+
+class FlowGRPOQwenImagePipeline(FlowGRPOSampler, QwenImagePipeline):
+    """vLLM-Omni's QwenImagePipeline with this project's sampler (models.QwenImage's twin on the server)."""
+
+    def encode_prompt(self, prompt, num_images_per_prompt=1, prompt_embeds=None, prompt_embeds_mask=None,
+                      max_sequence_length=1024, prompt_name="prompt"):
+        # vLLM-Omni 0.30.0 (as diffusers) repeats the (B, L) mask with `.repeat(1, n, 1).view(B·n, L)`, which
+        # interleaves it ([m0, m1, m0, m1, …]) while the embeddings come request-major ([e0, e0, …, e1, e1, …]):
+        # in a fused batch of requests whose prompts differ in length, with n > 1, rows get another prompt's
+        # mask (measured: latents off by 1e-2). Encode once per prompt, then repeat both row by row.
+        embeds, mask = super().encode_prompt(prompt=prompt, num_images_per_prompt=1, prompt_embeds=prompt_embeds,
+                                             prompt_embeds_mask=prompt_embeds_mask,
+                                             max_sequence_length=max_sequence_length, prompt_name=prompt_name)
+        return embeds.repeat_interleave(num_images_per_prompt, 0), mask.repeat_interleave(num_images_per_prompt, 0)
+
+    def velocity(self, a: SimpleNamespace):
+        """v(x, t) (B·n, S, C) as QwenImagePipeline.diffuse computes it: vLLM-Omni's true CFG n + s·(p − n),
+        rescaled to the conditional norm per token, when a negative prompt is given with true_cfg_scale > 1."""
+        if a.image_latents is not None:
+            raise ValueError("FlowGRPOQwenImagePipeline samples text-to-image only (no image latents)")
+        self.transformer.do_true_cfg = a.do_true_cfg
+        dtype = a.prompt_embeds.dtype  # the transformer's; the state x stays float32 (as in rollout.sample)
+
+        def v(x, t):
+            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
+                       guidance=a.guidance, encoder_hidden_states_mask=a.prompt_embeds_mask,
+                       encoder_hidden_states=a.prompt_embeds, img_shapes=a.img_shapes, txt_seq_lens=a.txt_seq_lens,
+                       **(a.additional_transformer_kwargs or {}))
+            neg = dict(pos, encoder_hidden_states_mask=a.negative_prompt_embeds_mask,
+                       encoder_hidden_states=a.negative_prompt_embeds, txt_seq_lens=a.negative_txt_seq_lens)
+            return self.predict_noise_maybe_with_cfg(a.do_true_cfg, a.true_cfg_scale, pos,
+                                                     neg if a.do_true_cfg else None, a.cfg_normalize)
+        return v
+
+
+class FlowGRPOSD3Pipeline(FlowGRPOSampler, StableDiffusion3Pipeline):
+    """vLLM-Omni's StableDiffusion3Pipeline (SD3.5) with this project's sampler (models_sd3.SD3's twin)."""
+
+    def prepare_latents(self, batch_size, num_channels_latents, height, width, generator, latents=None):
+        if self._run is None:
+            return super().prepare_latents(batch_size, num_channels_latents, height, width, generator, latents)
+        # (B·n, C, H/f, W/f), as models_sd3.SD3.noise: the parent has no dtype argument (it draws in the server's)
+        f = self.vae_scale_factor
+        return randn_tensor((batch_size, num_channels_latents, int(height) // f, int(width) // f),
+                            generator=self._run["gens"], device=self.device, dtype=torch.float32)
+
+    def velocity(self, a: SimpleNamespace):
+        """v(x, t) (B·n, C, h, w) as StableDiffusion3Pipeline.diffuse computes it: CFG n + s·(p − n) when
+        guidance_scale > 1 (two passes, where the trainer batches them: the same arithmetic)."""
+        # 0.30.0's SD3 `forward` encodes each prompt once, not n times (a fused batch of n > 1 fails): repeat each
+        # prompt's rows n times, request-major as the latents
+        n = a.latents.shape[0] // a.prompt_embeds.shape[0]
+        embeds, pooled, neg_embeds, neg_pooled = (
+            None if c is None else c.repeat_interleave(n, 0)
+            for c in (a.prompt_embeds, a.pooled_prompt_embeds, a.negative_prompt_embeds,
+                      a.negative_pooled_prompt_embeds))
+        dtype = embeds.dtype
+
+        def v(x, t):
+            # timestep σ·1000 in float32, as the trainer and diffusers' pipeline feed it (the parent casts it to the
+            # server's dtype, which in bf16 rounds 1000·σ to a step of up to 4)
+            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, torch.float32),
+                       encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)
+            neg = dict(pos, encoder_hidden_states=neg_embeds, pooled_projections=neg_pooled)
+            return self.predict_noise_maybe_with_cfg(a.do_true_cfg, a.guidance_scale, pos,
+                                                     neg if a.do_true_cfg else None, a.cfg_normalize)
+        return v
+
+
+class FlowGRPOFluxPipeline(FlowGRPOSampler, FluxPipeline):
+    """vLLM-Omni's FluxPipeline (FLUX.1-dev) with this project's sampler (models_flux.Flux's twin)."""
+
+    def __init__(self, *, od_config, prefix: str = ""):
+        super().__init__(od_config=od_config, prefix=prefix)
+        # 0.30.0's FLUX transformer keeps this mapping local to load_weights (SD3's and Qwen-Image's expose it): its
+        # LoRA manager then refuses to_q/k/v, add_q/k/v_proj (diffusers' names, Flow-GRPO's targets). Expose it.
+        self.transformer.stacked_params_mapping = [  # (fused module, diffusers' module, shard)
+            (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
+            (".add_kv_proj", ".add_q_proj", "q"), (".add_kv_proj", ".add_k_proj", "k"),
+            (".add_kv_proj", ".add_v_proj", "v")]
+
+    def velocity(self, a: SimpleNamespace):
+        """v(x, t) (B·n, S, 4C) as FluxPipeline.diffuse computes it: one pass with the guidance embedding."""
+        if a.do_true_cfg:  # the trainer never asks for it (models.check_model_args: --cfg-scale 1 for FLUX)
+            raise ValueError("FlowGRPOFluxPipeline samples with the guidance embedding only: no true_cfg_scale > 1 "
+                             "with a negative prompt")
+        self.transformer.do_true_cfg = False
+        dtype = a.prompt_embeds.dtype
+
+        def v(x, t):
+            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
+                       guidance=a.guidance, pooled_projections=a.pooled_prompt_embeds,
+                       encoder_hidden_states=a.prompt_embeds, txt_ids=a.text_ids, img_ids=a.latent_image_ids,
+                       joint_attention_kwargs=self.joint_attention_kwargs, return_dict=False)
+            return self.predict_noise_maybe_with_cfg(False, a.true_cfg_scale, pos, None, a.cfg_normalize)
+        return v
 
 
 def _prompt_text(prompt) -> str:

@@ -159,7 +159,6 @@ def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width:
 
 BACKENDS = ("local", "vllm-omni")
 KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v1"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
-PIPELINE = "omni_pipeline.FlowGRPOQwenImagePipeline"  # the servers' --custom-pipeline-args pipeline_class
 MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
 OMNI_DEFAULTS = dict(dir="", timeout=600.0, retries=3, backoff=2.0, concurrency=2)  # FLOWGRPO_ROLLOUT_<NAME>
 
@@ -173,7 +172,7 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
         raise ValueError("--rollout-url is only used with --rollout vllm-omni")
     if kind == "vllm-omni" and not given:
         raise ValueError("--rollout vllm-omni needs --rollout-url http://HOST:PORT[,http://HOST:PORT...]: vLLM-Omni "
-                         f"servers running {PIPELINE} with a trajectory_root (see README)")
+                         "servers running the model's pipeline of omni_pipeline.py with a trajectory_root (see README)")
     for i, url in enumerate(given):
         p = urllib.parse.urlsplit(url)
         try:
@@ -204,11 +203,12 @@ class LocalBackend:  # the trainer's own model samples (`sample`); nothing to sy
     sync = close = staticmethod(lambda *args: None)
 
 
-def build_requests(prompts, image_ids, *, steps, num_steps, height, width, cfg_scale, negative_prompt, noise_level,
-                   sde_type, seed, iteration, lora: dict, prefix: str) -> list[tuple[list[int], dict]]:
+def build_requests(model, prompts, image_ids, *, steps, num_steps, height, width, cfg_scale, negative_prompt,
+                   noise_level, sde_type, seed, iteration, lora: dict, prefix: str) -> list[tuple[list[int], dict]]:
     """(positions in the batch, body) of each POST /v1/images/generations: the images of one prompt, <= MAX_N
     a request. Each image has its own seed (`image_seed`), from which the server draws its initial and SDE
-    noise: images do not depend on the grouping and equal the local backend's, draw for draw."""
+    noise: images do not depend on the grouping and equal the local backend's, draw for draw. The model's
+    adapter gives what differs by family: how CFG or guidance is asked for, and the text length."""
     where = {}
     for pos, prompt in enumerate(prompts):
         where.setdefault(prompt, []).append(pos)
@@ -217,18 +217,15 @@ def build_requests(prompts, image_ids, *, steps, num_steps, height, width, cfg_s
         for pos in (all_pos[c:c + MAX_N] for c in range(0, len(all_pos), MAX_N)):
             seeds = [image_seed(seed, iteration, image_ids[i]) for i in pos]
             knobs = dict(trajectory=f"{prefix}-{len(jobs):04d}.safetensors", seeds=seeds, steps=list(steps),
-                         noise_level=noise_level, sde_type=sde_type)
-            # The server runs true CFG only with a negative prompt, and `true_cfg_scale` must be sent (absent or
-            # 0 means 4.0 there); scale 1 and no negative prompt is one transformer pass per step, as locally.
+                         noise_level=noise_level, sde_type=sde_type, max_sequence_length=model.max_sequence_length)
             jobs.append((pos, dict(prompt=prompt, n=len(pos), size=f"{width}x{height}", num_inference_steps=num_steps,
-                                   true_cfg_scale=cfg_scale, seed=seeds[0], output_format="png",
-                                   extra_params={KEY: knobs}, lora=lora,
-                                   **({"negative_prompt": negative_prompt} if cfg_scale > 1 else {}))))
+                                   seed=seeds[0], output_format="png", extra_params={KEY: knobs}, lora=lora,
+                                   **model.omni_request(cfg_scale, negative_prompt))))
     return jobs
 
 
 def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_max: float, latent_shape,
-                    image_shape) -> dict:
+                    image_shape, pipeline: str) -> dict:
     """The tensors of a trajectory file written by omni_pipeline.py, checked against the request and against the
     trainer's σ, `sigmas` (W+1,) and `sigma_max`: the server's come from the same scheduler config and formula, so
     they must be equal to the bit (tests/omni: they are); else it serves another model, or is not to be trusted."""
@@ -237,7 +234,7 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_m
             "images": (n, *image_shape)}
     # float32 data, plus the header: 5 tensor entries, the seeds and the prompt (JSON-escaped: <= 6 bytes a byte)
     limit = 4 * sum(torch.Size(s).numel() for s in want.values()) + 8 + 4096 + 6 * len(prompt.encode())
-    data = _read_regular(path, limit)
+    data = _read_regular(path, limit, pipeline)
     try:  # the safetensors layout: an 8-byte little-endian header size, the JSON header, then the data
         t = load(data)
         meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
@@ -259,14 +256,14 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_m
     return t
 
 
-def _read_regular(path: str, limit: int) -> bytes:
+def _read_regular(path: str, limit: int, pipeline: str) -> bytes:
     """The bytes of `path`, which must be a regular file of at most `limit` bytes. Opened non-blocking and not
     following a link, then checked on the descriptor: a plain open of a FIFO blocks until someone writes to it,
     and a directory, a device or a link is no trajectory."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise FileNotFoundError(f"no trajectory file {path}: the server must run {PIPELINE} (README) and see this "
+        raise FileNotFoundError(f"no trajectory file {path}: the server must run {pipeline} (README) and see this "
                                 "path (the same machine, or a shared filesystem)") from None
     except OSError as e:  # a symbolic link (ELOOP), no permission
         raise ValueError(f"trajectory file {path} cannot be opened: {e}") from None
@@ -350,15 +347,15 @@ class OmniBackend:
                              "no --ode-solver but euler")
         if self.lora is None:
             raise RuntimeError("OmniBackend.sample before sync(): the servers need the current policy")
-        jobs = build_requests(list(prompts), [int(i) for i in image_ids], steps=steps, num_steps=num_steps,
+        jobs = build_requests(model, list(prompts), [int(i) for i in image_ids], steps=steps, num_steps=num_steps,
                               height=height, width=width, cfg_scale=cfg_scale, negative_prompt=negative_prompt,
                               noise_level=noise_level, sde_type=sde_type, seed=seed, iteration=iteration,
                               lora=self.lora, prefix=os.path.join(self.traj_dir, f"it{iteration:06d}-r{self.rank}-"
                                                                                   f"{uuid.uuid4().hex[:8]}"))
-        seq_len = model.image_seq_len(height, width)
-        sigmas = sch.sigma_schedule(model.scheduler, num_steps, seq_len)
+        sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
         expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=float(sigmas[1]),
-                      image_shape=(3, height, width), latent_shape=(seq_len, model.transformer.config.in_channels))
+                      image_shape=(3, height, width), pipeline=model.omni_pipeline_class,  # latents: one image's noise
+                      latent_shape=tuple(model.noise([torch.Generator()], height, width).shape[1:]))
         # Each server `concurrency` times: a request goes to whichever slot is free. Daemon threads (rewards.Workers):
         # a request stuck on a hung server cannot hold up a stopped (Ctrl-C) run.
         workers = rewards.Workers(self.urls * self.concurrency, "rollout")

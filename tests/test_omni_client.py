@@ -172,11 +172,11 @@ def test_environment_knobs_are_checked(monkeypatch):
         rollout.make_backend("vllm-omni", "http://192.0.2.1:8000", "/tmp", fake_engine())
 
 
-def test_requests_group_by_prompt_and_keep_per_image_seeds():
+def test_requests_group_by_prompt_and_keep_per_image_seeds(model):
     prompts = ["a", "b"] * 7 + ["a"] * 6  # 13 of "a" (interleaved, as image_assignment shuffles), 7 of "b"
     ids = list(range(100, 120))
     lora = {"name": "v3", "local_path": "/x/v3", "int_id": 7}
-    jobs = rollout.build_requests(prompts, ids, **SAMPLER, lora=lora, prefix="/ex/trajectories/it-r0-x")
+    jobs = rollout.build_requests(model, prompts, ids, **SAMPLER, lora=lora, prefix="/ex/trajectories/it-r0-x")
     assert [(b["prompt"], b["n"]) for _, b in jobs] == [("a", 10), ("a", 3), ("b", 7)]  # n <= vLLM-Omni's 10
     assert sorted(i for pos, _ in jobs for i in pos) == list(range(20))
     for pos, body in jobs:
@@ -184,6 +184,7 @@ def test_requests_group_by_prompt_and_keep_per_image_seeds():
         assert all(prompts[i] == body["prompt"] for i in pos)
         assert knobs["seeds"] == [rollout.image_seed(5, 3, ids[i]) for i in pos] and body["seed"] == knobs["seeds"][0]
         assert knobs["steps"] == STEPS and knobs["noise_level"] == 0.7 and knobs["sde_type"] == "sde"
+        assert knobs["max_sequence_length"] == 1024  # the Qwen adapter's text length
         assert body["size"] == f"{W}x{H}" and body["num_inference_steps"] == NUM_STEPS and body["lora"] == lora
         assert body["true_cfg_scale"] == 1.0 and "negative_prompt" not in body  # no CFG: one pass, as locally
     assert len({b["extra_params"]["flowgrpo"]["trajectory"] for _, b in jobs}) == 3
@@ -191,8 +192,23 @@ def test_requests_group_by_prompt_and_keep_per_image_seeds():
     g_local = rollout.image_generators(5, 3, [117])[0]
     g_server = torch.Generator().manual_seed(rollout.image_seed(5, 3, 117))
     assert torch.equal(torch.randn(8, generator=g_local), torch.randn(8, generator=g_server))
-    cfg = rollout.build_requests(["a"], [0], **{**SAMPLER, "cfg_scale": 4.0}, lora=lora, prefix="/p")
+    cfg = rollout.build_requests(model, ["a"], [0], **{**SAMPLER, "cfg_scale": 4.0}, lora=lora, prefix="/p")
     assert cfg[0][1]["negative_prompt"] == " " and cfg[0][1]["true_cfg_scale"] == 4.0
+
+
+def test_each_family_asks_for_its_own_guidance():
+    """CFG and guidance travel in each vLLM-Omni pipeline's own request fields (the adapters' `omni_request`):
+    Qwen-Image's true_cfg_scale, SD3's guidance_scale, FLUX's guidance embedding; a negative prompt only with
+    CFG (the servers would run CFG with one), and never for FLUX. Only FLUX's reads its adapter's state."""
+    qwen, sd3 = models.adapter_class("tiny").omni_request, models.adapter_class("tiny-sd3").omni_request
+    flux = models.adapter_class("tiny-flux").omni_request
+    assert qwen(None, 1.0, " ") == {"true_cfg_scale": 1.0}
+    assert qwen(None, 4.0, " ") == {"true_cfg_scale": 4.0, "negative_prompt": " "}
+    assert sd3(None, 1.0, "") == {"guidance_scale": 1.0}
+    assert sd3(None, 4.5, "") == {"guidance_scale": 4.5, "negative_prompt": ""}
+    assert flux(SimpleNamespace(guidance=3.5), 1.0, "") == {"guidance_scale": 3.5}
+    assert [models.adapter_class(m).omni_pipeline_class.split(".")[1] for m in models.TINY] == [
+        "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline"]
 
 
 # ---- trajectory files ---------------------------------------------------------------------------
@@ -205,8 +221,8 @@ def test_read_trajectory_checks_everything(tmp_path):
     read = lambda **kw: rollout.read_trajectory(str(tmp_path / "t.safetensors"),  # noqa: E731
                                                 **({"seeds": [11, 12], "prompt": "p", "sigmas": sigmas,
                                                     "sigma_max": sigma_max, "latent_shape": (16, 16),
-                                                    "image_shape": (3, H, W)} | kw))
-    with pytest.raises(FileNotFoundError, match="shared filesystem"):
+                                                    "image_shape": (3, H, W), "pipeline": "omni_pipeline.P"} | kw))
+    with pytest.raises(FileNotFoundError, match="must run omni_pipeline.P .*shared filesystem"):
         read()
     write_fake_trajectory(body, 16, 16, "ok")
     t = read()

@@ -52,6 +52,16 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 120.0
         return status, text
 
 
+def set_lora_b(model, seed):
+    """A policy that differs from the base model (LoRA B = 0 is the base): B ~ N(0, 0.05²), or 0 for seed None."""
+    import torch
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.zero_() if gen is None else p.normal_(0.0, 0.05, generator=gen)  # in place: p is a DTensor
+
+
 def _log_tail(path: Path, n: int = 60) -> str:
     lines = path.read_text(errors="replace").splitlines() if path.exists() else []
     return "\n".join(lines[-n:])

@@ -1,0 +1,158 @@
+"""SD3.5 and FLUX.1 through the real vLLM-Omni 0.30.0 server: omni_pipeline.FlowGRPOSD3Pipeline serves tiny-sd3,
+omni_pipeline.FlowGRPOFluxPipeline serves tiny-flux (each family's pipeline directory from
+models.save_tiny_pipeline; one server per family, reused by all of that family's tests).
+
+The served trajectories equal the local backend's (same seeds, same LoRA on the adapter's default targets, CFG
+4.5 for SD3, the guidance embedding for FLUX), also when the server fuses several requests of n > 1 images into
+one forward; their σ equal the trainer's to the bit; a short CLI run with `--rollout vllm-omni` learns with a tiny
+`train/logp_gap`.
+
+Tolerances: float32 on CPU, two implementations of each transformer (vLLM-Omni's fused-QKV layers against
+diffusers'), and for SD3's CFG two passes where the trainer batches one. Measured over runs (4 steps, 32²): latents
+within 2.3e-6 (SD3, CFG 4.5) and 4.8e-7 (FLUX), log-probs within 2.4e-7, images within 1.1e-6; the trainer's
+log-prob of the served transitions within 1.2e-7 without CFG and 4.1e-6 with SD3's CFG 4.5 and cps (CFG scales the
+velocity gap by 4.5, cps's small std amplifies it); a CLI run's `train/logp_gap` at most 7e-8. The bounds (1e-5,
+2e-5, 1e-6) leave a margin of 4 or more; the errors they exist to catch (another text length, a missing adapter
+layer, other noise) are 1e-3 and up (the LoRA alone moves the images by more than 7e-3).
+"""
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness import ROOT, OmniServer, http, set_lora_b
+
+import engine as eng
+import models
+import rollout
+import scheduler as sch
+
+H = W = 32
+KW = dict(num_steps=4, height=H, width=W, negative_prompt="", noise_level=0.7, seed=0, iteration=3, chunk=8)
+PROMPTS = ["a red cube on a table", "a blue ball", "a red cube on a table", "a blue ball", "a red cube on a table"]
+# (steps, cfg_scale, sde_type) per family: SD3 with and without CFG; FLUX has only its guidance embedding
+CASES = {"tiny-sd3": [([0, 1, 2], 1.0, "sde"), ([1, 2], 4.5, "cps")],
+         "tiny-flux": [([0, 1, 2], 1.0, "sde"), ([1, 2], 1.0, "cps")]}
+TOL = 1e-5  # served vs local trajectories (module docstring)
+GAP_TOL = 2e-5  # the trainer's log-prob of the served transitions vs the server's
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    """One family's pipeline on disk, its server (fusing up to 4 waiting requests, as the Qwen-Image tier's) and
+    the trainer's side: the adapter loaded from the same directory, with LoRA on its default targets."""
+    name = request.param
+    directory = models.save_tiny_pipeline(str(tmp_path_factory.mktemp("omni") / name), seed=0, model=name)
+    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / f"{name}.log",
+                        extra_args=["--max-num-seqs", "4", "--request-batch-max-wait-ms", "50"],
+                        pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
+    try:
+        model = models.load_model(name, directory, "cpu")
+        engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=type(model).lora_targets, lr=1e-2,
+                            weight_decay=0.0, max_grad_norm=1.0, seed=0)
+        yield SimpleNamespace(name=name, dir=directory, server=server, model=model, engine=engine)
+    finally:
+        server.stop()
+
+
+def trainer_logp_gap(model, batch, steps, cfg, sde_type) -> float:
+    """max |trainer's log-prob − server's| over the served transitions: what train/logp_gap measures."""
+    gaps = []
+    with torch.no_grad():
+        for j in range(len(steps)):
+            x = batch.latents[:, j]
+            v = model.velocity(x, batch.sigmas[j].expand(x.shape[0]), batch.cond, cfg, H, W)
+            _, logp, _, _ = sch.step(v, x, batch.sigmas[j], batch.sigmas[j + 1], sigma_max=batch.sigma_max,
+                                     noise_level=KW["noise_level"], sde_type=sde_type, x_next=batch.latents[:, j + 1])
+            gaps.append((logp - batch.log_probs[:, j]).abs().max().item())
+    return max(gaps)
+
+
+def test_served_trajectories_equal_the_local_backend(family, tmp_path):
+    model, engine = family.model, family.engine
+    backend = rollout.OmniBackend(family.server.url, str(tmp_path), engine)
+    group = torch.tensor([0, 1, 0, 1, 0])
+    for steps, cfg, sde_type in CASES[family.name]:
+        kw = dict(KW, steps=steps, cfg_scale=cfg, sde_type=sde_type)
+        set_lora_b(model, None)
+        base = rollout.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)  # the policy before training
+        set_lora_b(model, 1)
+        backend.sync(engine, len(steps))
+        served = backend.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)
+        local = rollout.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)
+        diffs = {k: (getattr(served, k) - getattr(local, k)).abs().max().item()
+                 for k in ("latents", "log_probs", "images")}
+        gap = trainer_logp_gap(model, served, steps, cfg, sde_type)
+        lora_effect = (local.images - base.images).abs().max().item()
+        print(f"\n{family.name} steps {steps}, cfg {cfg}, {sde_type}: served - local max|diff| {diffs}; trainer-vs-"
+              f"server log-prob gap max {gap:.2e}; the LoRA moves the images by {lora_effect:.2e}")
+        assert torch.equal(served.sigmas, local.sigmas) and served.sigma_max == local.sigma_max
+        assert served.latents.shape == local.latents.shape and served.images.shape == local.images.shape
+        assert max(diffs.values()) < TOL and gap < GAP_TOL, (diffs, gap)
+        assert lora_effect > 100 * TOL  # the server applied the adapter on every target: it matters
+    backend.close()
+
+
+def test_fused_requests_of_several_images_equal_the_local_backend(family, tmp_path):
+    """Four requests of n = 3 in flight at once, prompts of different lengths: the server fuses them into one
+    forward (B = 4 prompts, 12 rows). vLLM-Omni 0.30.0's SD3 encodes each prompt once there, not n times
+    (measured without omni_pipeline's fix: HTTP 500, "The size of tensor a (12) must match ... (4)")."""
+    model, engine = family.model, family.engine
+    set_lora_b(model, 4)
+    backend = rollout.OmniBackend(family.server.url, str(tmp_path), engine, concurrency=4)
+    backend.sync(engine, 0)
+    prompts = [("a cat " * (1 + i % 4)).strip() for i in range(12)]
+    cfg = CASES[family.name][-1][1]
+    kw = dict(KW, steps=[0, 1, 2], cfg_scale=cfg, sde_type="sde", chunk=12)
+    served = backend.sample(model, prompts, [{}] * 12, torch.zeros(12, dtype=torch.long), range(12), **kw)
+    local = rollout.sample(model, prompts, [{}] * 12, torch.zeros(12, dtype=torch.long), range(12), **kw)
+    diffs = {k: (getattr(served, k) - getattr(local, k)).abs().max().item() for k in ("latents", "log_probs")}
+    assert max(diffs.values()) < TOL, diffs
+    backend.close()
+
+
+def test_served_sigmas_equal_the_trainers_to_the_bit(family, tmp_path):
+    """FLUX's shift depends on the image's token count, SD3's does not: both over step counts and sizes."""
+    model = family.model
+    sampler = dict(cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0, iteration=0, lora=None)
+    for num_steps, height, width in [(2, 32, 32), (10, 64, 32), (28, 64, 64)]:
+        [(_, body)] = rollout.build_requests(model, ["a blue ball"], [0], steps=list(range(num_steps - 1)),
+                                             num_steps=num_steps, height=height, width=width,
+                                             prefix=str(tmp_path / f"s{num_steps}"), **sampler)
+        del body["lora"]  # the base model
+        status, resp = http("POST", family.server.url + "/v1/images/generations", body)
+        assert status == 200, resp
+        served = load_file(body["extra_params"]["flowgrpo"]["trajectory"])
+        sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
+        diff = (served["sigmas"] - sigmas[:num_steps]).abs().max().item()
+        assert torch.equal(served["sigmas"], sigmas[:num_steps]), (num_steps, height, width, diff)
+        assert served["sigma_max"].item() == float(sigmas[1]), (served["sigma_max"].item(), float(sigmas[1]))
+
+
+def test_cli_training_run_learns_with_a_tiny_logp_gap(family, tmp_path):
+    """The family's tiny recipe (SD3: CFG 4.5, negative prompt ""; FLUX: guidance 3.5) with --rollout vllm-omni."""
+    run, iterations = tmp_path / "run", 12
+    log_start = len(family.server.log_text())
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), "--model", family.name, "--model-path",
+                          family.dir, "--rollout", "vllm-omni", "--rollout-url", family.server.url, "--run-dir",
+                          str(run), "--iterations", str(iterations), "--eval-every", "0", "--no-wandb"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["train/logp_gap"] for r in rows]
+    first, last = (sum(r["reward/mean"] for r in rows[s]) / 3 for s in (slice(0, 3), slice(-3, None)))
+    print(f"\n{family.name}: {iterations} iterations through vLLM-Omni in {time.monotonic() - t0:.0f} s: reward "
+          f"{first:.4f} -> {last:.4f} ({(last - first) / rows[0]['reward/std']:.1f} within-batch stds); "
+          f"train/logp_gap max {max(gaps):.2e}")
+    assert len(rows) == iterations and max(gaps) < 1e-6
+    assert last - first > 3 * rows[0]["reward/std"], (first, last)  # the margin tests/test_loop.py uses
+    loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", family.server.log_text()[log_start:])
+    assert [int(v) for _, v in loaded] == list(range(iterations))
