@@ -46,6 +46,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def shutdown() -> None:
+    """Leave the process group (idempotent): also after a start-up error, since one left to the interpreter's exit
+    can abort it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def assign_images(n_images: int, optimizer_steps: int, world_size: int, seed: int) -> torch.Tensor:
     """(world, images per rank) image indices: a seeded shuffle of the iteration's images, cut into optimizer
     steps, each step split evenly over the ranks. Optimizer step k trains the same images whatever the world
@@ -217,10 +224,6 @@ class Engine:
 
     def barrier(self) -> None:
         dist.barrier()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     # --- LoRA export -------------------------------------------------------------------------
     def lora_state_dict(self) -> dict[str, torch.Tensor]:

@@ -497,7 +497,7 @@ def main(a: Args) -> list[dict]:
     # --- 9. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
     engine.export_lora(os.path.join(run_dir, "lora"))
     log.close(lora_dir=os.path.join(run_dir, "lora") if engine.lora_config else None)
-    engine.close()
+    eng.shutdown()
     return log.rows
 
 
@@ -510,3 +510,5 @@ if __name__ == "__main__":
         sys.exit(f"flowgrpo.py: error: {e}")
     except KeyboardInterrupt:
         sys.exit("flowgrpo.py: interrupted; the run's checkpoints are as last written (--resume auto continues)")
+    finally:  # a process group left to the interpreter's exit can abort it ("terminate called ...")
+        eng.shutdown()
