@@ -6,7 +6,7 @@ advantages, and takes PPO-clip steps on the policy (a LoRA on the transformer). 
 their sources: docs/algorithm.md.
 
 Launch (the same file everywhere; parallelism lives in engine.py only):
-    python flowgrpo.py                                           # = --model tiny: random weights, 1 CPU, ~2 min
+    python flowgrpo.py                                           # = --model tiny: random weights, 1 CPU, ~1 min
     python flowgrpo.py --model qwen-image                        # 1 GPU (Qwen/Qwen-Image or --model-path); also
                                                                  # sd3.5-medium, flux.1-dev, tiny-sd3, tiny-flux
     torchrun --nproc_per_node=8 flowgrpo.py --model qwen-image   # 8 GPUs; add --nnodes/--rdzv-endpoint for more
@@ -29,7 +29,7 @@ Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs
 7. EMA is off in the Qwen-Image recipe, as in its public config; `--ema-decay` updates it once per K optimizer
    steps (Flow-GRPO's SD3 script: once per micro-batch, so several times per step under accumulation).
 8. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, large clip range and learning rate)
-   chosen so that learning is visible on a CPU within a couple of minutes.
+   chosen so that learning is visible on a CPU within a minute or two.
 
 Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
 `train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
