@@ -207,10 +207,11 @@ SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the che
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    """`--model` picks the recipe whose values become the defaults; the other flags override them."""
+    """`--model` (the last one given, as for every flag) picks the recipe whose values become the defaults; the other
+    flags override them."""
     argv = sys.argv[1:] if argv is None else argv
-    model = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
-                  if a.split("=")[0] == "--model" and ("=" in a or i + 1 < len(argv))), "tiny")
+    model = ([a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+              if a.split("=")[0] == "--model" and ("=" in a or i + 1 < len(argv))] or ["tiny"])[-1]
     return tyro.cli(Args, default=RECIPES.get(model, RECIPES["tiny"]), args=argv)
 
 

@@ -276,26 +276,34 @@ VARIANTS = ["--num-steps", "6", "--window", "2", "--window-range", "0", "4", "--
             "--ema-every", "2", "--ratio-norm"]
 
 
-def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_path):
-    """--branch --ema-decay 0.9 --ratio-norm together: every first update exactly on-policy, 2 ranks as 1 process
-    (the same tolerance and reason as test_two_ranks_match_one_process), and 2 + resume + 2 iterations equal 4
-    straight, bit for bit, EMA included (in the checkpoint's DCP state and in the exported, EMA, LoRA)."""
+def one_two_resumed(tmp_path, *flags):
+    """4 iterations in 1 process, on 2 ranks, and as 2 + resume + 2, with `flags`; checks what every configuration
+    keeps: each first update exactly on-policy, 2 ranks as 1 process (the tolerance and reason of
+    test_two_ranks_match_one_process), and resume bit for bit (LoRA, DCP state, metrics). Returns the run dirs."""
     runs = {name: tmp_path / name for name in ("one", "two", "resumed")}
-    launch(runs["one"], "--iterations", "4", *VARIANTS)
-    launch(runs["two"], "--iterations", "4", *VARIANTS, ranks=2)
-    launch(runs["resumed"], "--iterations", "2", *VARIANTS)
-    launch(runs["resumed"], "--iterations", "4", "--resume", "auto", *VARIANTS)
+    launch(runs["one"], "--iterations", "4", *flags)
+    launch(runs["two"], "--iterations", "4", *flags, ranks=2)
+    launch(runs["resumed"], "--iterations", "2", *flags)
+    launch(runs["resumed"], "--iterations", "4", "--resume", "auto", *flags)
     assert all(r["train/logp_gap"] == 0 for run in runs.values() for r in rows(run))
     assert rows(runs["one"])[0]["reward/mean"] == rows(runs["two"])[0]["reward/mean"]
     rel, worst = relative_difference(lora(runs["one"]), lora(runs["two"]))
-    assert rel < 1e-3, f"EMA LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
-    state = {k: train_state(runs[k], "iter_000003", tmp_path) for k in ("one", "resumed")}
-    assert any(k.startswith("ema.") for k in flat(state["one"]))  # the EMA is in the checkpoint ...
-    assert_same(state["one"], state["resumed"], exact=True)  # ... and resumes exactly, as the weights and AdamW do
+    assert rel < 1e-3, f"LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g}) with {flags}"
     assert_same(lora(runs["one"]), lora(runs["resumed"]), exact=True)
+    assert_same(train_state(runs["one"], "iter_000003", tmp_path), train_state(runs["resumed"], "iter_000003", tmp_path),
+                exact=True)
     assert [without_perf(r) for r in rows(runs["resumed"])] == [without_perf(r) for r in rows(runs["one"])]
+    return runs
+
+
+def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_path):
+    """--branch --ema-decay 0.9 --ratio-norm together keep the guarantees, the EMA included (it is in the checkpoint's
+    DCP state, resumes exactly, and is what <run-dir>/lora exports)."""
+    runs = one_two_resumed(tmp_path, *VARIANTS)
+    saved = flat(train_state(runs["one"], "iter_000003", tmp_path))
+    assert any(k.startswith("ema.") for k in saved)
     # The exported LoRA is the EMA, not the trained weights (the two differ after 8 optimizer steps).
-    exported, saved = lora(runs["one"], "iter_000003"), flat(state["one"])
+    exported = lora(runs["one"], "iter_000003")
     for name in ("transformer_blocks.0.attn.to_q.lora_B", "transformer_blocks.1.img_mlp.net.2.lora_A"):
         ema, trained = saved[f"ema.{name}.default.weight"], saved[f"model.{name}.default.weight"]
         assert torch.equal(exported[f"transformer.{name}.weight"], ema), name
@@ -304,20 +312,8 @@ def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_p
 
 def test_flux_two_ranks_match_one_process_and_resume_exactly(tmp_path):
     """A second model family through the same engine (only the adapter's block list differs): FLUX's tiny recipe,
-    its guidance embedding on, 1 process vs 2 ranks, and 2 + resume + 2 iterations vs 4 straight."""
-    runs = {name: tmp_path / name for name in ("one", "two", "resumed")}
-    flux = ["--model", "tiny-flux", "--lora-targets", *flowgrpo.RECIPES["tiny-flux"].lora_targets, "--guidance", "3.5"]
-    launch(runs["one"], "--iterations", "4", *flux)
-    launch(runs["two"], "--iterations", "4", *flux, ranks=2)
-    launch(runs["resumed"], "--iterations", "2", *flux)
-    launch(runs["resumed"], "--iterations", "4", "--resume", "auto", *flux)
-    assert all(r["train/logp_gap"] == 0 for run in runs.values() for r in rows(run))
-    assert rows(runs["one"])[0]["reward/mean"] == rows(runs["two"])[0]["reward/mean"]
-    rel, worst = relative_difference(lora(runs["one"]), lora(runs["two"]))
-    assert rel < 1e-3, f"FLUX LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
-    assert_same(lora(runs["one"]), lora(runs["resumed"]), exact=True)
-    assert_same(train_state(runs["one"], "iter_000003", tmp_path), train_state(runs["resumed"], "iter_000003", tmp_path),
-                exact=True)
+    its guidance embedding on."""
+    one_two_resumed(tmp_path, "--model", "tiny-flux")  # after SMALL's `--model tiny`: the last one picks the recipe
 
 
 # ---- a run directory belongs to one run ------------------------------------------------------------

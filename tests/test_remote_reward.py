@@ -423,7 +423,7 @@ def test_training_run_whose_reward_server_dies_fails_clearly_and_keeps_its_check
     assert last_checkpoint_iteration(run) >= 1
 
 
-def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path):
+def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path, fake):
     """SIGINT to a run whose reward server accepted a request and never answers (deadline 600 s): the run stops
     at once, its last checkpoint complete. Before, a non-daemon reward thread held the process until the deadline."""
     hung, answered = threading.Event(), []
@@ -439,17 +439,10 @@ def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path):
         answered.append(n)
         reply(h, 200, json.dumps({"scores": [0.5] * n}).encode())
 
-    class Handler(BaseHTTPRequestHandler):
-        do_GET = do_POST = handler
-
-        def log_message(self, *args):
-            pass
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    port = int(fake(handler).rsplit(":", 1)[1])
     run = tmp_path / "run"
     env = {**os.environ, "FLOWGRPO_REMOTE_TIMEOUT": "600", "WANDB_MODE": "offline"}
-    trainer = start_trainer(server.server_address[1], run, env)
+    trainer = start_trainer(port, run, env)
     try:
         wait_for_checkpoint(trainer, run, 0)
         assert hung.wait(300), "the trainer never reached the hung request"
@@ -458,8 +451,6 @@ def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path):
     finally:
         if trainer.poll() is None:
             trainer.kill()
-        server.shutdown()
-        server.server_close()
     assert trainer.returncode != 0 and "interrupt" in err.lower(), err[-2000:]
     assert last_checkpoint_iteration(run) >= 0
     assert not list((run / "checkpoints").glob("*.tmp")), "a checkpoint was left half-written"

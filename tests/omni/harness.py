@@ -71,17 +71,19 @@ class OmniServer:
     """A `vllm serve <dir> --omni` subprocess on 127.0.0.1, owning its process group."""
 
     def __init__(self, model_dir: Path, log_path: Path, extra_args: list[str] = (), pipeline_args: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
+        port = free_port()
         # The project's pipeline class (omni_pipeline.py): it serves plain requests exactly as the stock one.
-        self.argv = _load_serve_tiny().serve_command(str(model_dir), self.port, str(OMNI_VENV), list(extra_args),
-                                                     pipeline_args)
+        self._start(_load_serve_tiny().serve_command(str(model_dir), port, str(OMNI_VENV), list(extra_args),
+                                                     pipeline_args), port, log_path)
+
+    def _start(self, argv: list[str], port: int, log_path: Path, **env_extra: str) -> None:
+        """Run `argv` (a server on 127.0.0.1:port) in its own session and wait until GET /health answers."""
+        self.argv, self.port, self.url, self.log_path = argv, port, f"http://127.0.0.1:{port}", log_path
         env = dict(os.environ,
                    # The model is a local directory; nothing may reach the network.
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    # The custom pipeline class (omni_pipeline.py) is imported from the project root.
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env_extra)
         env.pop("VIRTUAL_ENV", None)
         self._log = open(log_path, "w")
         t0 = time.monotonic()

@@ -5,10 +5,8 @@ token's probabilities is computed, identical requests score identically, and a s
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,24 +31,9 @@ class JudgeServer(OmniServer):
     OmniServer does (GET /health with a deadline; SIGTERM, then SIGKILL)."""
 
     def __init__(self, model_dir: Path, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.argv = load_tiny_vl().serve_command(str(model_dir), self.port, str(OMNI_VENV))
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                   VLLM_CPU_KVCACHE_SPACE="1")  # GiB of KV cache: plenty for 1024-token requests
-        env.pop("VIRTUAL_ENV", None)
-        self._log = open(log_path, "w")
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                     start_new_session=True)
-        self.pgid = self.proc.pid
-        try:
-            self._wait_healthy(t0)
-        except BaseException:
-            self.stop()
-            raise
-        self.start_s = time.monotonic() - t0
+        port = free_port()
+        self._start(load_tiny_vl().serve_command(str(model_dir), port, str(OMNI_VENV)), port, log_path,
+                    VLLM_CPU_KVCACHE_SPACE="1")  # GiB of KV cache: plenty for 1024-token requests
 
 
 @pytest.fixture(scope="module")
