@@ -3,26 +3,51 @@
     python bench.py --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
     python bench.py --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
 Rows: median, min, max over repeats after a warm-up, candidates alternating within a repeat. See BENCHMARKS.md."""
-import argparse, contextlib, dataclasses, gc, json, os, statistics, subprocess, sys, tempfile, time  # noqa: E401
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from statistics import median as med
 
-import numpy as np, psutil, torch  # noqa: E401
+import numpy as np
+import psutil
+import torch
 from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 
-import engine as eng, flowgrpo, models, prompts as prompt_sets, rewards, rollout, scheduler as sch  # noqa: E401
+import engine as eng
+import flowgrpo
+import models
+import prompts as prompt_sets
+import rewards
+import rollout
+import scheduler as sch
 
-ROOT, CUDA, med = os.path.dirname(os.path.abspath(__file__)), torch.cuda.is_available(), statistics.median
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CUDA = torch.cuda.is_available()
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, vendor data sheets
 HEAD = ["| measurement | median | min | max | unit | target / expected | note |", "|---" * 7 + "|"]
 sync = torch.cuda.synchronize if CUDA else (lambda: None)
-ms = lambda seconds: f"{1e3 * med(seconds):.1f} ms"  # noqa: E731
+
+def ms(seconds) -> str:
+    return f"{1e3 * med(seconds):.1f} ms"
 
 def measure(fns: dict, repeats: int, warmup: int = 1) -> dict:
     """{name: [seconds]}: each fn timed `repeats` times after `warmup` untimed rounds, the fns interleaved."""
     times = {k: [] for k in fns}
     for r in range(warmup + repeats):
         for k, fn in fns.items():
-            sync(), (start := time.perf_counter()), fn(), sync()
-            times[k] += [time.perf_counter() - start] if r >= warmup else []
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if r >= warmup:
+                times[k].append(time.perf_counter() - start)
     return times
 
 def row(t: list, name, values, unit="×", expect="", note=""):
@@ -106,10 +131,18 @@ def model_rows(t: list, o, a: flowgrpo.Args):
         row(t, f"reward {k}", np.multiply(v, 1e3 / len(prompts)), "ms/image", "", f"{len(prompts)} images {size}²")
     # As flowgrpo.main: OCR scores each decoded chunk (on_images) in AsyncRewards' thread while the next samples, vs one
     # after the other; on the images upscaled to 64², where it costs about the tiny rollout's time (at 32², ~8%).
-    up, n, pool = lambda x: torch.nn.functional.interpolate(x, size=64), a.micro_batch, rewards.AsyncRewards(fns["ocr"])
+    n, pool = a.micro_batch, rewards.AsyncRewards(fns["ocr"])
     ac = dataclasses.replace(a, prompts="ocr", prompts_per_iteration=o.chunks, group_size=n)  # a prompt per chunk
-    texts, rollout_only = texts_of(ac), lambda: sample(model, ac, window)
-    submit = lambda c, x: pool.submit(up(x), texts[c:c + len(x)])  # noqa: E731
+    texts = texts_of(ac)
+
+    def up(x):
+        return torch.nn.functional.interpolate(x, size=64)
+
+    def rollout_only():
+        return sample(model, ac, window)
+
+    def submit(c, x):
+        return pool.submit(up(x), texts[c:c + len(x)])
     r = measure({"rollout": rollout_only, "serial": lambda: fns["ocr"](up(rollout_only().images), texts),
                  "overlapped": lambda: (sample(model, ac, window, on_images=submit), pool.collect())}, o.repeats)
     roll, serial, over = (np.array(r[k]) for k in ("rollout", "serial", "overlapped"))
@@ -189,7 +222,10 @@ def torchrun(n: int, o):  # flowgrpo.py on n gloo ranks -> (sum of perf/* per it
 
 def rank_rows(t: list, o):  # 1-rank and 2-rank launches alternate, as the load drifts between launches
     runs = [(torchrun(1, o), torchrun(2, o)) for _ in range(o.rank_pairs)]
-    t1, t2, mib = [med(r1[0]) for r1, _ in runs], [med(r2[0]) for _, r2 in runs], lambda v: f"{v / 2**20:.0f} MiB"
+    t1, t2 = [med(r1[0]) for r1, _ in runs], [med(r2[0]) for _, r2 in runs]
+
+    def mib(v):
+        return f"{v / 2**20:.0f} MiB"
     row(t, "ranks: time per iteration, 2 ÷ 1", np.divide(t2, t1), "×", "0.5 (half the images each)", f"flowgrpo.py "
         f"{' '.join(o.ranks)}, {o.rank_pairs} pair(s) of runs; 1 rank {ms(t1)}, 2 ranks {ms(t2)}")
     row(t, "ranks: peak RSS per rank, 2 ÷ 1", [v / r1[1][0] for r1, r2 in runs for v in r2[1].values()], "×",
@@ -223,11 +259,17 @@ def pass_flops(c, s_img: int, s_txt: int, r: int) -> float:
     return blocks + 2 * d * (io * s_img + c.joint_attention_dim * s_txt) + 2 * (256 * d + d * d) + 4 * d * d
 
 def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (seconds per phase, peak memory, FLOPs/image)
-    gc.collect(), torch.cuda.empty_cache() if CUDA else None  # the previous run's model is garbage now
+    gc.collect()  # the previous run's model is garbage now
+    if CUDA:
+        torch.cuda.empty_cache()
     model, texts, ticks = random_model(a.model, o.device), texts_of(a), []
     engine, pool = make_engine(a, model), rewards.AsyncRewards(rewards.make_reward(a.reward))
     # The peak of training, not of building: the model is built on the device even when offload then moves it out.
-    torch.cuda.reset_peak_memory_stats() if CUDA else open("/proc/self/clear_refs", "w").write("5")  # 5: VmHWM
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset VmHWM
     steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
     for _ in range(1 + o.repeats):
         start = time.perf_counter()
@@ -235,7 +277,9 @@ def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (second
         rolled, scores = time.perf_counter(), torch.as_tensor(pool.collect()[0]).float()
         b.advantages = flowgrpo.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
         scored = time.perf_counter()
-        train(model, engine, b, a), sync(), ticks.append(np.diff([start, rolled, scored, time.perf_counter()]))
+        train(model, engine, b, a)
+        sync()
+        ticks.append(np.diff([start, rolled, scored, time.perf_counter()]))
     pool.close()
     # An image: N rollout passes and W trained steps of forward + backward per CFG branch; LoRA's backward costs one
     # forward (activation gradients; the frozen weights need none); checkpointing's recompute is not counted (MFU).
@@ -307,7 +351,8 @@ def main(argv=None):
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     o, t = p.parse_args(argv), list(HEAD)
     o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
-    torch.set_num_threads(1) if o.device == "cpu" else None  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
+    if o.device == "cpu":
+        torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
     if o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes
         toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
         gpu_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,

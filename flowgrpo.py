@@ -372,7 +372,9 @@ def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress
         grad_norm, skipped = engine.step()
         logs[-1] |= {"grad_norm": grad_norm, "skipped": float(skipped)}
     bar.close()
-    mean = lambda key: float(np.mean([float(s[key]) for s in logs if key in s]))  # noqa: E731
+
+    def mean(key):
+        return float(np.mean([float(s[key]) for s in logs if key in s]))
     return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
             "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
             "train/skipped_steps": engine.skipped_steps}
@@ -448,7 +450,8 @@ def main(a: Args) -> list[dict]:
             model.transformer.eval()
             backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
-            score_chunk = lambda c, x: scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])  # noqa: E731
+            def score_chunk(c, x):  # each decoded chunk is scored while the next one samples
+                scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])
             batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
                                    height=a.height, width=a.width, cfg_scale=a.cfg_scale,
                                    negative_prompt=a.negative_prompt, noise_level=a.noise_level, sde_type=a.sde_type,

@@ -57,8 +57,12 @@ def plot_curve(path: str, rows: list[dict]) -> None:
     ev = [(r["iteration"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     if ev:
         ax.plot(*zip(*ev), "o--", label="eval reward (ODE, fixed seeds)")
-    ax.set_xlabel("iteration"), ax.set_ylabel("reward"), ax.legend(fontsize=8), ax.grid(alpha=0.3)
-    fig.tight_layout(), fig.savefig(path), plt.close(fig)
+    ax.set(xlabel="iteration", ylabel="reward")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def claim_run_dir(run_dir: str | None, name: str, checkpoint: str | None, meta: dict, config: dict):
@@ -112,9 +116,10 @@ def metrics_until(path: str, last: int) -> list[dict]:
 
 def _holds_run(run_dir: str) -> bool:
     """A run that trained: a logged iteration or a checkpoint (one that failed while starting left no result)."""
-    metrics, checkpoints = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "checkpoints")
-    return (os.path.isfile(metrics) and os.path.getsize(metrics) > 0) or bool(os.path.isdir(checkpoints)
-                                                                            and os.listdir(checkpoints))
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    return logged or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints)))
 
 
 def _unused(path: str) -> str:

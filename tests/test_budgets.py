@@ -12,9 +12,10 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
 # Raised, with the reason: six recipes, each public value sourced, and six variant flags, each with its help line (the
 # loop itself is unchanged); a run directory that belongs to one run (claim, resume cut-back, closing summary); a
 # vLLM-Omni client that refuses hostile servers (exact σ, regular files only, one exchange directory per run); bench
-# rows for two more model families, two variants and the judge; server pipelines for three families (a shared sampler
-# plus one velocity per family) with three vLLM-Omni 0.30.0 workarounds.
-BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 200, "rollout.py": 430, "bench.py": 340, "omni_pipeline.py": 330}
+# rows for two more model families, two variants and the judge; server pipelines for three families (a common
+# sampler plus one velocity per family) with three vLLM-Omni 0.30.0 workarounds.
+BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py": 390, "omni_pipeline.py": 330}
+# (bench.py's last 40 lines of that: one import and one statement per line, where it had packed them.)
 
 
 def test_every_file_is_within_its_budget():
@@ -34,14 +35,20 @@ def tracked_text_files() -> list[str]:
 
 
 def test_the_repository_refers_to_nothing_outside_itself():
-    """Documents the code cites live in docs/; every `docs/algorithm.md §N` it names exists."""
+    """Every document a file names (`*.md`) is a file of the repository, every relative path climbing out of a
+    directory (`../x`) stays inside it, and every `docs/algorithm.md §N` cited exists."""
+    files = tracked_text_files()
+    names = {os.path.basename(f) for f in files}
     sections = set(re.findall(r"^## §(\d+)", open(os.path.join(ROOT, "docs", "algorithm.md")).read(), re.M))
     outside, dangling = [], []
-    for f in tracked_text_files():
+    for f in files:
         text = open(os.path.join(ROOT, f), errors="replace").read()
         for n, line in enumerate(text.splitlines(), 1):
-            if re.search(r"\b(ALGORITHM|DESIGN|CPU_FACTS|VLLM_OMNI_CPU)\.md|\.\./shared|\bshared/", line):
-                outside.append(f"{f}:{n}: {line.strip()}")
+            written = "--markdown" in line or "tmp_path" in line  # a file a command or a test writes, not a citation
+            documents = [d for d in re.findall(r"([\w.-]+\.md)\b", line) if d not in names and not written]
+            climbs = [p for p in re.findall(r"(?<![\w.])((?:\.\./)+\w[\w.-]*)", line)
+                      if not os.path.realpath(os.path.join(ROOT, os.path.dirname(f), p)).startswith(ROOT + os.sep)]
+            outside += [f"{f}:{n}: {ref}" for ref in documents + climbs]
             dangling += [f"{f}:{n}: §{s}" for s in re.findall(r"docs/algorithm\.md §(\d+)", line) if s not in sections]
     assert not outside, "references to files outside the repository:\n" + "\n".join(outside)
     assert not dangling, f"sections missing from docs/algorithm.md (it has §{sorted(sections, key=int)}):\n" + \
