@@ -45,6 +45,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Literal
 
@@ -501,18 +502,19 @@ def main(a: Args) -> list[dict]:
     # --- 9. the final LoRA, loadable with diffusers' `pipe.load_lora_weights(<run-dir>/lora)` ---------
     engine.export_lora(os.path.join(run_dir, "lora"))
     log.close(lora_dir=os.path.join(run_dir, "lora") if engine.lora_config else None)
-    eng.shutdown()
     return log.rows
 
 
 if __name__ == "__main__":
+    status = 0
     try:
         main(parse_args())
     except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
-        if os.environ.get("FLOWGRPO_TRACEBACK"):
-            raise
-        sys.exit(f"flowgrpo.py: error: {e}")
+        status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"
     except KeyboardInterrupt:
-        sys.exit("flowgrpo.py: interrupted; the run's checkpoints are as last written (--resume auto continues)")
-    finally:  # a process group left to the interpreter's exit can abort it ("terminate called ...")
+        status = "flowgrpo.py: interrupted; the run's checkpoints are as last written (--resume auto continues)"
+    except Exception:  # anything else: its stack, and the same way out
+        status = traceback.format_exc()
+    finally:
         eng.shutdown()
+    eng.exit_process(status)  # not through the interpreter's teardown, which a gloo thread can abort (see there)

@@ -352,6 +352,15 @@ def test_run_directories_never_mix_runs(straight, tmp_path):
     assert resumes[-1]["changed"] == {"seed": [3, 4]}
 
 
+@pytest.mark.parametrize("status,code,err", [(0, 0, ""), (3, 3, ""), ("flowgrpo.py: error: x", 1, "flowgrpo.py: error: x\n")])
+def test_exit_process_ends_as_sys_exit_would_but_skips_the_teardown(status, code, err):
+    """flowgrpo.py leaves through engine.exit_process: the code and message of sys.exit(status), the output flushed,
+    and no interpreter teardown (an atexit hook stands for it; a gloo thread can abort the process there)."""
+    script = f"import atexit, engine; atexit.register(print, 'teardown'); print('out', end=''); engine.exit_process({status!r})"
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (code, "out", err), out
+
+
 @pytest.mark.parametrize("flags,ranks", [(["--mixed-precision", "--offload", "--activation-checkpointing",
                                            "--shard-text-encoder"], 2),
                                          (["--full-finetune", "--offload"], 1)])
