@@ -368,7 +368,9 @@ class OmniBackend:
             finally:
                 workers.close()
         order = torch.tensor([i for pos, _ in jobs for i in pos]).argsort()  # requests' rows -> batch order
-        cat = lambda k: torch.cat([p[k] for p in parts])[order]  # noqa: E731
+
+        def cat(k):  # one field of every request's rows, in batch order
+            return torch.cat([p[k] for p in parts])[order]
         batch = Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
                       cat("log_probs").to(model.device), expect["sigmas"], expect["sigma_max"],
                       model.conditioning(list(prompts), negative_prompt, cfg_scale), cat("images"))

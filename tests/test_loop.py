@@ -181,8 +181,10 @@ def test_unreachable_weights_fail_in_one_line_and_leave_the_directory_reusable(t
 def test_run_sh_recipes_launch():
     """run.sh names its recipes when given none or a wrong one, and a recipe reaches flowgrpo.py with the flags."""
     env = os.environ | {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
-    sh = lambda *a: subprocess.run(["bash", os.path.join(ROOT, "run.sh"), *a], capture_output=True, text=True,  # noqa
-                                   env=env, timeout=120)
+
+    def sh(*a):  # run.sh with these arguments, the venv's python first on PATH
+        return subprocess.run(["bash", os.path.join(ROOT, "run.sh"), *a], capture_output=True, text=True, env=env,
+                              timeout=120)
     for wrong in ((), ("nope",)):
         out = sh(*wrong)
         assert out.returncode == 2 and "usage: bash run.sh NAME" in out.stderr and "qwen-ocr-8gpu" in out.stderr

@@ -218,10 +218,11 @@ def test_read_trajectory_checks_everything(tmp_path):
                                                steps=STEPS)})
     schedule = trainer_sigmas(NUM_STEPS, 16)
     sigmas, sigma_max = schedule[:4], float(schedule[1])
-    read = lambda **kw: rollout.read_trajectory(str(tmp_path / "t.safetensors"),  # noqa: E731
-                                                **({"seeds": [11, 12], "prompt": "p", "sigmas": sigmas,
-                                                    "sigma_max": sigma_max, "latent_shape": (16, 16),
-                                                    "image_shape": (3, H, W), "pipeline": "omni_pipeline.P"} | kw))
+    expected = {"seeds": [11, 12], "prompt": "p", "sigmas": sigmas, "sigma_max": sigma_max, "latent_shape": (16, 16),
+                "image_shape": (3, H, W), "pipeline": "omni_pipeline.P"}
+
+    def read(**kw):  # the trajectory, checked against `expected` with `kw` changed
+        return rollout.read_trajectory(str(tmp_path / "t.safetensors"), **(expected | kw))
     with pytest.raises(FileNotFoundError, match="must run omni_pipeline.P .*shared filesystem"):
         read()
     write_fake_trajectory(body, 16, 16, "ok")
