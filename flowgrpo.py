@@ -59,6 +59,7 @@ import checkpoint
 import engine as eng
 import models
 import prompts as prompt_sets
+import recipes
 import rewards
 import rollout
 import runlog
@@ -67,9 +68,11 @@ import scheduler as sch
 
 @dataclass(frozen=True)
 class Args:
-    """Flow-GRPO training (docs/algorithm.md). `--model` picks a recipe, whose values are the defaults shown here.
-    A bare `python flowgrpo.py` is `--model tiny`, the CPU demo; `--model qwen-image --help` shows that recipe.
-    Flags given override the recipe. The recipes and their sources: docs/algorithm.md §7."""
+    """Flow-GRPO training (docs/algorithm.md). `--recipe` (or `--model` alone) picks a recipe, whose values are the
+    defaults shown here. A bare `python flowgrpo.py` is `--model tiny`, the CPU demo; `--model qwen-image --help`
+    shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
+    recipe: str = "tiny"
+    """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
     model: Literal["tiny", "tiny-sd3", "tiny-flux", "qwen-image", "sd3.5-medium", "flux.1-dev"] = "tiny"
     """Qwen-Image, SD3.5-Medium or FLUX.1-dev; the `tiny` ones are their classes at toy size, random, no downloads"""
     model_path: str | None = None
@@ -178,42 +181,28 @@ class Args:
     """log to wandb on rank 0 (offline unless WANDB_MODE or WANDB_API_KEY says otherwise)"""
 
 
-LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux")}  # cheap: no diffusers
-RECIPES = {  # docs/algorithm.md §7: every public value with its source
-    "tiny": Args(),
-    "tiny-sd3": Args(model="tiny-sd3", cfg_scale=4.5, negative_prompt="", lora_targets=LORA_TARGETS["tiny-sd3"]),
-    "tiny-flux": Args(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
-    "qwen-image": Args(model="qwen-image", iterations=300, prompts="ocr", reward="ocr", group_size=16,
-                       prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,
-                       cfg_scale=4.0, noise_level=1.2, window=2, window_range=(0, 5), clip_range=1e-4, lr=3e-4,
-                       lora_rank=64, lora_alpha=128, mixed_precision=True, activation_checkpointing=True,
-                       checkpoint_every=20),
-    "sd3.5-medium": Args(model="sd3.5-medium", iterations=300, prompts="ocr", reward="ocr", group_size=24,
-                         prompts_per_iteration=48, micro_batch=9, height=512, width=512, num_steps=10, eval_steps=40,
-                         cfg_scale=4.5, negative_prompt="", window_range=(0, 5), clip_range=1e-4, kl_beta=0.04,
-                         lr=3e-4, lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
-                         mixed_precision=True, ema_decay=0.9, ema_every=8, checkpoint_every=60, eval_every=60),
-    "flux.1-dev": Args(model="flux.1-dev", iterations=300, prompts="general", reward="pickscore", group_size=24,
-                       prompts_per_iteration=48, micro_batch=3, height=512, width=512, num_steps=6, eval_steps=28,
-                       guidance=3.5, noise_level=0.9, window_range=(0, 3), clip_range=1e-4, lr=3e-4, lora_rank=64,
-                       lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"], mixed_precision=True, ema_decay=0.9,
-                       ema_every=8, checkpoint_every=30, eval_every=30),
-}
+RECIPES = {name: Args(**values, recipe=name) for name, values in recipes.RECIPES.items()}  # recipes.py
 # Flags that say only how the work is done or recorded: they may change on --resume without breaking exactness
 # (micro-batches and ranks change float reduction order only). Every other flag decides the result.
-HOW_FLAGS = {"run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images", "eval_steps",
-             "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
+HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images",
+             "eval_steps", "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
              "activation_checkpointing", "compile", "shard_text_encoder"}
 SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    """`--model` (the last one given, as for every flag) picks the recipe whose values become the defaults; the other
-    flags override them."""
+    """`--recipe` (or else `--model`; the last one given, as for every flag) picks the recipe whose values become the
+    defaults; the other flags override them."""
     argv = sys.argv[1:] if argv is None else argv
-    model = ([a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
-              if a.split("=")[0] == "--model" and ("=" in a or i + 1 < len(argv))] or ["tiny"])[-1]
-    return tyro.cli(Args, default=RECIPES.get(model, RECIPES["tiny"]), args=argv)
+    name = _last_value(argv, "--recipe") or _last_value(argv, "--model") or "tiny"
+    return tyro.cli(Args, default=RECIPES.get(name, RECIPES["tiny"]), args=argv)
+
+
+def _last_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in argv."""
+    values = [a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+              if a.split("=")[0] == flag and ("=" in a or i + 1 < len(argv))]
+    return values[-1] if values else None
 
 
 def check_args(a: Args) -> tuple[str, dict] | None:
@@ -225,6 +214,7 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     for f in dataclasses.fields(a):  # inf or nan in any float flag
         need(not isinstance(getattr(a, f.name), float) or math.isfinite(getattr(a, f.name)),
              f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(a, f.name)}")
+    need(a.recipe in RECIPES, f"--recipe must be one of {tuple(RECIPES)}, got {a.recipe!r}")
     need(a.group_size >= 2, f"--group-size must be >= 2 (advantages compare images of a prompt), got {a.group_size}")
     for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
                     ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations),

@@ -8,7 +8,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py": 350, "rollout.py": 420,
            "omni_pipeline.py": 300, "rewards.py": 450, "prompts.py": 150, "runlog.py": 150, "bench.py": 300,
            # files split off by concept: the checkpoint format, the HTTP side of rewards, one adapter per family
-           "checkpoint.py": 150, "reward_http.py": 420, "models_sd3.py": 200, "models_flux.py": 150}
+           "checkpoint.py": 150, "reward_http.py": 420, "models_sd3.py": 200, "models_flux.py": 150,
+           "recipes.py": 150}  # the named configurations, each value with its source
 # Raised, with the reason: six recipes, each public value sourced, and six variant flags, each with its help line (the
 # loop itself is unchanged); a run directory that belongs to one run (claim, resume cut-back, closing summary); a
 # vLLM-Omni client that refuses hostile servers (exact σ, regular files only, one exchange directory per run); bench
