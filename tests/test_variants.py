@@ -87,9 +87,10 @@ def test_dance_log_prob_is_the_gaussian_density_and_keeps_the_marginals(level):
 
 @pytest.mark.parametrize("every", [25, 20])  # MixGRPO's iters_per_group, MixGRPO-Flash's
 def test_sliding_window_follows_mixgrpos_state_machine(every):
-    """MixGRPO's GRPOTrainingStates (fastvideo/utils/grpo_states.py: sample_strategy "progressive", prog_overlap with
-    step 1, roll_back), its start position re-typed as the oracle with max_timesteps = hi − W, the last start at which
-    a whole window fits (MixGRPO lets the window shrink past it instead: docs/algorithm.md)."""
+    """MixGRPO's GRPOTrainingStates (Tencent-Hunyuan/MixGRPO e5cdd6a, fastvideo/utils/grpo_states.py:85-99:
+    sample_strategy "progressive", prog_overlap with step 1, roll_back), its start position re-typed as the oracle with
+    max_timesteps = hi − W, the last start at which a whole window fits (MixGRPO lets the window shrink past it
+    instead: docs/algorithm.md)."""
     lo, hi, w = 1, 6, 2
     cur, in_group, starts = lo, 0, []
     for _ in range(400):
