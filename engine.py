@@ -78,15 +78,35 @@ def assign_images(n_images: int, optimizer_steps: int, world_size: int, seed: in
     return perm.view(optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
 
 
+def ema_flow_grpo(ema: torch.Tensor, p: torch.Tensor, n: int, every: int, decay: float) -> None:
+    """Flow-GRPO's EMAModuleWrapper: after optimizer step n, when n + 1 is a multiple of `every`,
+    ema ← ema + (1 − d)·(θ − ema) with the warm-up d = min((1 + n)/(10 + n), decay)."""
+    if (n + 1) % every == 0:
+        ema.add_((p - ema) * (1 - min((1 + n) / (10 + n), decay)))
+
+
+def ema_dance(ema: torch.Tensor, p: torch.Tensor, n: int, every: int, decay: float) -> None:
+    """DanceGRPO's FSDP_EMA: after optimizer step n, when n is a multiple of `every` (every = optimizer steps per
+    iteration: once per rollout batch, as its train_one_step), ema ← d·ema + (1 − d)·θ, constant d, no warm-up."""
+    if n % every == 0:
+        ema.copy_(ema * decay + p * (1 - decay))
+
+
+EMA_FORMS = {"flow-grpo": ema_flow_grpo, "dance": ema_dance}
+
+
 class EMA:
     """An exponential moving average of the trained parameters (docs/algorithm.md §10, "EMA"). After optimizer step n
-    (n = 1, 2, …; skipped steps count), when n + 1 is a multiple of `every`: ema ← ema + (1 − d)·(θ − ema) with
-    d = min((1 + n)/(10 + n), decay). Under FSDP2 the parameters are DTensors and each rank averages its own shards
-    in float32, element-wise: no communication, and the same bits whatever the number of ranks."""
+    (n = 1, 2, …; skipped steps count) EMA_FORMS[form] updates it, `repeat` times in a row where it fires: Flow-GRPO's
+    SD3 and FLUX scripts call the update once per micro-batch with an unchanged step counter, i.e. M times per firing
+    on the same weights (an effective decay d^M; M = 1: once per optimizer step). Under FSDP2 the parameters are
+    DTensors and each rank averages its own shards in float32, element-wise: no communication, and the same bits
+    whatever the number of ranks."""
 
-    def __init__(self, named_params, decay: float, every: int):
+    def __init__(self, named_params, decay: float, every: int, repeat: int = 1, form: str = "flow-grpo"):
         self.names, self.params = map(list, zip(*named_params))
         self.decay, self.every, self.steps = decay, every, torch.zeros((), dtype=torch.int64)
+        self.repeat, self.update = repeat, EMA_FORMS[form]
         with torch.no_grad():  # starts at the initial weights (a LoRA's B = 0: the base model); DTensors stay sharded
             self.shadow = [p.detach().float().clone() for p in self.params]
 
@@ -94,10 +114,9 @@ class EMA:
     def step(self) -> None:
         self.steps += 1
         n = int(self.steps)
-        if (n + 1) % self.every == 0:
-            weight = 1 - min((1 + n) / (10 + n), self.decay)
-            for ema, p in zip(self.shadow, self.params):
-                _local(ema).add_((_local(p).float() - _local(ema)) * weight)
+        for ema, p in zip(self.shadow, self.params):
+            for _ in range(self.repeat):  # element-wise: the same bits as M whole passes in a row
+                self.update(_local(ema), _local(p).float(), n, self.every, self.decay)
 
     @contextlib.contextmanager
     def swapped(self):
@@ -131,7 +150,8 @@ class Engine:
     def __init__(self, model, *, lora_rank: int, lora_alpha: float, lora_targets, lr: float, weight_decay: float,
                  max_grad_norm: float, seed: int, full_finetune: bool = False, activation_checkpointing: bool = False,
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
-                 shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8):
+                 shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8, ema_repeat: int = 1,
+                 ema_form: str = "flow-grpo"):
         self.rank, self.world_size, self.device = init_distributed()
         self.model, self.max_grad_norm, self.skipped_steps = model, max_grad_norm, 0
         net = model.transformer
@@ -171,7 +191,8 @@ class Engine:
                 fully_shard(module)
         named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        self.ema = EMA(named, ema_decay, ema_every) if ema_decay > 0 else None  # of this rank's shards
+        # of this rank's shards
+        self.ema = EMA(named, ema_decay, ema_every, ema_repeat, ema_form) if ema_decay > 0 else None
         if not self.params:
             raise ValueError(f"--lora-targets {list(lora_targets)} matched no module of the transformer")
         # foreach: batched over parameters (on CPU the default per-tensor loop cost ~4× more per step, bench.py);

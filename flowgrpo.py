@@ -11,33 +11,35 @@ Launch (the same file everywhere; parallelism lives in engine.py only):
                                                                  # sd3.5-medium, flux.1-dev, tiny-sd3, tiny-flux
     torchrun --nproc_per_node=8 flowgrpo.py --model qwen-image   # 8 GPUs; add --nnodes/--rdzv-endpoint for more
 
-Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs/algorithm.md §8):
-1. The log-prob is the exact Gaussian log-density (averaged over latent elements) for `sde` and `cps`
-   alike (the public `cps` uses −(x' − μ)²): a clip range means the same trust region for both. For `cps`
-   this weights step i by 1/(2·std_i²) relative to the public code, ~2,000× more on the last trained step
-   than the first in full mode at 10 steps; the public recipes use `cps` only with a window (warned).
-2. The KL to the reference is the exact Gaussian KL mean((μ_θ − μ_ref)²) / (2·std²) (public: / s_t²).
-3. Window mode draws one window per iteration, shared by all images and ranks.
-4. Images are shuffled only when assigned to optimizer steps and ranks; micro-batches are the rollout's
+Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs/algorithm.md §8); the improvements
+are named options, off in the public recipes:
+1. `--cps-density exact`: the exact Gaussian log-density for `cps` as for `sde` (public: −(x' − μ)²), so a clip range
+   means the same trust region for both; it weights step i by 1/(2·std_i²) relative to the public one.
+2. `--kl-form exact`: the exact Gaussian KL mean((μ_θ − μ_ref)²)/(2·std²) (public, for sde: / (2·s_t²), |dt| times it).
+3. `--ema-repeat 1`: the EMA updated once per firing (public: once per micro-batch, M times on the same weights).
+4. `--zero-advantage keep`: images with A = 0 trained (Flow-GRPO's FLUX and Qwen-Image scripts do; its SD3 scripts
+   drop them). `drop` leaves them out of the optimizer step's mean over all ranks (public: each rank's mean).
+5. One window per iteration, shared by all images and ranks (public Qwen-Image: always step 3).
+6. Images are shuffled only when assigned to optimizer steps and ranks; micro-batches are the rollout's
    chunks, never re-mixed, so each iteration's first update runs the rollout's shapes and kernels and is
    exactly on-policy (`train/logp_gap` == 0 in float32). The public code re-shuffles after the rollout.
-5. Each image's noise comes from its own generator, seeded by (seed, iteration, image index): images do
+7. Each image's noise comes from its own generator, seeded by (seed, iteration, image index): images do
    not depend on the number of ranks or the micro-batch size.
-6. Qwen-Image's LoRA targets omit `to_out.0` (vLLM-Omni cannot serve it) and `to_add_out`; SD3.5 and FLUX keep
+8. Qwen-Image's LoRA targets omit `to_out.0` (vLLM-Omni cannot serve it) and `to_add_out`; SD3.5 and FLUX keep
    the public ones. Every family trains in bf16 mixed precision (public SD3.5: fp16). `flux.1-dev` uses the
    built-in `general` prompts (the public PickScore prompt file is not shipped).
-7. EMA is off in the Qwen-Image recipe, as in its public config; `--ema-decay` updates it once per K optimizer
-   steps (Flow-GRPO's SD3 script: once per micro-batch, so several times per step under accumulation).
-8. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, large clip range and learning rate)
+9. GRPO-Guard's bias term per image, as its author confirmed (the script averages it over the batch); MixGRPO-Flash
+   takes at least one ODE call after the window (it decodes a noisy state where its count leaves none).
+10. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, large clip range and learning rate)
    chosen so that learning is visible on a CPU within a minute or two.
 
 Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
 `train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
     --sde-type dance             DanceGRPO's SDE: constant noise level η, score drift        scheduler.py
-    --window-schedule sliding    MixGRPO: the window slides later every 25 iterations        scheduler.py
-    --ode-solver dpm2            MixGRPO-Flash: ODE after the window in half the passes       scheduler.py
+    --window-schedule sliding    MixGRPO: the window slides later every --slide-every        scheduler.py
+    --ode-solver dpm2            MixGRPO-Flash: ODE after the window on 0.4 of its points    scheduler.py
     --branch                     Flow-GRPO-Fast: a group shares its prefix, branches at s     rollout.py
-    --ratio-norm                 GRPO-Guard: std-scaled, bias-corrected log-ratio             flowgrpo.py
+    --guard full                 GRPO-Guard: normalised log-ratio and 1/|dt| step reweight   flowgrpo.py
     --ema-decay D --ema-every K  EMA weights for evaluation and the exported LoRA             engine.py
 """
 import dataclasses
@@ -122,25 +124,37 @@ class Args:
     window_range: tuple[int, int] = (0, 3)
     """[lo, hi): the window lies inside these step indices"""
     window_schedule: Literal["random", "sliding"] = "random"
-    """where each iteration's window lies: uniformly in --window-range, or MixGRPO's window sliding later every 25"""
+    """where each iteration's window lies: uniformly in --window-range, or MixGRPO's window sliding later"""
+    slide_every: int = 25
+    """iterations between moves of the sliding window (MixGRPO: 25, MixGRPO-Flash: 20)"""
     branch: bool = False
     """Flow-GRPO-Fast: a group shares its noise and ODE path up to the window, then branches (needs --window)"""
     ode_solver: Literal["euler", "dpm2"] = "euler"
-    """the ODE steps after the window: Euler, or DPM-Solver++(2M) in half the passes (MixGRPO-Flash)"""
-    ratio_norm: bool = False
-    """GRPO-Guard's ratio normalisation: log r = std·(logp − logp_old) + mean((μ − μ_old)²)/(2·std)"""
+    """the ODE steps after the window: Euler, or DPM-Solver++(2M) on MixGRPO-Flash's 0.4·(K + 1) σ points"""
+    guard: Literal["none", "full", "ratio-norm", "reweight"] = "none"
+    """GRPO-Guard (`full`): its ratio normalisation and its per-step gradient reweight (1/|dt|); or one alone"""
+    cps_density: Literal["public", "exact"] = "public"
+    """the cps log-density in the ratio: Flow-GRPO's −mean((x' − μ)²), or the exact Gaussian one as for sde"""
     ema_decay: float = 0.0
     """EMA decay of the trained weights in [0, 1), used for evaluation and <run-dir>/lora (0 = off; SD3 recipe: 0.9)"""
     ema_every: int = 8
-    """optimizer steps between EMA updates (decay min((1 + n)/(10 + n), --ema-decay) at step n)"""
+    """optimizer steps between EMA updates (flow-grpo: decay min((1 + n)/(10 + n), --ema-decay) at step n)"""
+    ema_repeat: int = 1
+    """M: the update applied M times in a row where it fires (Flow-GRPO: once per micro-batch, M per optimizer step)"""
+    ema_form: Literal["flow-grpo", "dance"] = "flow-grpo"
+    """Flow-GRPO's EMA (a warm-up, when n + 1 is a multiple of K) or DanceGRPO's (constant decay, when K divides n)"""
     clip_range: float = 0.2
     """PPO clip ε on the probability ratio"""
     adv_clip: float = 5.0
     """advantages are clipped to [−adv_clip, adv_clip] (> 0)"""
     std: Literal["global", "group"] = "global"
     """normalise advantages by the whole batch's reward std or by each group's"""
+    zero_advantage: Literal["drop", "keep"] = "drop"
+    """images whose advantage is exactly 0: left out of their optimizer step's loss mean, or trained with A = 0"""
     kl_beta: float = 0.0
     """β of the KL to the reference model (adapter disabled); 0 skips the reference pass"""
+    kl_form: Literal["public", "exact"] = "public"
+    """the KL: Flow-GRPO's mean((μ − μ_ref)²)/(2·s_t²), or the exact Gaussian KL (sde: 1/|dt| times larger)"""
     lr: float = 1e-2
     """AdamW learning rate"""
     weight_decay: float = 1e-4
@@ -218,7 +232,8 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     need(a.group_size >= 2, f"--group-size must be >= 2 (advantages compare images of a prompt), got {a.group_size}")
     for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
                     ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations),
-                    ("--keep-checkpoints", a.keep_checkpoints)):
+                    ("--keep-checkpoints", a.keep_checkpoints), ("--slide-every", a.slide_every),
+                    ("--ema-repeat", a.ema_repeat)):
         need(v >= 1, f"{flag} must be >= 1, got {v}")
     for flag, v in (("--lr", a.lr), ("--noise-level", a.noise_level), ("--clip-range", a.clip_range),
                     ("--lora-rank", a.lora_rank), ("--lora-alpha", a.lora_alpha), ("--max-grad-norm", a.max_grad_norm),
@@ -234,8 +249,9 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     need(not a.branch or a.window > 0, "--branch needs a window (--window > 0): the group branches at its start")
     need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
          f"got {a.ema_decay}, {a.ema_every}")
-    need(a.rollout == "local" or not (a.branch or a.ratio_norm or a.ode_solver != "euler"),
-         "--branch, --ode-solver dpm2 and --ratio-norm need --rollout local (the vLLM-Omni pipeline has none yet)")
+    need(a.rollout == "local" or not (a.branch or a.guard in NEEDS_MEANS or a.ode_solver != "euler"),
+         "--branch, --ode-solver dpm2 and --guard full/ratio-norm need --rollout local (the vLLM-Omni pipeline has "
+         "none yet)")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
@@ -308,29 +324,58 @@ def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: fl
     return adv.clamp(-clip, clip).float(), zero / len(group.unique())
 
 
-def log_ratio(logp, mean, std, mb: rollout.Batch, j: int) -> torch.Tensor:
-    """log(π_θ/π_old) of trained transition j, (b,)."""
-    return logp - mb.log_probs[:, j]
+def keep_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_steps: int) -> torch.Tensor:
+    """Every image weighs 1 in its optimizer step's loss mean, A = 0 or not. (N,) by image id."""
+    return torch.ones_like(adv)
 
 
-def guard_log_ratio(logp, mean, std, mb: rollout.Batch, j: int) -> torch.Tensor:
+def drop_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_steps: int) -> torch.Tensor:
+    """Flow-GRPO's SD3 scripts drop every image whose A is exactly 0 before training. Here they stay in their chunks
+    (the first update stays the rollout's computation) with weight 0, and the others of optimizer step k weigh
+    n_k/kept_k, so that step's loss is the mean over its kept images of all ranks (docs/algorithm.md §6). (N,) by id."""
+    steps = assignment.view(assignment.shape[0], optimizer_steps, -1).transpose(0, 1).flatten(1)  # (K, n_k) image ids
+    kept = (adv[steps] != 0).float()
+    weights = torch.zeros_like(adv)
+    weights[steps] = kept * steps.shape[1] / kept.sum(1, keepdim=True).clamp(min=1)
+    return weights
+
+
+ZERO_ADVANTAGE = {"drop": drop_zero_advantage, "keep": keep_zero_advantage}  # --zero-advantage
+
+
+def log_ratio(logp, mean, std, mb: rollout.Batch, j: int, a: Args) -> torch.Tensor:
+    """log(π_θ/π_old) of trained transition j, (b,), of the densities --cps-density names."""
+    return CPS_DENSITIES[a.cps_density](logp - mb.log_probs[:, j], std, a.sde_type)
+
+
+def guard_log_ratio(logp, mean, std, mb: rollout.Batch, j: int, a: Args) -> torch.Tensor:
     """GRPO-Guard's normalised log-ratio (docs/algorithm.md §10), (b,): needs the behaviour means."""
     return sch.guard_log_ratio(logp, mb.log_probs[:, j], mean, mb.means[:, j], std)
 
 
-LOG_RATIOS = {False: log_ratio, True: guard_log_ratio}  # --ratio-norm
+# The loss's choices, each a table of small functions (the step math lives in scheduler.py; docs/algorithm.md §6, §10).
+CPS_DENSITIES = {"public": sch.public_log_ratio, "exact": sch.exact_log_ratio}  # --cps-density
+# --guard: the log-ratio, and the divisor of each step's policy loss
+LOG_RATIOS = {"none": log_ratio, "full": guard_log_ratio, "ratio-norm": guard_log_ratio, "reweight": log_ratio}
+REWEIGHTS = {"none": sch.no_reweight, "full": sch.guard_reweight, "ratio-norm": sch.no_reweight,
+             "reweight": sch.guard_reweight}
+NEEDS_MEANS = {g for g, f in LOG_RATIOS.items() if f is guard_log_ratio}  # --guard values that need Batch.means
+KL_FORMS = {"public": sch.kl_public, "exact": sch.kl_exact}  # --kl-form
 
 
 def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torch.Tensor, dict]:
-    """PPO-clip loss (and optional KL) of trained transition j for a micro-batch of b images."""
+    """PPO-clip loss (and optional KL) of trained transition j for a micro-batch of b images, image i weighted by
+    mb.weights[i] (none: 1; --zero-advantage drop gives A = 0 images weight 0)."""
     x, x_next, sigma, sigma_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
     kw = dict(sigma_max=mb.sigma_max, noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
     v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
     _, logp, mean, std = sch.step(v, x, sigma, sigma_next, **kw)  # logp: (b,)
     delta = logp - mb.log_probs[:, j]
-    ratio = torch.exp(LOG_RATIOS[a.ratio_norm](logp, mean, std, mb, j))
+    ratio = torch.exp(LOG_RATIOS[a.guard](logp, mean, std, mb, j, a))
     adv = mb.advantages
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range)).mean()
+    w = torch.ones_like(adv) if mb.weights is None else mb.weights
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range))  # (b,)
+    loss = (w * surrogate).mean() / REWEIGHTS[a.guard](sigma, sigma_next)
     # detached tensors, read once per iteration: an .item() here would sync the GPU every step
     stats = {"gap": delta.detach().abs().mean(), "clipfrac": ((ratio - 1).abs() > a.clip_range).float().mean(),
              "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(())}
@@ -338,8 +383,8 @@ def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torc
         with torch.no_grad(), engine.reference():
             v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
             _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, **kw)
-        kl = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.dim()))) / (2 * std.reshape(-1) ** 2)
-        loss = loss + a.kl_beta * kl.mean()
+        kl = KL_FORMS[a.kl_form](mean, mean_ref, std, sigma_next - sigma, a.sde_type)  # (b,)
+        loss = loss + a.kl_beta * (w * kl).mean()
         stats["kl"] = kl.mean().detach()
     return loss, stats
 
@@ -400,8 +445,8 @@ def main(a: Args) -> list[dict]:
     trainset, evalset = prompt_set.train, [prompt_set.eval[i % len(prompt_set.eval)] for i in range(a.eval_images)]
     if rank == 0:
         print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
-        if a.sde_type == "cps" and not a.window:
-            print("warning: cps in full mode: the exact density weights step i by 1/(2·std_i²), std_i = σ_{i+1}·sin(a·π/2),"
+        if a.sde_type == "cps" and not a.window and a.cps_density == "exact":
+            print("warning: exact cps density in full mode: step i weighs 1/(2·std_i²), std_i = σ_{i+1}·sin(a·π/2),"
                   " so the last trained step outweighs the first ~(σ_1/σ_{N-1})² times (2,157× for Qwen-Image at 10 steps);"
                   " the public recipes use cps only with a window (--window 2)", file=sys.stderr)
 
@@ -411,7 +456,8 @@ def main(a: Args) -> list[dict]:
                         weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed,
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
-                        shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every)
+                        shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
+                        ema_repeat=a.ema_repeat, ema_form=a.ema_form)
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
@@ -434,7 +480,7 @@ def main(a: Args) -> list[dict]:
             mine = assignment[engine.rank]
             group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
             steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it, iteration=it,
-                                      schedule=a.window_schedule)
+                                      schedule=a.window_schedule, slide_every=a.slide_every)
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
             t0 = time.perf_counter()
@@ -459,6 +505,7 @@ def main(a: Args) -> list[dict]:
             adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
                                              clip=a.adv_clip)
             batch.advantages = adv[mine].to(engine.device)
+            batch.weights = ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)[mine].to(engine.device)
 
             # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation -----------
             model.transformer.train()

@@ -45,6 +45,7 @@ class Batch:
     images: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]
     advantages: torch.Tensor | None = None  # (B,) set by the loop after the rewards
     means: torch.Tensor | None = None  # (B, W, S, C) float32: behaviour means of the trained transitions
+    weights: torch.Tensor | None = None  # (B,) each image's weight in the loss mean, set by the loop (None: 1)
 
     def chunk(self, start: int, stop: int) -> "Batch":
         """Images [start, stop) as a Batch (views, no copies)."""
@@ -52,7 +53,7 @@ class Batch:
         return Batch(self.prompts[s], self.metadata[s], self.group[s], self.latents[s], self.log_probs[s],
                      self.sigmas, self.sigma_max, {k: v[s] for k, v in self.cond.items()}, self.images[s],
                      None if self.advantages is None else self.advantages[s],
-                     None if self.means is None else self.means[s])
+                     None if self.means is None else self.means[s], None if self.weights is None else self.weights[s])
 
 
 def image_seed(seed: int, iteration: int, image_id: int) -> int:

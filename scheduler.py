@@ -3,7 +3,8 @@
 Pure tensor functions; all step math runs in float32 whatever the model dtype (bf16 overflows in
 s_t² / (2σ) terms). Notation and formulas: docs/algorithm.md §1–4, §10.
     x_σ = (1 − σ)·x0 + σ·ε,   v ≈ ε − x0,   σ_0 = 1 > σ_1 > … > σ_N = 0,   dt = σ' − σ < 0.
-Variants are small functions in tables, chosen by name: SDE_TYPES, ODE_SOLVERS, WINDOW_SCHEDULES.
+Variants are small functions in tables, chosen by name: SDE_TYPES, ODE_SOLVERS, WINDOW_SCHEDULES; the step-level
+pieces of the policy loss (KL forms, the public log-densities, GRPO-Guard's ratio and reweight) live here too.
 """
 import math
 import random
@@ -100,6 +101,55 @@ def step(v, x, sigma, sigma_next, *, sigma_max, noise_level, sde_type="sde", gen
     return x_next, log_prob.mean(dim=tuple(range(1, x.dim()))), mean, std
 
 
+def _sq_gap(mean, mean_ref) -> torch.Tensor:
+    """mean((μ − μ_ref)²) over the non-batch elements, (B,)."""
+    return ((mean.float() - mean_ref.float()) ** 2).mean(dim=tuple(range(1, mean.dim())))
+
+
+def std_dev_t(std, dt, sde_type: str) -> torch.Tensor:
+    """The `std_dev_t` of Flow-GRPO's step, which its KL divides by: the noise per unit √time s_t = std/√−dt for `sde`
+    (DanceGRPO's η for `dance`, which has no KL of its own), the step's std itself for `cps`. (B,) or (1,)."""
+    std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
+    return std if sde_type == "cps" else std / torch.sqrt(-torch.as_tensor(dt, dtype=torch.float32).reshape(-1))
+
+
+def kl_exact(mean, mean_ref, std, dt, sde_type: str) -> torch.Tensor:
+    """The exact KL of two Gaussian transitions of one std, per latent element: mean((μ − μ_ref)²)/(2·std²), (B,)."""
+    return _sq_gap(mean, mean_ref) / (2 * torch.as_tensor(std, dtype=torch.float32).reshape(-1) ** 2)
+
+
+def kl_public(mean, mean_ref, std, dt, sde_type: str) -> torch.Tensor:
+    """Flow-GRPO's KL term, mean((μ − μ_ref)²)/(2·std_dev_t²), (B,): for `sde` the exact KL times |dt| (25× smaller at
+    SD3.5's first step, 3.7× at its ninth), for `cps` the exact KL."""
+    return _sq_gap(mean, mean_ref) / (2 * std_dev_t(std, dt, sde_type) ** 2)
+
+
+def exact_log_ratio(log_ratio, std, sde_type: str) -> torch.Tensor:
+    """The log-ratio of the exact Gaussian densities (§2), unchanged."""
+    return log_ratio
+
+
+def public_log_ratio(log_ratio, std, sde_type: str) -> torch.Tensor:
+    """The log-ratio of Flow-GRPO's densities, from the exact one: its `cps` log-prob is −mean((x' − μ)²) (no variance,
+    no constants), whose log-ratio is 2·std² times the exact one (std is the policy's and the behaviour's alike); its
+    `sde` density, and DanceGRPO's, are the exact ones."""
+    if sde_type != "cps":
+        return log_ratio
+    return log_ratio * (2 * torch.as_tensor(std, dtype=torch.float32).reshape(-1) ** 2)
+
+
+def no_reweight(sigma, sigma_next) -> float:
+    """The divisor of a step's policy loss without GRPO-Guard's reweight: 1."""
+    return 1.0
+
+
+def guard_reweight(sigma, sigma_next) -> torch.Tensor:
+    """GRPO-Guard's divisor of a step's policy loss, (√(σ − σ'))² = |dt| as its script computes it: step i then weighs
+    1/|dt_i|, which evens out the per-step gradient scale (whose spread over SD3.5's 10 steps is 6.7× without it)."""
+    sigma, sigma_next = (torch.as_tensor(s, dtype=torch.float32) for s in (sigma, sigma_next))
+    return torch.sqrt(sigma - sigma_next) ** 2
+
+
 def guard_log_ratio(logp, logp_old, mean, mean_old, std) -> torch.Tensor:
     """GRPO-Guard's normalised log-ratio (B,): std·(logp − logp_old) + mean((μ − μ_old)²)/(2·std).
 
@@ -108,8 +158,7 @@ def guard_log_ratio(logp, logp_old, mean, mean_old, std) -> torch.Tensor:
     mean(z·(μ − μ_old)): the −mean((μ − μ_old)²)/(2·std²) term that drags plain ratios below 1 where std
     is small is gone, and the scale no longer grows as 1/std across steps."""
     std = torch.as_tensor(std, dtype=torch.float32, device=logp.device).reshape(-1)  # (B,) or (1,)
-    gap = ((mean.float() - mean_old.float()) ** 2).mean(dim=tuple(range(1, mean.dim())))
-    return std * (logp - logp_old) + gap / (2 * std)
+    return std * (logp - logp_old) + _sq_gap(mean, mean_old) / (2 * std)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,12 +173,25 @@ def ode_euler(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     return x
 
 
-STEP_RATIO = {"euler": 1.0, "dpm2": 0.5}  # model calls per schedule step: dpm2 takes ceil(K/2) where Euler takes K
+FLASH_POST_RATIO = 0.4  # MixGRPO-Flash's dpm_post_compress_ratio
+
+
+def euler_calls(k: int) -> int:
+    """Euler: one model call per schedule step."""
+    return k
+
+
+def flash_calls(k: int) -> int:
+    """MixGRPO-Flash's count for the K steps after the window: int(max(0.4·(K + 1), 1)) σ points from the window's end
+    to 0, i.e. one call fewer; at least one call (where Flash keeps a single point, K <= 3, it decodes the window's
+    noisy end state: docs/algorithm.md §10). K = 21 (25 steps, window 0–3): 7 calls."""
+    return max(int(max((k + 1) * FLASH_POST_RATIO, 1)) - 1, 1) if k else 0
 
 
 def dpm2_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
-    """The ceil(K/2) + 1 of the K + 1 schedule sigmas that dpm2 steps between: the first and the last (0)
-    always, the rest evenly spaced by index. Values of the model's own schedule, never re-derived."""
+    """The flash_calls(K) + 1 of the K + 1 schedule sigmas that dpm2 steps between: the first and the last (0)
+    always, the rest evenly spaced by index (Flash spaces them evenly in unshifted time, which is the index on its
+    own schedule: the same points where the spacing is whole). Values of the model's own schedule, never re-derived."""
     k = len(sigmas) - 1
     idx = np.linspace(0, k, ode_calls("dpm2", k) + 1).round().astype(np.int64)
     return sigmas[torch.from_numpy(idx)]
@@ -151,8 +213,9 @@ def dpm_solver(sigmas: torch.Tensor):
 
 
 def ode_dpm2(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """MixGRPO-Flash: the same stretch in ceil(K/2) steps of diffusers' DPM-Solver++(2M), one model call each
-    (the first step has no history and the last ends at σ = 0: both first order, i.e. Euler)."""
+    """MixGRPO-Flash: the same stretch in flash_calls(K) steps of diffusers' DPM-Solver++(2M), one model call each
+    (the first step has no history and the last ends at σ = 0: both first order, i.e. Euler; so with fewer than 3
+    calls it is Euler on Flash's points)."""
     if len(sigmas) < 2:  # nothing left (the window reached the end)
         return x
     sub = dpm2_sigmas(sigmas)
@@ -164,40 +227,42 @@ def ode_dpm2(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
 
 
 ODE_SOLVERS = {"euler": ode_euler, "dpm2": ode_dpm2}
-MIN_ODE_STEPS = {"euler": 0, "dpm2": 5}  # dpm2: >= 3 steps, so that one (the middle) is of second order
+ODE_CALLS = {"euler": euler_calls, "dpm2": flash_calls}
 
 
 def ode_calls(solver: str, k: int) -> int:
     """Model calls of `solver` for K steps of the schedule."""
-    return math.ceil(k * STEP_RATIO[solver])
+    return ODE_CALLS[solver](k)
 
 
 # ----------------------------------------------------------------------------------------------
 # Which steps are stochastic (and trained): full mode, or a window placed by a schedule. A window
-# schedule maps (num_steps, window, window_range, iteration, seed) to the window's first step.
+# schedule maps (num_steps, window, window_range, iteration, seed, slide_every) to the window's first step.
 
-def window_random(num_steps: int, window: int, window_range: tuple[int, int], iteration: int, seed: int) -> int:
+def window_random(num_steps: int, window: int, window_range: tuple[int, int], iteration: int, seed: int,
+                  slide_every: int) -> int:
     """Uniform in [lo, hi − W], drawn from `seed` alone (the loop passes one seed per iteration)."""
     lo, hi = window_range
     return random.Random(seed).randint(lo, hi - window)
 
 
-SLIDE_EVERY, SLIDE_STRIDE = 25, 1  # MixGRPO's public recipe: iters_per_group 25, prog_overlap_step 1
+SLIDE_STRIDE = 1  # MixGRPO's and MixGRPO-Flash's prog_overlap_step
 
 
-def window_sliding(num_steps: int, window: int, window_range: tuple[int, int], iteration: int, seed: int) -> int:
+def window_sliding(num_steps: int, window: int, window_range: tuple[int, int], iteration: int, seed: int,
+                   slide_every: int) -> int:
     """MixGRPO's progressive window: starts at lo (the noisiest allowed step), moves SLIDE_STRIDE steps later
-    every SLIDE_EVERY iterations, and rolls back to lo once a whole window no longer fits below hi."""
+    every `slide_every` iterations, and rolls back to lo once a whole window no longer fits below hi."""
     lo, hi = window_range
     positions = (hi - window - lo) // SLIDE_STRIDE + 1
-    return lo + SLIDE_STRIDE * ((iteration // SLIDE_EVERY) % positions)
+    return lo + SLIDE_STRIDE * ((iteration // slide_every) % positions)
 
 
 WINDOW_SCHEDULES = {"random": window_random, "sliding": window_sliding}
 
 
 def trained_steps(num_steps: int, window: int, window_range: tuple[int, int], seed: int, *, iteration: int = 0,
-                  schedule: str = "random") -> list[int]:
+                  schedule: str = "random", slide_every: int = 25) -> list[int]:
     """Indices i of the SDE transitions σ_i → σ_{i+1}; every other step is ODE.
 
     window == 0: full mode, every step but the last (Flow-GRPO: 9 of 10).
@@ -207,7 +272,7 @@ def trained_steps(num_steps: int, window: int, window_range: tuple[int, int], se
     check_window(num_steps, window, window_range)
     if window == 0:
         return list(range(num_steps - 1))
-    start = WINDOW_SCHEDULES[schedule](num_steps, window, window_range, iteration, seed)
+    start = WINDOW_SCHEDULES[schedule](num_steps, window, window_range, iteration, seed, slide_every)
     return list(range(start, start + window))
 
 
@@ -226,7 +291,8 @@ def check_window(num_steps: int, window: int, window_range: tuple[int, int]) -> 
 
 def check_variants(num_steps: int, window: int, window_range: tuple[int, int], *, sde_type: str, noise_level: float,
                    window_schedule: str, ode_solver: str) -> None:
-    """Refuse, naming the flags, the sampler combinations that cannot work (before anything is built)."""
+    """Refuse, naming the flags, the sampler combinations that cannot work (before anything is built). Any number of
+    ODE steps after the window works with either solver (dpm2 takes at least one call)."""
     check_window(num_steps, window, window_range)
     if sde_type not in SDE_TYPES:
         raise ValueError(f"--sde-type must be one of {tuple(SDE_TYPES)}, got {sde_type!r}")
@@ -239,8 +305,3 @@ def check_variants(num_steps: int, window: int, window_range: tuple[int, int], *
             raise ValueError(f"{flag} must be one of {tuple(table)}, got {value!r}")
     if window_schedule != "random" and window == 0:
         raise ValueError(f"--window-schedule {window_schedule} moves a window: it needs --window > 0")
-    tail = num_steps - (window_range[1] if window else num_steps - 1)  # ODE steps after the latest window
-    if tail < MIN_ODE_STEPS[ode_solver]:
-        raise ValueError(f"--ode-solver {ode_solver} needs >= {MIN_ODE_STEPS[ode_solver]} ODE steps after the window, "
-                         f"but a window reaching step {num_steps - tail - 1} of {num_steps} leaves {tail}: lower the "
-                         "--window-range upper bound, raise --num-steps, or use --ode-solver euler")

@@ -17,6 +17,12 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
 # sampler plus one velocity per family) with three vLLM-Omni 0.30.0 workarounds.
 BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py": 390, "omni_pipeline.py": 330}
 # (bench.py's last 40 lines of that: one import and one statement per line, where it had packed them.)
+# Raised for parity with the public code (issue 17), each public behaviour and each improvement a named choice:
+# flowgrpo.py +37: five flags with their help lines (KL form, zero-advantage handling, GRPO-Guard, cps density,
+# slide interval; two EMA flags), the loss's tables and the zero-advantage weights, the departures listed;
+# scheduler.py +57: the loss's step math (the public and exact KL, Flow-GRPO's cps density, GRPO-Guard's reweight)
+# and MixGRPO-Flash's step count; engine.py +20: the EMA's two public forms and its repeat count.
+BUDGETS |= {"flowgrpo.py": 560, "scheduler.py": 310, "engine.py": 370}
 
 
 def test_every_file_is_within_its_budget():

@@ -273,7 +273,7 @@ def test_a_checkpoint_file_swapped_for_a_pickle_is_refused_before_it_is_read(str
 
 # ---- the variants together keep the guarantees: on-policy, 1 vs 2 ranks, exact resume ----------------
 VARIANTS = ["--num-steps", "6", "--window", "2", "--window-range", "0", "4", "--branch", "--ema-decay", "0.9",
-            "--ema-every", "2", "--ratio-norm"]
+            "--ema-every", "2", "--ema-repeat", "2", "--guard", "full"]
 
 
 def one_two_resumed(tmp_path, *flags):
@@ -297,8 +297,8 @@ def one_two_resumed(tmp_path, *flags):
 
 
 def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_path):
-    """--branch --ema-decay 0.9 --ratio-norm together keep the guarantees, the EMA included (it is in the checkpoint's
-    DCP state, resumes exactly, and is what <run-dir>/lora exports)."""
+    """--branch --ema-decay 0.9 --ema-repeat 2 --guard full together keep the guarantees, the EMA included (it is in
+    the checkpoint's DCP state, resumes exactly, and is what <run-dir>/lora exports)."""
     runs = one_two_resumed(tmp_path, *VARIANTS)
     saved = flat(train_state(runs["one"], "iter_000003", tmp_path))
     assert any(k.startswith("ema.") for k in saved)
@@ -312,8 +312,9 @@ def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_p
 
 def test_flux_two_ranks_match_one_process_and_resume_exactly(tmp_path):
     """A second model family through the same engine (only the adapter's block list differs): FLUX's tiny recipe,
-    its guidance embedding on."""
-    one_two_resumed(tmp_path, "--model", "tiny-flux")  # after SMALL's `--model tiny`: the last one picks the recipe
+    its guidance embedding on, with DanceGRPO's EMA."""
+    one_two_resumed(tmp_path, "--model", "tiny-flux", "--ema-decay", "0.995", "--ema-every", "2", "--ema-form",
+                    "dance")  # after SMALL's `--model tiny`: the last one picks the recipe; DanceGRPO's EMA
 
 
 # ---- a run directory belongs to one run ------------------------------------------------------------

@@ -229,9 +229,12 @@ def test_tiny_family_recipes_learn_exactly_on_policy(model, tmp_path):
 
 
 # ---- the engine's single-process contract: reference model, KL, non-finite gradients -------------
-def test_reference_is_the_base_model_and_kl_is_exact():
+def test_reference_is_the_base_model_and_the_kl_forms():
+    """The reference is the adapter off; --kl-form exact is the Gaussian KL of the two transitions, public (the
+    default) the same times |dt| (Flow-GRPO's / (2·s_t²); tests/test_parity.py checks it against the public script)."""
     model, engine, batch = tiny_setup()
-    args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4, optimizer_steps=1)
+    args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4,
+                               optimizer_steps=1, kl_form="exact")
     _, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
     assert float(stats["kl"]) == 0.0  # LoRA B starts at 0: the policy is the reference
     flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
@@ -251,6 +254,8 @@ def test_reference_is_the_base_model_and_kl_is_exact():
                                         noise_level=args.noise_level, x_next=batch.latents[:, 2])
     expected = (((mean_p - mean_r) ** 2).mean(dim=(1, 2)) / (2 * std**2)).mean().item()
     assert float(stats["kl"]) == pytest.approx(expected, rel=1e-4) and expected > 0
+    _, public = flowgrpo.policy_loss(model, engine, batch, 1, dataclasses.replace(args, kl_form="public"))
+    assert float(public["kl"]) == pytest.approx(expected * float(batch.sigmas[1] - batch.sigmas[2]), rel=1e-4)
 
 
 def test_a_non_finite_gradient_skips_the_step():

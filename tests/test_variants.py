@@ -16,6 +16,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
+from tiny_setup import random_walk
 
 # ---- DanceGRPO's SDE ---------------------------------------------------------------------------------
 
@@ -84,22 +85,25 @@ def test_dance_log_prob_is_the_gaussian_density_and_keeps_the_marginals(level):
 
 # ---- MixGRPO's sliding window ------------------------------------------------------------------------
 
-def test_sliding_window_follows_mixgrpos_state_machine():
-    """MixGRPO's GRPOTrainingStates (sample_strategy "progressive", prog_overlap with step 1, iters_per_group 25,
-    roll_back), its start position re-typed as the oracle with max_timesteps = hi − W, the last start at which
-    a whole window fits (MixGRPO lets the window shrink past it instead: docs/algorithm.md)."""
+@pytest.mark.parametrize("every", [25, 20])  # MixGRPO's iters_per_group, MixGRPO-Flash's
+def test_sliding_window_follows_mixgrpos_state_machine(every):
+    """MixGRPO's GRPOTrainingStates (Tencent-Hunyuan/MixGRPO e5cdd6a, fastvideo/utils/grpo_states.py:85-99:
+    sample_strategy "progressive", prog_overlap with step 1, roll_back), its start position re-typed as the oracle with
+    max_timesteps = hi − W, the last start at which a whole window fits (MixGRPO lets the window shrink past it
+    instead: docs/algorithm.md)."""
     lo, hi, w = 1, 6, 2
     cur, in_group, starts = lo, 0, []
     for _ in range(400):
         starts.append(cur)
         in_group += 1
-        if in_group >= 25:
+        if in_group >= every:
             in_group, cur = 0, cur + 1
         if cur > hi - w:
             cur, in_group = lo, 0
-    ours = [sch.trained_steps(10, w, (lo, hi), seed=it * 7, iteration=it, schedule="sliding") for it in range(400)]
+    ours = [sch.trained_steps(10, w, (lo, hi), seed=it * 7, iteration=it, schedule="sliding", slide_every=every)
+            for it in range(400)]
     assert [s[0] for s in ours] == starts and all(s == list(range(s[0], s[0] + w)) for s in ours)
-    assert sorted(set(starts)) == [1, 2, 3, 4] and starts[99] == 4 and starts[100] == 1  # 4 positions × 25, rolls back
+    assert sorted(set(starts)) == [1, 2, 3, 4] and starts[4 * every - 1] == 4 and starts[4 * every] == 1  # rolls back
     # `random` is unchanged: the draw of random.Random(seed) whatever the iteration
     assert all(sch.trained_steps(10, 2, (0, 5), seed=s, iteration=9)[0] == random.Random(s).randint(0, 3)
                for s in range(50))
@@ -131,12 +135,14 @@ def test_dpm2_reproduces_diffusers_solver_on_its_own_sigmas():
     assert torch.equal(x, y), (x - y).abs().max()
 
 
-def test_dpm2_takes_half_the_calls_and_is_more_accurate_than_euler():
-    """On Qwen-Image's 10-step schedule after a window ending at step 2 (K = 7 ODE steps left): dpm2 walks 4 of the
-    schedule's own sigmas and lands nearer the exact ODE solution than Euler with all 7 calls."""
-    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), 10, 1024)[3:]
+def test_dpm2_takes_flashs_calls_and_is_more_accurate_than_euler():
+    """On Qwen-Image's schedule at MixGRPO's 25 steps, after a window ending at step 3 (K = 21 ODE steps left): dpm2
+    walks 8 of the schedule's own sigmas (Flash's int(0.4·22) points, 7 calls) and lands nearer the exact ODE solution
+    than Euler with all 21 calls, and much nearer than Euler on the same 8 sigmas. At 10 steps (K = 7) Flash keeps 3
+    points: 2 calls, both first order, i.e. Euler on those points."""
+    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), 25, 1024)[4:]
     sub = sch.dpm2_sigmas(sigmas)
-    assert len(sub) == 5 and sub[0] == sigmas[0] and sub[-1] == 0 and all(s in sigmas for s in sub)
+    assert len(sub) == 8 and sub[0] == sigmas[0] and sub[-1] == 0 and all(s in sigmas for s in sub)
     z = torch.randn(2000, 1, generator=torch.Generator().manual_seed(0))
     s0 = float(sigmas[0])
     x, exact = (1 - s0) * M + z * math.hypot((1 - s0) * S, s0), M + S * z
@@ -151,8 +157,12 @@ def test_dpm2_takes_half_the_calls_and_is_more_accurate_than_euler():
         calls.clear()
         err[name] = ((fn(velocity, x, sig) - exact).abs().mean().item(), len(calls))
     print(f"\nmean |x − exact ODE solution| (model calls): {err}")
-    assert err["dpm2"][1] == 4 == sch.ode_calls("dpm2", 7) and err["euler K"][1] == 7
-    assert err["dpm2"][0] < 0.7 * err["euler K"][0] and err["dpm2"][0] < 0.5 * err["euler on dpm2's sigmas"][0], err
+    assert err["dpm2"][1] == 7 == sch.ode_calls("dpm2", 21) and err["euler K"][1] == 21
+    assert err["dpm2"][0] < 0.5 * err["euler K"][0] and err["dpm2"][0] < 0.2 * err["euler on dpm2's sigmas"][0], err
+    short = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), 10, 1024)[3:]
+    x = (1 - float(short[0])) * M + z * math.hypot((1 - float(short[0])) * S, float(short[0]))
+    euler = sch.ode_euler(toy_velocity, x, sch.dpm2_sigmas(short))  # first-order DPM-Solver++ is Euler, up to rounding
+    torch.testing.assert_close(sch.ode_dpm2(toy_velocity, x, short), euler, rtol=1e-5, atol=1e-5)
 
 
 # ---- GRPO-Guard's ratio normalisation ----------------------------------------------------------------
@@ -212,8 +222,6 @@ def test_guard_removes_the_downward_bias_of_plain_ratios():
     (dict(sde_type="ddim"), "--sde-type"),
     (dict(window=0, window_schedule="sliding"), "--window-schedule sliding.*--window"),
     (dict(window_schedule="cosine"), "--window-schedule"),
-    (dict(ode_solver="dpm2", window_range=(0, 6)), "--ode-solver dpm2.*--window-range"),
-    (dict(ode_solver="dpm2", window=0), "--ode-solver dpm2"),
     (dict(ode_solver="heun"), "--ode-solver")])
 def test_impossible_variant_combinations_are_refused(kw, flags):
     args = dict(num_steps=10, window=2, window_range=(0, 5), sde_type="sde", noise_level=0.7,
@@ -221,6 +229,9 @@ def test_impossible_variant_combinations_are_refused(kw, flags):
     with pytest.raises(ValueError, match=flags):
         sch.check_variants(args.pop("num_steps"), args.pop("window"), args.pop("window_range"), **args)
     sch.check_variants(10, 2, (0, 5), sde_type="dance", noise_level=0.3, window_schedule="sliding", ode_solver="dpm2")
+    for window_range, window in (((0, 9), 2), ((0, 9), 0)):  # dpm2 takes at least one call: any tail is possible
+        sch.check_variants(10, window, window_range, sde_type="sde", noise_level=0.7, window_schedule="random",
+                           ode_solver="dpm2")
 
 
 # ---- branched rollouts and the dpm2 tail on the tiny model ---------------------------------------------
@@ -292,17 +303,17 @@ def test_branched_first_update_is_exactly_on_policy(tiny):
 
 
 def test_dpm2_changes_only_the_tail(tiny):
-    """dpm2 leaves the trained steps' data bit for bit and takes the 5 ODE steps after the window in 3 calls of
-    diffusers' solver, from the window's last state, on the schedule's own sigmas."""
-    kw = dict(steps=[1, 2], num_steps=8)
+    """dpm2 leaves the trained steps' data bit for bit and takes the 9 ODE steps after the window in Flash's 3 calls
+    (int(0.4·10) = 4 points) of diffusers' solver, from the window's last state, on the schedule's own sigmas."""
+    kw = dict(steps=[1, 2], num_steps=12)
     euler = run(tiny, list(range(8)), **kw)
     euler_calls = sum(tiny.calls)
     dpm2 = run(tiny, list(range(8)), ode_solver="dpm2", **kw)
-    assert euler_calls == 8 * 8 and sum(tiny.calls) == 8 * (3 + 3)
+    assert euler_calls == 8 * 12 and sum(tiny.calls) == 8 * (3 + 3)
     for key in ("latents", "log_probs", "sigmas"):
         assert torch.equal(getattr(euler, key), getattr(dpm2, key)), key
     assert (euler.images - dpm2.images).abs().max() > 1e-4
-    sigmas = sch.sigma_schedule(tiny.scheduler, 8, tiny.image_seq_len(32, 32))[3:]
+    sigmas = sch.sigma_schedule(tiny.scheduler, 12, tiny.image_seq_len(32, 32))[3:]
     sub = sch.dpm2_sigmas(sigmas)
     solver = sch.dpm_solver(sub)
     x = dpm2.latents[:4, -1]
@@ -313,48 +324,7 @@ def test_dpm2_changes_only_the_tail(tiny):
     assert torch.equal(tiny.decode(x, 32, 32), dpm2.images[:4])
 
 
-# ---- EMA (engine.EMA): Flow-GRPO's schedule, a bit-exact swap under FSDP2, DCP checkpoints, 1 vs 2 ranks ----------
-
-def flow_grpo_ema(params, decay, every):
-    """Flow-GRPO's EMAModuleWrapper arithmetic (flow_grpo/ema.py), re-typed as the oracle: step(params, n) is called
-    with n = the number of optimizer steps taken."""
-    shadow = [p.detach().clone() for p in params]
-
-    def step(params, n):
-        if (n + 1) % every == 0:
-            for e, p in zip(shadow, params):
-                e.add_((1 - min((1 + n) / (10 + n), decay)) * (p - e))
-    return shadow, step
-
-
-def random_walk(n_steps, shapes, seed=0):
-    """Parameter values after each of n_steps optimizer steps: a seeded random walk."""
-    g = torch.Generator().manual_seed(seed)
-    values = [torch.randn(s, generator=g) for s in shapes]
-    for _ in range(n_steps):
-        values = [v + 0.1 * torch.randn(v.shape, generator=g) for v in values]
-        yield values
-
-
-def test_ema_follows_flow_grpos_schedule_bit_for_bit():
-    shapes = [(4, 3), (5,)]
-    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(9))) for s in shapes]
-    ema = eng.EMA(zip(["a", "b"], params), decay=0.9, every=8)
-    ref, ref_step = flow_grpo_ema(params, 0.9, 8)
-    updated = []
-    for n, values in enumerate(random_walk(100, shapes), start=1):
-        before = [e.clone() for e in ema.shadow]
-        with torch.no_grad():
-            for p, v in zip(params, values):
-                p.copy_(v)
-        ema.step()
-        ref_step(params, n)
-        worst = max((a - b).abs().max().item() for a, b in zip(ema.shadow, ref))
-        assert worst == 0, f"step {n}: EMA differs from Flow-GRPO's by {worst:.3g}"
-        updated += [n] if any(not torch.equal(a, b) for a, b in zip(before, ema.shadow)) else []
-    assert updated == list(range(7, 100, 8))  # (n + 1) % 8 == 0
-    assert not torch.equal(ema.shadow[0], params[0])  # it lags the weights
-
+# ---- EMA (engine.EMA): a bit-exact swap under FSDP2, DCP checkpoints, 1 vs 2 ranks (its forms: test_parity.py) ----
 
 @pytest.fixture(scope="module")
 def full_finetune():
@@ -376,7 +346,7 @@ def velocity_of(model):
 def test_ema_swap_is_what_the_forward_sees_and_restores_every_bit(full_finetune, tmp_path):
     import torch.distributed.checkpoint as dcp
     model, engine, names = full_finetune
-    ema = eng.EMA(zip(names, engine.params), decay=0.9, every=2)
+    ema = eng.EMA(zip(names, engine.params), decay=0.9, every=2, repeat=2)
     with torch.no_grad():  # move the trained weights away from the average, as optimizer steps would
         for k in range(5):
             for p in engine.params:
@@ -389,11 +359,14 @@ def test_ema_swap_is_what_the_forward_sees_and_restores_every_bit(full_finetune,
     assert all(torch.equal(p.to_local(), t) for p, t in zip(engine.params, trained))  # ... and gave them back
     assert torch.equal(velocity_of(model), v_trained)
     dcp.save({"ema": ema.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
-    fresh = eng.EMA(zip(names, engine.params), decay=0.9, every=2)  # starts at the current weights, step 0
+    fresh = eng.EMA(zip(names, engine.params), decay=0.9, every=2, repeat=2)  # starts at the current weights, step 0
     dcp.load({"ema": fresh.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))  # fills its tensors in place
     assert int(fresh.steps) == 5
     worst = max((a.to_local() - b.to_local()).abs().max().item() for a, b in zip(fresh.shadow, ema.shadow))
     assert worst == 0, f"EMA after a DCP round trip differs by {worst:.3g}"
+
+
+EMA_KINDS = [dict(decay=0.9, every=3, repeat=2), dict(decay=0.995, every=1, form="dance")]  # Flow-GRPO's, DanceGRPO's
 
 
 def _two_rank_ema(rank, port, out):
@@ -413,11 +386,12 @@ def _two_rank_ema(rank, port, out):
             for p, v in zip(params, values):
                 p.to_local().copy_(distribute_tensor(v, p.device_mesh, p.placements).to_local())
         if i == 0:
-            ema = eng.EMA(net.named_parameters(), decay=0.9, every=3)
+            emas = [eng.EMA(net.named_parameters(), **kw) for kw in EMA_KINDS]
         else:
-            ema.step()
-    assert all(e.to_local().numel() * 2 == e.numel() for e in ema.shadow)  # each rank holds half of each tensor
-    full = [e.full_tensor() for e in ema.shadow]
+            for ema in emas:
+                ema.step()
+    assert all(e.to_local().numel() * 2 == e.numel() for ema in emas for e in ema.shadow)  # each rank: half of each
+    full = [e.full_tensor() for ema in emas for e in ema.shadow]
     if rank == 0:
         torch.save(full, out)
     eng.shutdown()
@@ -438,9 +412,10 @@ def test_ema_on_two_ranks_keeps_shards_and_matches_one_process(tmp_path):
             for p, v in zip(params, values):
                 p.copy_(v)
         if i == 0:
-            ema = eng.EMA(net.named_parameters(), decay=0.9, every=3)
+            emas = [eng.EMA(net.named_parameters(), **kw) for kw in EMA_KINDS]
         else:
-            ema.step()
+            for ema in emas:
+                ema.step()
     two = torch.load(str(tmp_path / "ema.pt"), weights_only=True)
-    worst = max((a - b).abs().max().item() for a, b in zip(two, ema.shadow))
+    worst = max((a - b).abs().max().item() for a, b in zip(two, [e for ema in emas for e in ema.shadow]))
     assert worst == 0, f"2-rank EMA differs from one process's by {worst:.3g}"

@@ -17,3 +17,12 @@ def tiny_setup(lora_alpha=8, lr=5e-2, advantages=(1.0, -1.0, 0.5, -0.5)):
                            iteration=0, chunk=4)
     batch.advantages = torch.tensor(advantages)
     return model, engine, batch
+
+
+def random_walk(n_steps, shapes, seed=0):
+    """Parameter values after each of n_steps optimizer steps: a seeded random walk (for EMA tests)."""
+    g = torch.Generator().manual_seed(seed)
+    values = [torch.randn(s, generator=g) for s in shapes]
+    for _ in range(n_steps):
+        values = [v + 0.1 * torch.randn(v.shape, generator=g) for v in values]
+        yield values
