@@ -306,20 +306,20 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
     row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
         f"{a.micro_batch} images: {a.micro_batch / med([s.sum() for s in splits]):.3g} images/s")
 
-def sp_worker(o):
-    """One rank of --sp-worker N (torchrun; or alone with --sp-fake, standing for rank 0 of N through a process group
-    whose collectives do nothing: the memory and compute of one rank, without the communication). The forward and
+def sp_measure(o, sp: int) -> dict:
+    """One rank of --sp sp (a torchrun rank; alone with --sp-fake, standing for rank 0 of sp through a process group
+    whose collectives do nothing: the memory and compute of one rank, without the communication): the forward and
     backward of one training velocity of one image at --sp-side² (no activation checkpointing). Activation memory:
     the bytes of the distinct storages autograd saves for backward in the forward, parameters (and views of them) not
     counted; that is the activation peak, which backward then frees; on CUDA also the allocator's peak over the step,
-    less what was allocated before it. Rank 0 prints them as JSON."""
+    less what was allocated before it."""
     if o.sp_fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        os.environ.update(RANK="0", WORLD_SIZE=str(o.sp_worker))
-        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=o.sp_worker)
+        os.environ.update(RANK="0", WORLD_SIZE=str(sp))
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
     model = random_model(o.model, o.device, heads=4)  # tiny: 4 heads (its recipe's 3 do not split); qwen-image: 24
     engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=model.lora_targets, lr=1e-4, weight_decay=0,
-                        max_grad_norm=1.0, seed=0, sp=o.sp_worker, mixed_precision=CUDA)
+                        max_grad_norm=1.0, seed=0, sp=sp, mixed_precision=CUDA)
     x = model.noise([torch.Generator().manual_seed(0)], o.sp_side, o.sp_side)
     sigma, cond = torch.full((1,), 0.5, device=o.device), model.conditioning(["a cat"], " ", 1.0)
     seen, seconds = {}, []
@@ -341,25 +341,23 @@ def sp_worker(o):
         v.float().square().mean().backward()
         sync()
         seconds.append(time.perf_counter() - start)
-    result = dict(saved=sum(seen.values()), peak=torch.cuda.max_memory_allocated() - before if CUDA else 0,
-                  seconds=seconds[1:], tokens=x.shape[1])
-    if engine.is_main:
-        print("SP-RESULT", json.dumps(result))
+    return dict(saved=sum(seen.values()), peak=torch.cuda.max_memory_allocated() - before if CUDA else 0,
+                seconds=seconds[1:], tokens=x.shape[1], main=engine.is_main)
 
 def sp_rows(t: list, o, n: int):
-    """--sp n ÷ --sp 1, each in processes of its own (CPU: n gloo ranks; CUDA: n GPUs, or --sp-fake on fewer)."""
+    """--sp n ÷ --sp 1: n ranks of `bench.py --sp-worker n` (CPU: gloo; CUDA: n GPUs, or --sp-fake on fewer), then
+    --sp 1 in this process."""
     fake = CUDA and torch.cuda.device_count() < n
-    res = {}
-    for k in (1, n):
-        launch = [sys.executable] if k == 1 or fake else [sys.executable, "-m", "torch.distributed.run",
-                                                          "--standalone", f"--nproc_per_node={k}"]
-        cmd = [*launch, "bench.py", "--sp-worker", str(k), "--sp-side", str(o.sp_side), "--device", o.device,
-               "--model", o.model, "--repeats", str(o.repeats), *(["--sp-fake"] if fake and k > 1 else [])]
-        out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
-        res[k] = json.loads(out.stdout.split("SP-RESULT", 1)[1].splitlines()[0])
-    one, split, how = res[1], res[n], f"one GPU standing for rank 0 of {n} (--sp-fake)" if fake else f"{n} ranks"
+    ranks = [] if fake else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+    cmd = [sys.executable, *ranks, "bench.py", "--sp-worker", str(n), "--sp-side", str(o.sp_side), "--device", o.device, "--model",
+           o.model, "--repeats", str(o.repeats), *(["--sp-fake"] if fake else [])]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+    gc.collect()  # the earlier rows' models are garbage by now
+    split = json.loads(out.stdout.split("SP-RESULT", 1)[1].splitlines()[0])
+    one = sp_measure(o, 1)
+    how = f"one GPU standing for rank 0 of {n} (--sp-fake)" if fake else f"{n} ranks"
     what = f"{o.model}, 1 image {o.sp_side}² ({one['tokens']} image tokens), fwd+bwd, no checkpointing, {how}"
     row(t, f"SP: activation memory per rank, --sp {n} ÷ --sp 1", [split["saved"] / one["saved"]], "×",
         f"≈ 1/{n} (attention: exactly)", f"bytes saved for backward; {what}; {one['saved'] / 2**20:.1f} vs "
@@ -424,8 +422,11 @@ def main(argv=None):
     if o.device == "cpu":
         torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
     o.sp_side = o.sp_side or (1024 if CUDA else 64 if quick else 512)
-    if o.sp_worker:
-        return sp_worker(o)
+    if o.sp_worker:  # one rank of sp_rows' measurement
+        result = sp_measure(o, o.sp_worker)
+        if result["main"]:
+            print("SP-RESULT", json.dumps(result))
+        return
     if o.sp:
         sp_rows(t, o, o.sp)
     elif o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes

@@ -46,6 +46,8 @@ def enable_ulysses(model, mesh: DeviceMesh, device: torch.device) -> None:
     (see the module docstring, 1.); the adapter learns the degree (`sp_degree`: Qwen-Image pads its text to it)."""
     from diffusers import ContextParallelConfig, ParallelConfig
     net, degree = model.transformer, mesh.size(MESH_DIMS.index("ulysses"))
+    if net.config.num_attention_heads % degree:  # start-up checks them from the config when it is on this machine
+        raise ValueError(f"--sp {degree} must divide the transformer's {net.config.num_attention_heads} attention heads")
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh))
 
     def resolve(cfg: ParallelConfig) -> ParallelConfig:  # diffusers' own, but with our mesh's device
