@@ -48,7 +48,7 @@ def tiny_flux78(device):
 def rollout_and_gradients(build, cfg: float, sp: int, inputs=None, **engine_kw) -> dict:
     """One engine (--sp sp) on every rank, its LoRA set to the same seeded values: its own rollout of PROMPTS, then on
     `inputs` (the unsplit run's batch, or its own) the velocity at the second trained state and the LoRA gradients of
-    the policy loss there. Gradients are gathered full tensors."""
+    the policy loss there, its KL to the reference (the adapter off) included. Gradients are gathered full tensors."""
     model = build(eng.init_distributed()[2])  # the engine's device: the CPU, or this rank's GPU
     engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2, weight_decay=0,
                         max_grad_norm=1.0, seed=0, sp=sp, **engine_kw)
@@ -63,7 +63,7 @@ def rollout_and_gradients(build, cfg: float, sp: int, inputs=None, **engine_kw) 
                            width=32, cfg_scale=cfg, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
                            iteration=0, chunk=len(ids))
     batch.advantages = torch.linspace(-1, 1, len(ids), device=model.device)
-    a = dataclasses.replace(flowgrpo.RECIPES["tiny"], cfg_scale=cfg)
+    a = dataclasses.replace(flowgrpo.RECIPES["tiny"], cfg_scale=cfg, kl_beta=0.1)  # the reference pass too
     model.transformer.train()
     _, own = flowgrpo.policy_loss(model, engine, batch, 0, a)  # the rollout's own first transition: on-policy?
     given = dataclasses.replace(inputs or batch, cond=batch.cond)  # the split model keeps its own (padded) text
