@@ -321,7 +321,7 @@ def sp_measure(o, sp: int) -> dict:
     engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=model.lora_targets, lr=1e-4, weight_decay=0,
                         max_grad_norm=1.0, seed=0, sp=sp, mixed_precision=CUDA)
     x = model.noise([torch.Generator().manual_seed(0)], o.sp_side, o.sp_side)
-    sigma, cond = torch.full((1,), 0.5, device=o.device), model.conditioning(["a cat"], " ", 1.0)
+    sigma, cond = torch.full((1,), 0.5, device=o.device), model.conditioning(["a red cat"], " ", 1.0)  # 8 tokens
     seen, seconds = {}, []
 
     def pack(t):  # a tensor saved for backward: its storage, once
