@@ -77,11 +77,12 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
         check_sequence_parallel(model, model_path, sp, height, width)
 
 
-def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, width: int) -> None:
+def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, width: int,
+                            num_frames: int = 1) -> None:
     """--sp N (sequence_parallel.py) gives each rank of a group 1/N of every sequence the transformer splits and, inside
     attention, 1/N of its heads: N must divide each of them (the heads from the transformer's config, when it is on
     this machine; else its loading fails on them)."""
-    counts = adapter_class(model).sp_sequences(model, height, width)  # refuses a family without sequence parallelism
+    counts = adapter_class(model).sp_sequences(model, height, width, num_frames)  # refuses a family without SP
     transformer = meta_transformer(model, path)
     if transformer is not None:
         counts[f"attention heads ({type(transformer).__name__})"] = transformer.config.num_attention_heads
@@ -229,10 +230,10 @@ class Adapter:
         return cls(pipe, device, dtype, **({} if guidance is None else {"guidance": guidance}))
 
     @classmethod
-    def sp_sequences(cls, model: str, height: int, width: int) -> dict[str, int]:
-        """{what: length} of the token sequences that --sp splits at this size, known before anything loads (checked to
-        divide by N at start-up). A family defines it once its transformer runs under diffusers' context parallelism
-        here (docs/algorithm.md §14); until then --sp is refused."""
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        """{what: length} of the token sequences that --sp splits at this size (a video's frames too), known before
+        anything loads (checked to divide by N at start-up). A family defines it once its transformer runs under
+        diffusers' context parallelism here (docs/algorithm.md §14); until then --sp is refused."""
         raise ValueError(f"--sp: --model {model} has no sequence parallelism yet (its adapter defines no sp_sequences)")
 
     def image_seq_len(self, height: int, width: int) -> int:
@@ -313,7 +314,7 @@ class QwenImage(Adapter):
     build_tiny = staticmethod(build_tiny_qwen_pipeline)
 
     @classmethod
-    def sp_sequences(cls, model: str, height: int, width: int) -> dict[str, int]:
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
         """The image tokens; the text tokens vary with the prompts and are padded to a multiple of N (`encode`)."""
         return {"image tokens": (height // RESOLUTION_MULTIPLE[model]) * (width // RESOLUTION_MULTIPLE[model])}
 

@@ -54,7 +54,7 @@ class Flux(Adapter):
         self.max_sequence_length = min(T5_LENGTH, pipe.tokenizer_2.model_max_length)
 
     @classmethod
-    def sp_sequences(cls, model: str, height: int, width: int) -> dict[str, int]:
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
         """Image tokens and T5's text tokens, whose length is fixed: FLUX attends to T5's padding too (no mask), so the
         text cannot be padded further without changing the result (tiny-flux's 77 tokens: no --sp 2)."""
         side = RESOLUTION_MULTIPLE[model]

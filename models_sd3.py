@@ -99,7 +99,7 @@ class SD3(Adapter):
     build_tiny = staticmethod(build_tiny_sd3_pipeline)
 
     @classmethod
-    def sp_sequences(cls, model: str, height: int, width: int) -> dict[str, int]:
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
         raise ValueError(f"--sp: --model {model} has no sequence parallelism: diffusers 0.42.1 has no context-parallel "
                          "plan for SD3Transformer2DModel, and its JointAttnProcessor2_0 calls SDPA itself, outside the "
                          "dispatcher that does the all-to-alls. Use --sp 1 (FSDP2 alone: SD3.5 at 512² has 1024 image "
