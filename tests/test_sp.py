@@ -8,7 +8,6 @@ start-up, naming the flag and the numbers.
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,16 +20,11 @@ import engine as eng
 import flowgrpo
 import models
 import rollout
-from test_engine import ENV, ROOT, SMALL, assert_same, lora, relative_difference, rows, train_state, without_perf
+from test_engine import (ENV, ROOT, SMALL, assert_same, free_port, lora, relative_difference, rows, train_state,
+                         without_perf)
 
 KEYS = {"reward/mean", "train/policy_loss", "train/grad_norm", "eval/reward_mean"}  # compared with 1 process
 PROMPTS = ["a cat", "a cat", "a photo of a red bicycle", "a photo of a red bicycle"]  # 11 Qwen tokens: padded to 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_qwen4(device):
@@ -57,6 +51,9 @@ def rollout_and_gradients(build, cfg: float, sp: int, inputs=None, **engine_kw) 
         for p in engine.params:
             full = (0.1 * torch.randn(p.shape, generator=g)).to(p.dtype)
             p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+    seen = []  # the image tokens the first block's attention gets on this rank
+    model.blocks[0].attn.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["hidden_states"].shape[1]),
+                                                   with_kwargs=True)
     ids = torch.arange(len(PROMPTS))
     model.transformer.eval()
     batch = rollout.sample(model, PROMPTS, [{}] * len(ids), ids // 2, ids, steps=[0, 1, 2], num_steps=4, height=32,
@@ -72,7 +69,7 @@ def rollout_and_gradients(build, cfg: float, sp: int, inputs=None, **engine_kw) 
     loss.backward()
     with torch.no_grad():
         v = model.velocity(given.latents[:, 1], given.sigmas[1].expand(len(ids)), given.cond, cfg, 32, 32)
-    return dict(batch=batch, velocity=v.float(), gap=float(own["gap"]), text=batch.cond["embeds"].shape[1],
+    return dict(batch=batch, velocity=v.float(), gap=float(own["gap"]), text=batch.cond["embeds"].shape[1], seen=seen,
                 grads=[p.grad.full_tensor().cpu() for p in engine.params])
 
 
@@ -86,7 +83,7 @@ def compare(build, cfg: float, **engine_kw) -> dict:
                 velocity_scale=one["velocity"].abs().max().item(),
                 grad_max=(g1 - g2.double()).abs().max().item(), grad_scale=g1.abs().max().item(),
                 grad_rel=((g1 - g2.double()).norm() / g1.norm()).item(), gap=two["gap"],
-                text=[one["text"], two["text"]])
+                text=[one["text"], two["text"]], tokens=[sorted(set(one["seen"])), sorted(set(two["seen"]))])
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -122,6 +119,7 @@ def check_float32(r: dict, family: str) -> None:
     assert r["grad_rel"] < 1e-5 and r["grad_max"] < 1e-5 * r["grad_scale"], \
         f"LoRA gradient: max |Δ| {r['grad_max']:.3g} of {r['grad_scale']:.3g}, ‖Δ‖/‖g‖ {r['grad_rel']:.3g}"
     assert r["gap"] == 0
+    assert r["tokens"] == [[16], [8]]  # the first attention gets 16 image tokens unsplit, 8 on each rank split
     if family == "qwen":
         assert r["text"] == [11, 12]  # the prompts' 11 tokens, padded (masked) to a multiple of 2
 
@@ -138,7 +136,7 @@ def test_split_training_under_mixed_precision_and_checkpointing(split_vs_unsplit
     """bf16 compute (fp32 LoRA, FSDP2 mixed precision) with activation checkpointing: on-policy exactly, and within bf16
     rounding of the unsplit model."""
     r = split_vs_unsplit["qwen bf16"]
-    assert r["gap"] == 0
+    assert r["gap"] == 0 and r["tokens"] == [[16], [8]]
     assert r["velocity"] < 3e-2 * r["velocity_scale"] and r["grad_rel"] < 5e-2, r
 
 
