@@ -2,6 +2,7 @@
     python bench.py [--quick] [--markdown FILE]                      # CPU, tiny model: the overhead table
     python bench.py --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
     python bench.py --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
+    python bench.py --sp 2 [--device cuda --model qwen-image]        # only the --sp 2 ÷ --sp 1 rows (CPU: in the table)
 Rows: median, min, max over repeats after a warm-up, candidates alternating within a repeat. See BENCHMARKS.md."""
 import argparse
 import contextlib
@@ -239,8 +240,8 @@ class RandomText(models.QwenImage):  # no 7B text encoder: real token counts and
         e = torch.randn(*mask.shape, self.transformer.config.joint_attention_dim, generator=torch.Generator())
         return {"embeds": (e * mask.cpu()[..., None]).to(self.device, self.dtype), "mask": mask}
 
-def random_model(kind: str, device: str) -> RandomText:  # --random-init: diffusers' defaults = the published configs
-    pipe, dtype = models.build_tiny_qwen_pipeline(0), torch.bfloat16 if device != "cpu" else torch.float32
+def random_model(kind: str, device: str, heads: int = 3) -> RandomText:  # diffusers' defaults = the published configs
+    pipe, dtype = models.build_tiny_qwen_pipeline(0, heads), torch.bfloat16 if device != "cpu" else torch.float32
     if kind != "tiny":
         default, _ = torch.get_default_dtype(), torch.set_default_dtype(dtype)
         with torch.device(device):
@@ -305,6 +306,69 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
     row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
         f"{a.micro_batch} images: {a.micro_batch / med([s.sum() for s in splits]):.3g} images/s")
 
+def sp_measure(o, sp: int) -> dict:
+    """One rank of --sp sp (a torchrun rank; alone with --sp-fake, standing for rank 0 of sp through a process group
+    whose collectives do nothing: the memory and compute of one rank, without the communication): the forward and
+    backward of one training velocity of one image at --sp-side² (no activation checkpointing). Activation memory:
+    the bytes of the distinct storages autograd saves for backward in the forward, parameters (and views of them) not
+    counted; that is the activation peak, which backward then frees; on CUDA also the allocator's peak over the step,
+    less what was allocated before it."""
+    if o.sp_fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        os.environ.update(RANK="0", WORLD_SIZE=str(sp))
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
+    model = random_model(o.model, o.device, heads=4)  # tiny: 4 heads (its recipe's 3 do not split); qwen-image: 24
+    engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=model.lora_targets, lr=1e-4, weight_decay=0,
+                        max_grad_norm=1.0, seed=0, sp=sp, mixed_precision=CUDA)
+    x = model.noise([torch.Generator().manual_seed(0)], o.sp_side, o.sp_side)
+    sigma, cond = torch.full((1,), 0.5, device=o.device), model.conditioning(["a red cat"], " ", 1.0)  # 8 tokens
+    seen, seconds = {}, []
+
+    def pack(t):  # a tensor saved for backward: its storage, once
+        if not isinstance(t if t._base is None else t._base, torch.nn.Parameter):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    model.transformer.train()
+    for _ in range(1 + o.repeats):
+        seen.clear()
+        sync()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if CUDA else 0
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            v = model.velocity(x, sigma, cond, 1.0, o.sp_side, o.sp_side)
+        v.float().square().mean().backward()
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return dict(saved=sum(seen.values()), peak=torch.cuda.max_memory_allocated() - before if CUDA else 0,
+                seconds=seconds[1:], tokens=x.shape[1], main=engine.is_main)
+
+def sp_rows(t: list, o, n: int):
+    """--sp n ÷ --sp 1: n ranks of `bench.py --sp-worker n` (CPU: gloo; CUDA: n GPUs, or --sp-fake on fewer), then
+    --sp 1 in this process."""
+    fake = CUDA and torch.cuda.device_count() < n
+    ranks = [] if fake else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+    cmd = [sys.executable, *ranks, "bench.py", "--sp-worker", str(n), "--sp-side", str(o.sp_side), "--device", o.device, "--model",
+           o.model, "--repeats", str(o.repeats), *(["--sp-fake"] if fake else [])]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+    gc.collect()  # the earlier rows' models are garbage by now
+    split = json.loads(out.stdout.split("SP-RESULT", 1)[1].splitlines()[0])
+    one = sp_measure(o, 1)
+    how = f"one GPU standing for rank 0 of {n} (--sp-fake)" if fake else f"{n} ranks"
+    what = f"{o.model}, 1 image {o.sp_side}² ({one['tokens']} image tokens), fwd+bwd, no checkpointing, {how}"
+    row(t, f"SP: activation memory per rank, --sp {n} ÷ --sp 1", [split["saved"] / one["saved"]], "×",
+        f"≈ 1/{n} (attention: exactly)", f"bytes saved for backward; {what}; {one['saved'] / 2**20:.1f} vs "
+        f"{split['saved'] / 2**20:.1f} MiB")
+    if CUDA:
+        row(t, f"SP: peak CUDA memory of the step per rank, --sp {n} ÷ --sp 1", [split["peak"] / one["peak"]], "×",
+            f"≈ 1/{n}", f"allocator peak less what was allocated before; {one['peak'] / 2**30:.2f} vs "
+                        f"{split['peak'] / 2**30:.2f} GiB")
+    row(t, f"SP: time per fwd+bwd, --sp {n} ÷ --sp 1", np.divide(split["seconds"], one["seconds"]), "×",
+        f"≥ 1/{n}", f"{what}; {ms(one['seconds'])} vs {ms(split['seconds'])}" + (", no communication" if fake else ""))
+
 def judge_rows(t: list, o):
     """Judge requests/s at concurrency 1 and at the default, against FLOWGRPO_BENCH_JUDGE_URL (e.g. a `vllm serve` of
     a VL model) or a stand-in that answers each request 20 ms after it arrives, in parallel, as a batching server
@@ -349,11 +413,23 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
     p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
+    p.add_argument("--sp", type=int, help="only the rows of Ulysses sequence parallelism: --sp N ÷ --sp 1")
+    p.add_argument("--sp-side", type=int, help="their image side (default: CPU 512, --quick 64; CUDA 1024)")
+    p.add_argument("--sp-worker", type=int, help=argparse.SUPPRESS)  # one rank of a sequence-parallel measurement
+    p.add_argument("--sp-fake", action="store_true", help=argparse.SUPPRESS)
     o, t = p.parse_args(argv), list(HEAD)
     o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
     if o.device == "cpu":
         torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
-    if o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes
+    o.sp_side = o.sp_side or (1024 if CUDA else 64 if quick else 512)
+    if o.sp_worker:  # one rank of sp_rows' measurement
+        result = sp_measure(o, o.sp_worker)
+        if result["main"]:
+            print("SP-RESULT", json.dumps(result))
+        return
+    if o.sp:
+        sp_rows(t, o, o.sp)
+    elif o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes
         toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
         gpu_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
                                            reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward, **toy))
@@ -371,6 +447,7 @@ def main(argv=None):
         o.variant_size = 32 if quick else 256  # 256² (1024 tokens): the transformer's work, not per-call overhead
         variant_rows(t, o, a)
         rank_rows(t, o)
+        sp_rows(t, o, 2)
         judge_rows(t, o)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)

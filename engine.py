@@ -1,8 +1,9 @@
 """The training engine: the only file that knows how training is distributed.
 
 It owns the process group, the trainable weights (LoRA via peft, or the full transformer), FSDP2
-sharding, the optimizer, gradient clipping, the EMA of the weights, the reference model (the same network
-with the adapter disabled), the few collectives the loop needs, saving and loading checkpoints
+sharding, the (data-parallel × sequence-parallel) mesh (`--sp`: sequence_parallel.py), the optimizer, gradient
+clipping, the EMA of the weights, the reference model (the same network with the adapter disabled), the few
+collectives the loop needs, saving and loading checkpoints
 (torch.distributed.checkpoint; their files and checks: checkpoint.py) and LoRA export. The loop calls
 `engine.step()`, `engine.reference()`, `engine.all_gather(x)`, ... and never branches on parallelism: one
 process is simply a world of size 1 (same FSDP2 code path).
@@ -26,6 +27,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 import checkpoint as ckpt
+import sequence_parallel as seqpar
+from sequence_parallel import data_parallel_size  # noqa: F401 (the loop's batch arithmetic counts data-parallel ranks)
 
 # FSDP2 warns on every call that the transformer returns a view; the loop never modifies outputs in place.
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -145,14 +148,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Engine:
-    """Trains `model.transformer` in place: LoRA → activation checkpointing → compile → FSDP2 → AdamW."""
+    """Trains `model.transformer` in place: LoRA → activation checkpointing → sequence parallelism → compile → FSDP2 →
+    AdamW. `dp_rank`, `dp_size`: the data-parallel rank and size, which the loop splits images by (an --sp group's
+    ranks hold the same images)."""
 
     def __init__(self, model, *, lora_rank: int, lora_alpha: float, lora_targets, lr: float, weight_decay: float,
                  max_grad_norm: float, seed: int, full_finetune: bool = False, activation_checkpointing: bool = False,
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
                  shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8, ema_repeat: int = 1,
-                 ema_form: str = "flow-grpo"):
+                 ema_form: str = "flow-grpo", sp: int = 1):
         self.rank, self.world_size, self.device = init_distributed()
+        self.mesh = seqpar.device_mesh(self.world_size, sp, self.device)  # (dp, 1, sp); FSDP2 shards over all of it
+        self.dp_rank, self.dp_size = self.mesh.get_local_rank("dp"), self.mesh.size(0)
         self.model, self.max_grad_norm, self.skipped_steps = model, max_grad_norm, 0
         net = model.transformer
         # 1. What is trained. Every rank initialises the same adapter (LoRA B = 0: the policy starts as the
@@ -173,6 +180,8 @@ class Engine:
         # 2. Activation checkpointing inside each block (before compile, so the recompute is compiled too).
         if activation_checkpointing:
             net.enable_gradient_checkpointing()
+        if sp > 1:  # 2b. diffusers' Ulysses attention over each --sp group (hooks inside the blocks, before sharding)
+            seqpar.enable_ulysses(model, self.mesh, self.device)
         # 3. Compile each block separately (small graphs, compiled once, reused by every block).
         if compile:
             for block in model.blocks:
@@ -186,6 +195,8 @@ class Engine:
         for block in model.blocks:
             fully_shard(block, **kw)
         fully_shard(net, **kw)
+        if sp > 1:  # an --sp rank's gradient is a partial sum over its tokens: sum them, average over data parallelism
+            seqpar.sum_over_sequence([*model.blocks, net], self.dp_size)
         if shard_text_encoder:  # frozen, only forwards: shard it to save memory on every rank
             for module in model.text_encoder_shards():
                 fully_shard(module)
@@ -243,10 +254,10 @@ class Engine:
 
     # --- collectives -------------------------------------------------------------------------
     def all_gather(self, x) -> torch.Tensor:
-        """Every rank's (n, ...) tensor or array, concatenated in rank order: (world·n, ...), on the CPU."""
+        """Every data-parallel rank's (n, ...) tensor or array, in dp-rank order: (dp_size·n, ...), on the CPU."""
         x = torch.as_tensor(x).to(self.device).contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x)
+        parts = [torch.empty_like(x) for _ in range(self.dp_size)]
+        dist.all_gather(parts, x, group=self.mesh.get_group("dp"))
         return torch.cat(parts).cpu()
 
     def broadcast_object(self, obj):

@@ -179,6 +179,8 @@ class Args:
     """torch.compile each transformer block"""
     shard_text_encoder: bool = False
     """shard the frozen text encoder with FSDP2 too (saves memory on every rank)"""
+    sp: int = 1
+    """Ulysses sequence parallelism: N ranks share each image, 1/N of its tokens each (docs/algorithm.md §14)"""
     checkpoint_every: int = 10
     """write a checkpoint every this many iterations and at the end; 0 = only at the end"""
     keep_checkpoints: int = 2
@@ -200,7 +202,7 @@ RECIPES = {name: Args(**values, recipe=name) for name, values in recipes.RECIPES
 # (micro-batches and ranks change float reduction order only). Every other flag decides the result.
 HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images",
              "eval_steps", "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
-             "activation_checkpointing", "compile", "shard_text_encoder"}
+             "activation_checkpointing", "compile", "shard_text_encoder", "sp"}
 SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
 
 
@@ -233,7 +235,7 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
                     ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations),
                     ("--keep-checkpoints", a.keep_checkpoints), ("--slide-every", a.slide_every),
-                    ("--ema-repeat", a.ema_repeat)):
+                    ("--ema-repeat", a.ema_repeat), ("--sp", a.sp)):
         need(v >= 1, f"{flag} must be >= 1, got {v}")
     for flag, v in (("--lr", a.lr), ("--noise-level", a.noise_level), ("--clip-range", a.clip_range),
                     ("--lora-rank", a.lora_rank), ("--lora-alpha", a.lora_alpha), ("--max-grad-norm", a.max_grad_norm),
@@ -252,6 +254,8 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     need(a.rollout == "local" or not (a.branch or a.guard in NEEDS_MEANS or a.ode_solver != "euler"),
          "--branch, --ode-solver dpm2 and --guard full/ratio-norm need --rollout local (the vLLM-Omni pipeline has "
          "none yet)")
+    need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
+         "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
@@ -260,7 +264,7 @@ def check_args(a: Args) -> tuple[str, dict] | None:
                        window_schedule=a.window_schedule, ode_solver=a.ode_solver)
     sch.check_window(a.eval_steps, 0, (0, 0))
     models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
-                            model_path=a.model_path)
+                            model_path=a.model_path, sp=a.sp)
     if not a.full_finetune:
         models.check_lora_targets(a.model, a.model_path, a.lora_targets)
     rewards.check_reward_spec(a.reward)
@@ -286,7 +290,7 @@ def fingerprint(a: Args) -> dict:
 
 
 def batch_arithmetic(a: Args, world_size: int) -> dict:
-    """Derived sizes, asserted: images per iteration → optimizer steps → ranks → micro-batches."""
+    """Derived sizes, asserted: images per iteration → optimizer steps → data-parallel ranks → micro-batches."""
     images, k = a.prompts_per_iteration * a.group_size, a.optimizer_steps
     if images % (k * world_size * a.micro_batch):
         raise ValueError(f"P·G = {a.prompts_per_iteration}·{a.group_size} = {images} images per iteration must split "
@@ -420,11 +424,11 @@ def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress
 
 def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.RunLog) -> dict:
     """ODE samples of the eval prompts with fixed seeds, split over ranks; the captioned grid on rank 0."""
-    share = a.eval_images // engine.world_size
-    mine = evalset[engine.rank * share:(engine.rank + 1) * share]
+    share = a.eval_images // engine.dp_size
+    mine = evalset[engine.dp_rank * share:(engine.dp_rank + 1) * share]
     images = rollout.sample_ode(model, [p for p, _ in mine], num_steps=a.eval_steps, height=a.height, width=a.width,
                                 cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, seed=a.seed,
-                                chunk=a.micro_batch)
+                                chunk=a.micro_batch, first=engine.dp_rank * share)
     scores, _ = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
     scores, images = engine.all_gather(scores), engine.all_gather(images)
     log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())])
@@ -436,7 +440,7 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 def main(a: Args) -> list[dict]:
     resume = check_args(a)  # before any model is built or process group joined
     rank, world, device = eng.init_distributed()
-    arith = batch_arithmetic(a, world)
+    arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     ckpt, meta = resume or (None, {})
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
     run_dir, run_id, wandb_id = eng.on_main(runlog.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,
@@ -457,7 +461,7 @@ def main(a: Args) -> list[dict]:
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
                         shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
-                        ema_repeat=a.ema_repeat, ema_form=a.ema_form)
+                        ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp)
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
@@ -476,8 +480,8 @@ def main(a: Args) -> list[dict]:
             # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks ---------
             chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
             assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps,
-                                           engine.world_size, seed=a.seed * 7919 + it)  # (world, B) global image ids
-            mine = assignment[engine.rank]
+                                           engine.dp_size, seed=a.seed * 7919 + it)  # (dp, B) global image ids
+            mine = assignment[engine.dp_rank]
             group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
             steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it, iteration=it,
                                       schedule=a.window_schedule, slide_every=a.slide_every)

@@ -59,7 +59,7 @@ def check_resolution(model: str, height: int, width: int) -> None:
 
 
 def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, guidance: float | None,
-                     model_path: str | None) -> None:
+                     model_path: str | None, sp: int = 1) -> None:
     """Refuse flags that cannot apply to `model`, each error naming the flag and a valid choice."""
     if model not in SPECS:
         raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
@@ -73,6 +73,24 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
                          f"--model {model} takes --cfg-scale instead")
     if model_path is not None:
         check_model_path(model, model_path)
+    if sp > 1:
+        check_sequence_parallel(model, model_path, sp, height, width)
+
+
+def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, width: int,
+                            num_frames: int = 1) -> None:
+    """--sp N (sequence_parallel.py) gives each rank of a group 1/N of every sequence the transformer splits and, inside
+    attention, 1/N of its heads: N must divide each of them (the heads from the transformer's config, when it is on
+    this machine; else its loading fails on them)."""
+    counts = adapter_class(model).sp_sequences(model, height, width, num_frames)  # refuses a family without SP
+    transformer = meta_transformer(model, path)
+    if transformer is not None:
+        counts[f"attention heads ({type(transformer).__name__})"] = transformer.config.num_attention_heads
+    bad = [f"{n} {what}" for what, n in counts.items() if n % sp]
+    if bad:
+        raise ValueError(f"--sp {sp} must divide every count it splits, but --model {model} at --height {height} "
+                         f"--width {width} has {', '.join(bad)}: choose an --sp that divides each (the image tokens "
+                         "also change with --height and --width)")
 
 
 def check_model_path(model: str, path: str) -> None:
@@ -104,14 +122,20 @@ def check_lora_targets(model: str, path: str | None, targets) -> None:
                          f"name; its default targets are {' '.join(adapter_class(model).lora_targets)}")
 
 
-@functools.lru_cache(maxsize=8)
 def transformer_module_names(model: str, path: str | None) -> tuple[str, ...] | None:
     """The transformer's module names, from its config alone (None when the config is not on this machine: a hub id
     not yet downloaded, for which loading then names the problem)."""
+    transformer = meta_transformer(model, path)
+    return None if transformer is None else tuple(n for n, _ in transformer.named_modules())
+
+
+@functools.lru_cache(maxsize=8)
+def meta_transformer(model: str, path: str | None) -> torch.nn.Module | None:
+    """The transformer built from its config alone, weightless (meta device); None when the config is not here."""
     import diffusers
     if path is None and model.startswith("tiny"):
         with torch.device("meta"):
-            return tuple(n for n, _ in adapter_class(model).build_tiny(0).transformer.named_modules())
+            return adapter_class(model).build_tiny(0).transformer
     path = path or adapter_class(model).default_path
     config = os.path.join(path, "transformer", "config.json")
     if not os.path.isdir(path):
@@ -122,8 +146,7 @@ def transformer_module_names(model: str, path: str | None) -> tuple[str, ...] | 
     with open(config) as f:
         cfg = json.load(f)
     with torch.device("meta"):
-        transformer = getattr(diffusers, cfg["_class_name"]).from_config(cfg)
-    return tuple(n for n, _ in transformer.named_modules())
+        return getattr(diffusers, cfg["_class_name"]).from_config(cfg)
 
 
 # ---- loading ----------------------------------------------------------------------------------------
@@ -181,6 +204,7 @@ class Adapter:
     build_tiny = None  # seed -> the tiny pipeline (a staticmethod in each family)
     omni_pipeline_class: str  # the vLLM-Omni servers' pipeline_class for --rollout vllm-omni (omni_pipeline.py)
     max_sequence_length: int  # the prompts' text length (T5 pads to it); the servers are told it per request
+    sp_degree = 1  # --sp N: each rank of a group holds 1/N of each sequence (set by sequence_parallel.enable_ulysses)
 
     def __init__(self, pipe, device, dtype: torch.dtype):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
@@ -204,6 +228,13 @@ class Adapter:
         else:
             pipe = from_pretrained(cls.pipeline_class, model, path or cls.default_path, dtype=dtype)
         return cls(pipe, device, dtype, **({} if guidance is None else {"guidance": guidance}))
+
+    @classmethod
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        """{what: length} of the token sequences that --sp splits at this size (a video's frames too), known before
+        anything loads (checked to divide by N at start-up). A family defines it once its transformer runs under
+        diffusers' context parallelism here (docs/algorithm.md §14); until then --sp is refused."""
+        raise ValueError(f"--sp: --model {model} has no sequence parallelism yet (its adapter defines no sp_sequences)")
 
     def image_seq_len(self, height: int, width: int) -> int:
         """Image tokens the transformer sees (what the dynamic sigma shift depends on)."""
@@ -237,10 +268,10 @@ def qwen_tokenizer_dir() -> str:
     return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
 
 
-def build_tiny_qwen_pipeline(seed: int = 0):
+def build_tiny_qwen_pipeline(seed: int = 0, heads: int = 3):
     """A random-weight QwenImagePipeline (~9 M parameters, 4.9 M of them the text encoder's embedding
     table, which the real 151 k-token vocabulary needs). Deterministic given `seed`; leaves the global
-    RNG untouched."""
+    RNG untouched. `heads` of 16 dimensions each: 4 (not `tiny`'s 3) is what --sp 2 can split (tests, bench)."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
@@ -256,8 +287,8 @@ def build_tiny_qwen_pipeline(seed: int = 0):
         torch.manual_seed(seed)
         text_encoder = Qwen2_5_VLForConditionalGeneration(text_cfg)
         transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
-            joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=heads, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
         vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
                                      temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
     return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae,
@@ -282,6 +313,11 @@ class QwenImage(Adapter):
                     "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
     build_tiny = staticmethod(build_tiny_qwen_pipeline)
 
+    @classmethod
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        """The image tokens; the text tokens vary with the prompts and are padded to a multiple of N (`encode`)."""
+        return {"image tokens": (height // RESOLUTION_MULTIPLE[model]) * (width // RESOLUTION_MULTIPLE[model])}
+
     def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
         """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents`."""
         channels = self.transformer.config.in_channels // 4
@@ -296,6 +332,9 @@ class QwenImage(Adapter):
                                                max_sequence_length=self.max_sequence_length)
         if mask is None:  # the pipeline returns None when nothing is padded
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+        # --sp N splits the text tokens too: pad them to a multiple of N as the pipeline pads, masked out (N = 1: none)
+        pad = -embeds.shape[1] % self.sp_degree
+        embeds, mask = torch.nn.functional.pad(embeds, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
         return {"embeds": embeds.to(self.dtype), "mask": mask}
 
     @property

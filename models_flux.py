@@ -3,13 +3,14 @@ pooled + T5's embeddings, the distilled guidance embedding (one transformer pass
 sigma shift from the image token count (scheduler.sigma_schedule computes it as the pipeline does)."""
 import torch
 
-from models import Adapter
-from models_sd3 import tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer, tiny_vae
+from models import RESOLUTION_MULTIPLE, Adapter
+from models_sd3 import TINY_MAX_LENGTH, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer, tiny_vae
 
 # black-forest-labs/FLUX.1-dev's scheduler config
 FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
                       max_shift=1.15, shift=3.0, num_train_timesteps=1000)
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline.__call__'s default guidance_scale, and Flow-GRPO's FLUX recipe
+T5_LENGTH = 128  # Flow-GRPO encodes with T5 length 128 (the pipeline's default is 512); the tiny T5 has 77
 
 
 def build_tiny_flux_pipeline(seed: int = 0):
@@ -50,8 +51,15 @@ class Flux(Adapter):
             raise ValueError("--model-path: this FLUX transformer has no guidance embedding (FLUX.1-schnell?); "
                              "--model flux.1-dev needs FLUX.1-dev's")
         self.guidance = float(guidance)
-        # Flow-GRPO encodes with T5 length 128 (the pipeline's default is 512); the tiny T5 has 77
-        self.max_sequence_length = min(128, pipe.tokenizer_2.model_max_length)
+        self.max_sequence_length = min(T5_LENGTH, pipe.tokenizer_2.model_max_length)
+
+    @classmethod
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        """Image tokens and T5's text tokens, whose length is fixed: FLUX attends to T5's padding too (no mask), so the
+        text cannot be padded further without changing the result (tiny-flux's 77 tokens: no --sp 2)."""
+        side = RESOLUTION_MULTIPLE[model]
+        return {"image tokens": (height // side) * (width // side),
+                "T5 text tokens": min(T5_LENGTH, TINY_MAX_LENGTH) if model.startswith("tiny") else T5_LENGTH}
 
     def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
         """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents`."""

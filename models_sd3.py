@@ -98,6 +98,13 @@ class SD3(Adapter):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     build_tiny = staticmethod(build_tiny_sd3_pipeline)
 
+    @classmethod
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        raise ValueError(f"--sp: --model {model} has no sequence parallelism: diffusers 0.42.1 has no context-parallel "
+                         "plan for SD3Transformer2DModel, and its JointAttnProcessor2_0 calls SDPA itself, outside the "
+                         "dispatcher that does the all-to-alls. Use --sp 1 (FSDP2 alone: SD3.5 at 512² has 1024 image "
+                         "tokens)")
+
     def __init__(self, pipe, device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)
         self.multiple = pipe.vae_scale_factor * self.transformer.config.patch_size

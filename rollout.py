@@ -148,9 +148,10 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
 
 
 def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width: int, cfg_scale: float,
-               negative_prompt: str, seed: int, chunk: int) -> torch.Tensor:
-    """Evaluation images (B, 3, H, W): deterministic ODE sampling (noise 0), fixed per-image seeds."""
-    n = range(len(prompts))
+               negative_prompt: str, seed: int, chunk: int, first: int = 0) -> torch.Tensor:
+    """Evaluation images (B, 3, H, W): deterministic ODE sampling (noise 0), fixed per-image seeds; the prompts are
+    evaluation images first, first + 1, ... (their seeds do not depend on how the images are split over ranks)."""
+    n = range(first, first + len(prompts))
     return sample(model, prompts, [{}] * len(n), n, n, steps=[], num_steps=num_steps, height=height, width=width,
                   cfg_scale=cfg_scale, negative_prompt=negative_prompt, noise_level=0.0, sde_type="sde", seed=seed,
                   iteration=-1, chunk=chunk).images

@@ -23,6 +23,8 @@ case $recipe in
   qwen-ocr-8gpu)   torchrun --standalone --nproc_per_node=8 flowgrpo.py --model qwen-image "$@" ;;
   qwen-ocr-2nodes) torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
                      --rdzv-endpoint="${MASTER:?set MASTER=host:port of node 0}" flowgrpo.py --model qwen-image "$@" ;;
+  qwen-2k-sp-8gpu) torchrun --standalone --nproc_per_node=8 flowgrpo.py --model qwen-image --height 2048 --width 2048 \
+                     --sp 2 "$@" ;;  # 16 k image tokens an image, each split over a pair of GPUs (docs/algorithm.md §14)
   qwen-ocr-vllm)   omni qwen-image "$@" ;;                                                  # rollout on vLLM-Omni
   sd3-ocr-vllm)    omni sd3.5-medium "$@" ;;                                                # servers (README)
   flux-pick-vllm)  omni flux.1-dev "$@" ;;
@@ -34,6 +36,7 @@ case $recipe in
   bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
                    PYTHONPATH=/tmp/site python3 bench.py --device cuda --model qwen-image --random-init "$@" ;;
   *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux sd3-ocr-8gpu flux-pick-8gpu" \
-          "qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm gpu-wheels bench-gpu" \
+          "qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm" \
+          "gpu-wheels bench-gpu" \
           "(got '$recipe')" >&2; exit 2 ;;
 esac

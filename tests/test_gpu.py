@@ -1,8 +1,8 @@
 """The GPU test tier: what the CPU tests claim, at the GPU recipe's dtypes and, given a GPU, on its kernels.
 
-The CUDA cases are skipped without a GPU and have not run yet: no task so far was lent one. A session that is lent
-one runs this file right after `bash run.sh bench-gpu`, which installs the packages (BENCHMARKS.md gives the call).
-The bf16 case runs on CPU too, in CI."""
+The CUDA cases are skipped without a GPU (the sequence-parallel comparison without 2) and have not run yet: no task
+so far was lent one. A session that is lent one runs this file right after `bash run.sh bench-gpu`, which installs
+the packages (BENCHMARKS.md gives the call). The bf16 case runs on CPU too, in CI."""
 import dataclasses
 
 import pytest
@@ -13,6 +13,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
+import test_sp
 from test_bench import run_bench, table_rows
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -55,3 +56,21 @@ def test_bench_gpu_path_at_toy_size():
     """bench.py's GPU benchmark, at the tiny model's sizes, on the GPU: every row finite and positive."""
     rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick", "--device", "cuda"))
     assert rows["peak memory, no offload"][0] > 0 and 0 < rows["MFU"][0] < 1
+
+
+@CUDA
+def test_bench_sp_rows_at_toy_size():
+    """bench.py's --sp 2 ÷ --sp 1 rows on the GPU at toy size: with fewer than 2 GPUs its --sp 2 side is one process
+    standing for rank 0 of 2 (a fake process group: memory exact, time without communication)."""
+    rows = table_rows(run_bench("--sp", "2", "--model", "tiny", "--device", "cuda", "--sp-side", "256", "--repeats", "2"))
+    assert 0 < rows["SP: activation memory per rank, --sp 2 ÷ --sp 1"][0] < 0.75
+    assert 0 < rows["SP: peak CUDA memory of the step per rank, --sp 2 ÷ --sp 1"][0] < 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank each)")
+def test_sequence_parallel_equals_the_unsplit_model_on_two_gpus(tmp_path):
+    """tests/test_sp.py's comparison with NCCL on 2 GPUs, float32: the same bounds as on CPU."""
+    results = test_sp.run_split_vs_unsplit(tmp_path)
+    for family in ("qwen", "flux"):
+        test_sp.check_float32(results[family], family)
+    assert results["qwen bf16"]["gap"] == 0
