@@ -31,6 +31,10 @@ Departures from the Flow-GRPO paper (arXiv 2505.05470) and its public code (docs
 8. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, large clip range and learning rate)
    chosen so that learning is visible on a CPU within a minute or two.
 
+Algorithms (`--algorithm`, docs/algorithm.md §12, algorithms.py): `grpo`, the above with its variants below, or the
+forward-process `nft` (DiffusionNFT) and `awm` (Advantage Weighted Matching): an ODE rollout of any solver, and a
+flow-matching loss on its final latents re-noised, weighted by the reward. The loop's phases are the same for each.
+
 Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
 `train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
     --sde-type dance             DanceGRPO's SDE: constant noise level η, score drift        scheduler.py
@@ -55,6 +59,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import algorithms
 import checkpoint
 import engine as eng
 import models
@@ -113,6 +118,8 @@ class Args:
     """FLUX's distilled guidance embedding, one pass per step (unset: the pipeline's 3.5; only for FLUX)"""
     negative_prompt: str = " "
     """negative prompt for two-pass CFG"""
+    algorithm: Literal["grpo", "nft", "awm"] = "grpo"
+    """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs, or DiffusionNFT, AWM on ODE images"""
     sde_type: Literal["sde", "cps", "dance"] = "sde"
     """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
     noise_level: float = 0.7
@@ -125,8 +132,8 @@ class Args:
     """where each iteration's window lies: uniformly in --window-range, or MixGRPO's window sliding later every 25"""
     branch: bool = False
     """Flow-GRPO-Fast: a group shares its noise and ODE path up to the window, then branches (needs --window)"""
-    ode_solver: Literal["euler", "dpm2"] = "euler"
-    """the ODE steps after the window: Euler, or DPM-Solver++(2M) in half the passes (MixGRPO-Flash)"""
+    ode_solver: Literal["euler", "dpm2", "dpm2-full"] = "euler"
+    """the ODE steps after the window (nft, awm: all): Euler, DPM-Solver++(2M) in half the passes, or on every step"""
     ratio_norm: bool = False
     """GRPO-Guard's ratio normalisation: log r = std·(logp − logp_old) + mean((μ − μ_old)²)/(2·std)"""
     ema_decay: float = 0.0
@@ -141,6 +148,18 @@ class Args:
     """normalise advantages by the whole batch's reward std or by each group's"""
     kl_beta: float = 0.0
     """β of the KL to the reference model (adapter disabled); 0 skips the reference pass"""
+    nft_beta: float = 1.0
+    """DiffusionNFT's β: the implicit policies β·v + (1 − β)·v_old and (1 + β)·v_old − β·v (> 0)"""
+    old_decay: Literal["nft0", "nft1", "nft2", "nft2-iterations", "awm"] = "nft1"
+    """the old policy's decay schedule (nft, awm): DiffusionNFT's decay_type 0/1/2, verl-omni's, AWM's (§12)"""
+    old_every: int = 1
+    """iterations between the old policy's updates (nft, awm)"""
+    old_kl: float = 1.0
+    """AWM: weight of the mean squared velocity gap to the old policy (its ema_beta; 0 skips the old pass)"""
+    train_timesteps: int = 3
+    """T: timesteps per image the forward-process update trains at (nft: distinct steps; awm: one per stratum)"""
+    train_timestep_range: tuple[int, int] = (0, 4)
+    """[lo, hi): the schedule steps (of --num-steps) the forward-process update draws its timesteps from"""
     lr: float = 1e-2
     """AdamW learning rate"""
     weight_decay: float = 1e-4
@@ -240,8 +259,8 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
          "checkpoint's tensor shapes and cannot change on --resume")
-    sch.check_variants(a.num_steps, a.window, a.window_range, sde_type=a.sde_type, noise_level=a.noise_level,
-                       window_schedule=a.window_schedule, ode_solver=a.ode_solver)
+    algorithms.check_flags(a, RECIPES[a.recipe], ALGORITHMS)  # e.g. --clip-range with nft: refused, named
+    ALGORITHMS[a.algorithm].check(a)
     sch.check_window(a.eval_steps, 0, (0, 0))
     models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
                             model_path=a.model_path)
@@ -371,6 +390,9 @@ def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress
             "train/skipped_steps": engine.skipped_steps}
 
 
+ALGORITHMS = {"grpo": algorithms.grpo(train_on), **algorithms.FORWARD}  # --algorithm (docs/algorithm.md §12)
+
+
 # ---- evaluation ------------------------------------------------------------------------------------
 
 def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.RunLog) -> dict:
@@ -390,6 +412,7 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 
 def main(a: Args) -> list[dict]:
     resume = check_args(a)  # before any model is built or process group joined
+    algo = ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update (algorithms.py)
     rank, world, device = eng.init_distributed()
     arith = batch_arithmetic(a, world)
     ckpt, meta = resume or (None, {})
@@ -411,7 +434,8 @@ def main(a: Args) -> list[dict]:
                         weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed,
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
-                        shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every)
+                        shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
+                        old_policy=algo.keeps_old)
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
@@ -433,21 +457,22 @@ def main(a: Args) -> list[dict]:
                                            engine.world_size, seed=a.seed * 7919 + it)  # (world, B) global image ids
             mine = assignment[engine.rank]
             group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
-            steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it, iteration=it,
-                                      schedule=a.window_schedule)
+            steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
             t0 = time.perf_counter()
             model.transformer.eval()
-            backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
             def score_chunk(c, x):  # each decoded chunk is scored while the next one samples
                 scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])
-            batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
-                                   height=a.height, width=a.width, cfg_scale=a.cfg_scale,
-                                   negative_prompt=a.negative_prompt, noise_level=a.noise_level, sde_type=a.sde_type,
-                                   seed=a.seed, iteration=it, chunk=a.micro_batch, progress=engine.is_main,
-                                   on_images=score_chunk, branch=a.branch, ode_solver=a.ode_solver)
+            with algo.behaviour(engine):  # the weights that sample: the trained ones, or DiffusionNFT's old policy
+                backend.sync(engine, it)  # vllm-omni: publish them as adapter version `it`
+                batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
+                                       height=a.height, width=a.width, cfg_scale=a.cfg_scale,
+                                       negative_prompt=a.negative_prompt, noise_level=a.noise_level,
+                                       sde_type=a.sde_type, seed=a.seed, iteration=it, chunk=a.micro_batch,
+                                       progress=engine.is_main, on_images=score_chunk, branch=a.branch,
+                                       ode_solver=a.ode_solver)
             t1 = time.perf_counter()
 
             # --- 3. rewards (already running since each chunk was decoded), gathered over ranks -----
@@ -458,18 +483,19 @@ def main(a: Args) -> list[dict]:
             # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
             adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
                                              clip=a.adv_clip)
-            batch.advantages = adv[mine].to(engine.device)
+            batch.advantages = algo.weights(adv[mine], a).to(engine.device)  # grpo: A; nft: r ∈ [0, 1]; awm: A/c
 
-            # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation -----------
+            # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
-            stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, engine.is_main))
+            stats = engine.mean_over_ranks(algo.update(model, engine, batch, a, arith, engine.is_main))
             t2 = time.perf_counter()
 
             # --- 6. log -----------------------------------------------------------------------------
             comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
             row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
-                   "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
+                   "reward/zero_std_ratio": zero_std, **comps, **stats,
                    "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait}
+            row |= {"train/window_start": steps[0]} if steps else {}  # an ODE-only rollout has no window
 
             # --- 7. eval every K iterations and at the end ------------------------------------------
             if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
@@ -477,7 +503,7 @@ def main(a: Args) -> list[dict]:
                 with engine.ema_weights():
                     row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
             log.log(row)
-            bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
+            bar.set_postfix(reward=f"{row['reward/mean']:.4f}", **{algo.watch.split("/")[-1]: f"{row[algo.watch]:.1e}"})
 
             # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration)
             if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):

@@ -124,7 +124,7 @@ def ode_euler(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     return x
 
 
-STEP_RATIO = {"euler": 1.0, "dpm2": 0.5}  # model calls per schedule step: dpm2 takes ceil(K/2) where Euler takes K
+STEP_RATIO = {"euler": 1.0, "dpm2": 0.5, "dpm2-full": 1.0}  # model calls per schedule step: dpm2 ceil(K/2), Euler K
 
 
 def dpm2_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
@@ -155,16 +155,21 @@ def ode_dpm2(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     (the first step has no history and the last ends at σ = 0: both first order, i.e. Euler)."""
     if len(sigmas) < 2:  # nothing left (the window reached the end)
         return x
-    sub = dpm2_sigmas(sigmas)
-    solver = dpm_solver(sub)
-    for t in range(len(sub) - 1):
-        v = velocity(x, sub[t].expand(x.shape[0]))
+    return ode_dpm2_full(velocity, x, dpm2_sigmas(sigmas))
+
+
+def ode_dpm2_full(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """DPM-Solver++(2M) on every one of the K steps, one model call each: DiffusionNFT's `dpm2` sampler
+    (docs/algorithm.md §12; the first and the last step are first order, the others second)."""
+    solver = dpm_solver(sigmas)
+    for t in range(len(sigmas) - 1):
+        v = velocity(x, sigmas[t].expand(x.shape[0]))
         x = solver.step(v.float(), solver.timesteps[t], x.float(), return_dict=False)[0]
     return x
 
 
-ODE_SOLVERS = {"euler": ode_euler, "dpm2": ode_dpm2}
-MIN_ODE_STEPS = {"euler": 0, "dpm2": 5}  # dpm2: >= 3 steps, so that one (the middle) is of second order
+ODE_SOLVERS = {"euler": ode_euler, "dpm2": ode_dpm2, "dpm2-full": ode_dpm2_full}
+MIN_ODE_STEPS = {"euler": 0, "dpm2": 5, "dpm2-full": 3}  # so that one step (the middle one) is of second order
 
 
 def ode_calls(solver: str, k: int) -> int:
@@ -225,8 +230,9 @@ def check_window(num_steps: int, window: int, window_range: tuple[int, int]) -> 
 
 
 def check_variants(num_steps: int, window: int, window_range: tuple[int, int], *, sde_type: str, noise_level: float,
-                   window_schedule: str, ode_solver: str) -> None:
-    """Refuse, naming the flags, the sampler combinations that cannot work (before anything is built)."""
+                   window_schedule: str, ode_solver: str, ode_only: bool = False) -> None:
+    """Refuse, naming the flags, the sampler combinations that cannot work (before anything is built). ode_only: the
+    rollout takes no SDE step (the forward-process algorithms), so the ODE solver walks the whole schedule."""
     check_window(num_steps, window, window_range)
     if sde_type not in SDE_TYPES:
         raise ValueError(f"--sde-type must be one of {tuple(SDE_TYPES)}, got {sde_type!r}")
@@ -239,8 +245,10 @@ def check_variants(num_steps: int, window: int, window_range: tuple[int, int], *
             raise ValueError(f"{flag} must be one of {tuple(table)}, got {value!r}")
     if window_schedule != "random" and window == 0:
         raise ValueError(f"--window-schedule {window_schedule} moves a window: it needs --window > 0")
-    tail = num_steps - (window_range[1] if window else num_steps - 1)  # ODE steps after the latest window
+    tail = num_steps - (0 if ode_only else window_range[1] if window else num_steps - 1)  # ODE steps after the window
     if tail < MIN_ODE_STEPS[ode_solver]:
+        where = f"an ODE-only rollout of {num_steps} steps has {tail}" if ode_only else \
+            f"a window reaching step {num_steps - tail - 1} of {num_steps} leaves {tail}"
         raise ValueError(f"--ode-solver {ode_solver} needs >= {MIN_ODE_STEPS[ode_solver]} ODE steps after the window, "
-                         f"but a window reaching step {num_steps - tail - 1} of {num_steps} leaves {tail}: lower the "
-                         "--window-range upper bound, raise --num-steps, or use --ode-solver euler")
+                         f"but {where}: lower the --window-range upper bound, raise --num-steps, or use --ode-solver "
+                         "euler")

@@ -17,6 +17,12 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
 # sampler plus one velocity per family) with three vLLM-Omni 0.30.0 workarounds.
 BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py": 390, "omni_pipeline.py": 330}
 # (bench.py's last 40 lines of that: one import and one statement per line, where it had packed them.)
+# Raised for --algorithm (docs/algorithm.md §12): its seven flags, each with its help line, and the table's call sites
+# in the loop (the losses and the table live in algorithms.py); the old policy, a second shadow beside the EMA, and the
+# FSDP2 root re-gather that weight swaps need (engine.py); the rollout's final latents and the batch's image ids
+# (rollout.py); DiffusionNFT's all-steps DPM-Solver++(2M) (scheduler.py); the forward-process speed rows (bench.py).
+BUDGETS |= {"flowgrpo.py": 545, "engine.py": 385, "rollout.py": 440, "scheduler.py": 260, "bench.py": 430,
+            "algorithms.py": 300}
 
 
 def test_every_file_is_within_its_budget():
