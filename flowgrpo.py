@@ -254,7 +254,8 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
          f"got {a.ema_decay}, {a.ema_every}")
     need(a.rollout == "local" or not (a.branch or a.ratio_norm or a.ode_solver != "euler"),
-         "--branch, --ode-solver dpm2 and --ratio-norm need --rollout local (the vLLM-Omni pipeline has none yet)")
+         "--branch, --ode-solver dpm2 or dpm2-full and --ratio-norm need --rollout local (the vLLM-Omni pipeline has "
+         "none yet)")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "

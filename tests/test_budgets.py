@@ -22,7 +22,7 @@ BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py":
 # FSDP2 root re-gather that weight swaps need (engine.py); the rollout's final latents and the batch's image ids
 # (rollout.py); DiffusionNFT's all-steps DPM-Solver++(2M) (scheduler.py); the forward-process speed rows (bench.py).
 BUDGETS |= {"flowgrpo.py": 545, "engine.py": 385, "rollout.py": 440, "scheduler.py": 260, "bench.py": 430,
-            "algorithms.py": 300}
+            "algorithms.py": 330}  # new: the algorithm table, the forward-process losses, their draws and checks
 
 
 def test_every_file_is_within_its_budget():
