@@ -43,7 +43,7 @@ class Batch:
     sigma_max: float  # σ_1 of the schedule (scheduler.step's σ̃ at σ = 1)
     cond: dict  # embeds (B, L, D), mask (B, L), and for CFG neg_embeds, neg_mask
     images: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]
-    advantages: torch.Tensor | None = None  # (B,) set by the loop after the rewards
+    advantages: torch.Tensor | None = None  # (B,) the update's per-image weights, set by the loop after the rewards
     means: torch.Tensor | None = None  # (B, W, S, C) float32: behaviour means of the trained transitions
     x0: torch.Tensor | None = None  # (B, S, C) float32: each image's final latents (the forward-process algorithms')
     ids: torch.Tensor | None = None  # (B,) long: global image index (with `iteration`, it seeds the image's noise)
@@ -306,8 +306,8 @@ class OmniBackend:
     """Rollout on vLLM-Omni servers. The run's files go to a directory of its own, `<exchange>/rollout-<time>-<hex>`
     (`_exchange_dir`; `close` removes it). `sync` exports the policy as `policy/v<k>` there; `sample` sends the
     rank's requests (<= `concurrency` in flight per server, to whichever is free), reads and deletes the files
-    `trajectories/*`, and returns the local backend's Batch: the servers' latents, log-probs and images (float32
-    from the file, not the response's 8-bit PNGs), the trainer's own σ and prompt conditioning."""
+    `trajectories/*`, and returns the local backend's Batch: the servers' latents, log-probs, images (float32 from
+    the file, not the response's 8-bit PNGs) and final latents, the trainer's own σ and prompt conditioning."""
 
     def __init__(self, urls: str, run_dir: str, engine, *, exchange_dir: str | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 2.0, concurrency: int = 2):

@@ -87,6 +87,19 @@ def test_nft_loss_and_gradient_equal_diffusionnft(beta, kl_beta):
     assert float(stats["old_kl"]) > 0 and (float(stats["kl"]) > 0) == (kl_beta > 0)
 
 
+def test_advantages_are_the_public_per_prompt_tracker_with_global_std():
+    """Both public scripts turn rewards into advantages with flow_grpo's PerPromptStatTracker(global_std=True):
+    (r − the prompt's mean) / (the population std of all rewards + 1e-4), re-typed here; the loop's group_advantages
+    with --std global is that (then clipped to ±5, as both losses clip it again)."""
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.rand(6 * 4, generator=g).double() * torch.tensor([0.0, 1, 1, 1, 1, 1]).repeat_interleave(4)
+    prompts = torch.arange(24) // 4  # group 0: all rewards equal (0), its advantages 0
+    std = rewards.numpy().std() + 1e-4
+    theirs = torch.tensor([(rewards[i] - rewards[prompts == prompts[i]].mean()).item() / std for i in range(24)])
+    ours, zero = flowgrpo.group_advantages(rewards.float(), prompts, std="global", clip=5.0)
+    assert worst(ours, theirs.clamp(-5, 5)) < 1e-6 and zero == 1 / 6
+
+
 # ---- AWM's loss ----------------------------------------------------------------------------------------------------
 
 def awm_public(x0, noise, t, v, v_ref, v_ema, adv, *, T, clip, beta, ema_beta, power=0.25):
