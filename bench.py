@@ -56,9 +56,10 @@ def row(t: list, name, values, unit="×", expect="", note=""):
     t.append(f"| {name} | {med(v):.4g} | {min(v):.4g} | {max(v):.4g} | {unit} | {expect} | {note} |")
     print(*t[-1 if len(t) > len(HEAD) + 1 else 0:], sep="\n", flush=True)  # the header with the first row
 
-def make_engine(a: flowgrpo.Args, model) -> eng.Engine:
-    return eng.Engine(model, **{k: getattr(a, k) for k in ("lora_rank", "lora_alpha", "lora_targets", "lr", "seed",
-                      "weight_decay", "max_grad_norm", "offload", "activation_checkpointing", "mixed_precision")})
+def make_engine(a: flowgrpo.Args, model, **extra) -> eng.Engine:  # extra: e.g. old_policy=True
+    return eng.Engine(model, **extra, **{k: getattr(a, k) for k in ("lora_rank", "lora_alpha", "lora_targets", "lr",
+                      "seed", "weight_decay", "max_grad_norm", "offload", "activation_checkpointing",
+                      "mixed_precision")})
 
 def texts_of(a: flowgrpo.Args) -> list[str]:  # the iteration's P·G prompts: image i shows the set's prompt i // G
     chosen = prompt_sets.load_prompts(a.prompts).train[:a.prompts_per_iteration]
@@ -80,10 +81,10 @@ def diffusers_call(model, a, cfg, prompts):
     return model.pipe(**model.pipeline_kwargs(c, cfg), num_inference_steps=a.num_steps, height=a.height, width=a.width,
                       output_type="pt", generator=rollout.image_generators(a.seed, 0, range(len(prompts)))).images
 
-def train(model, engine, batch, a):  # one policy update as the loop takes it (every micro-batch × trained step)
+def train(model, engine, batch, a):  # one update as the loop takes it (every micro-batch × trained step), a.algorithm's
     a = dataclasses.replace(a, optimizer_steps=1, prompts_per_iteration=1, group_size=len(batch.prompts))
     model.transformer.train()
-    flowgrpo.train_on(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
+    flowgrpo.ALGORITHMS[a.algorithm].update(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
 
 def bare_fwd_bwd(model, engine, batch, a):
     """`train`'s floor: the adapter's velocity alone (its transformer calls and the pipeline's own CFG arithmetic)
@@ -200,6 +201,46 @@ def variant_rows(t: list, o, a: flowgrpo.Args):
         f"calls {calls['dpm2']:.0f}/{calls['independent']:.0f} = {calls['dpm2'] / calls['independent']:.2f}", f"window "
         f"[{s}, {s + 1}] of {a.num_steps} steps, the {a.num_steps - s - 2} ODE steps after it in "
         f"{sch.ode_calls('dpm2', a.num_steps - s - 2)} calls; {ms(r['dpm2'])} vs {ms(r['independent'])}")
+
+def forward_rows(t: list, o, a: flowgrpo.Args):
+    """DiffusionNFT (T = N − 1 timesteps per image, as its recipes: the trained policy with gradient, the old and the
+    reference policy without) against Flow-GRPO (full mode, and a window of 2; its reference KL on, as in the SD3.5
+    recipe) on the same model and images: training cost and transformer rows per image. And the rollout without
+    log-probs (ODE on every step, only the final latents kept) against the SDE rollout, at variant_rows' 256², the VAE
+    decode skipped."""
+    model, rows = models.load_model(a.model, None, o.device, seed=a.seed), []
+    velocity = model.velocity
+    def counted(x, *args, **kwargs):  # image rows through the transformer  # noqa: E306
+        rows.append(len(x))
+        return velocity(x, *args, **kwargs)
+    model.velocity, n = counted, a.prompts_per_iteration * a.group_size
+    g = dataclasses.replace(a, kl_beta=0.01)
+    kinds = {"full": (g, list(range(a.num_steps - 1))), "window": (g, [0, 1]),
+             "nft": (dataclasses.replace(g, algorithm="nft", train_timesteps=a.num_steps - 1,
+                                         train_timestep_range=(0, a.num_steps)), [])}
+    engine, batches, calls = make_engine(a, model, old_policy=True), {}, {}
+    for k, (ak, steps) in kinds.items():
+        batches[k] = sample(model, ak, steps)
+        batches[k].advantages = flowgrpo.ALGORITHMS[ak.algorithm].weights(batches[k].advantages, ak)
+        rows.clear()
+        train(model, engine, batches[k], ak)
+        calls[k] = sum(rows) / n
+    r = measure({k: (lambda k=k: train(model, engine, batches[k], kinds[k][0])) for k in kinds}, o.repeats)
+    for k, what in (("full", "full mode"), ("window", "window 2")):
+        row(t, f"training per image, nft ÷ grpo {what}", np.divide(r["nft"], r[k]), "×", f"rows {calls['nft']:.0f}/"
+            f"{calls[k]:.0f} = {calls['nft'] / calls[k]:.2f}", f"transformer rows per image: nft {calls['nft']:.0f} "
+            f"(T = {a.num_steps - 1} × 3, one with gradient), grpo {calls[k]:.0f} (W × 2); {n} images {a.height}², "
+            f"{a.num_steps} steps; {ms(r['nft'])} vs {ms(r[k])}")
+    v = dataclasses.replace(a, height=o.variant_size, width=o.variant_size, cfg_scale=1.0)
+    def no_decode(x, height, width):  # the VAE: the same in both, and not what differs  # noqa: E306
+        return x.new_zeros(len(x), 3, 1, 1)
+    model.decode = no_decode
+    r = measure({"sde": lambda: sample(model, v, list(range(a.num_steps - 1))), "ode": lambda: sample(model, v, []),
+                 "dpm2-full": lambda: sample(model, v, [], ode_solver="dpm2-full")}, o.repeats)
+    for k in ("ode", "dpm2-full"):
+        row(t, f"rollout per image, ODE ({'euler' if k == 'ode' else k}) without log-probs ÷ SDE", np.divide(
+            r[k], r["sde"]), "×", "≈ 1 (the same calls)", f"{a.num_steps} calls per image each, {n} images "
+            f"{v.height}², VAE decode skipped; {ms(r[k])} vs {ms(r['sde'])}")
 
 def vm_hwm(pid) -> int:  # a process's peak resident memory so far: the kernel's own high-water mark, no sampling gaps
     return next(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status") if line.startswith("VmHWM:"))
@@ -446,6 +487,7 @@ def main(argv=None):
         family_rows(t, o, a, "tiny-flux", 1.0, "guidance 3.5 (embedded)")
         o.variant_size = 32 if quick else 256  # 256² (1024 tokens): the transformer's work, not per-call overhead
         variant_rows(t, o, a)
+        forward_rows(t, o, a)
         rank_rows(t, o)
         sp_rows(t, o, 2)
         judge_rows(t, o)

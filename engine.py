@@ -142,6 +142,22 @@ class EMA:
         return {"step": self.steps, **dict(zip(self.names, self.shadow))}
 
 
+class OldPolicy(EMA):
+    """The forward-process algorithms' "old" policy v_old (docs/algorithm.md §12): a float32 shadow of the trained
+    parameters, stored, swapped in and checkpointed as the EMA is (a shadow rather than a second peft adapter: one
+    mechanism for LoRA and full fine-tuning, sharded exactly as the parameters, and nothing a LoRA export could pick
+    up). The algorithm moves it once per iteration, `blend(d)`: old ← old·d + θ·(1 − d), DiffusionNFT's arithmetic
+    to the bit, element-wise on each rank's shards (the same bits whatever the number of ranks)."""
+
+    def __init__(self, named_params):
+        super().__init__(named_params, decay=0.0, every=1)  # EMA's storage; its own step() is never called
+
+    @torch.no_grad()
+    def blend(self, decay: float) -> None:
+        for old, p in zip(self.shadow, self.params):
+            _local(old).copy_(_local(old) * decay + _local(p).float() * (1.0 - decay))
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the storage FSDP2 gathers from: in-place writes reach the parameter)."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -156,7 +172,7 @@ class Engine:
                  max_grad_norm: float, seed: int, full_finetune: bool = False, activation_checkpointing: bool = False,
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
                  shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8, ema_repeat: int = 1,
-                 ema_form: str = "flow-grpo", sp: int = 1):
+                 ema_form: str = "flow-grpo", sp: int = 1, old_policy: bool = False):
         self.rank, self.world_size, self.device = init_distributed()
         self.mesh = seqpar.device_mesh(self.world_size, sp, self.device)  # (dp, 1, sp); FSDP2 shards over all of it
         self.dp_rank, self.dp_size = self.mesh.get_local_rank("dp"), self.mesh.size(0)
@@ -204,6 +220,7 @@ class Engine:
         self.params = [p for _, p in named]
         # of this rank's shards
         self.ema = EMA(named, ema_decay, ema_every, ema_repeat, ema_form) if ema_decay > 0 else None
+        self.old = OldPolicy(named) if old_policy else None  # DiffusionNFT's and AWM's v_old, likewise
         if not self.params:
             raise ValueError(f"--lora-targets {list(lora_targets)} matched no module of the transformer")
         # foreach: batched over parameters (on CPU the default per-tensor loop cost ~4× more per step, bench.py);
@@ -235,11 +252,28 @@ class Engine:
             self.ema.step()
         return norm, skipped
 
-    @contextlib.contextmanager
     def ema_weights(self):
         """The EMA weights for the duration (evaluation, export) with --ema-decay > 0; the trained ones otherwise."""
-        with self.ema.swapped() if self.ema else contextlib.nullcontext():
+        return self._swapped(self.ema)
+
+    def old_weights(self):
+        """The old policy's weights for the duration (the forward-process algorithms' v_old; DiffusionNFT's rollout)."""
+        return self._swapped(self.old)
+
+    @contextlib.contextmanager
+    def _swapped(self, shadow: EMA | None):
+        """`shadow`'s weights in the model for the duration (none: the trained ones). FSDP2 keeps the root module's
+        gathered parameters after a forward (it expects the backward next), so a forward would not see the root's
+        swapped shards: the root is resharded as the weights change, and re-gathers them at its next forward."""
+        if shadow is None:
             yield
+            return
+        with shadow.swapped():
+            self.model.transformer.reshard()
+            try:
+                yield
+            finally:
+                self.model.transformer.reshard()  # before the restore: after it, the trained ones are gathered anew
 
     @contextlib.contextmanager
     def reference(self):
@@ -283,9 +317,9 @@ class Engine:
 
     def export_lora(self, directory: str) -> None:
         """The adapter in diffusers' format (`pipe.load_lora_weights(directory)`), α kept in its metadata;
-        written atomically by rank 0."""
+        written atomically by rank 0. Ends with a barrier, also without an adapter (save_checkpoint relies on it)."""
         if self.lora_config is None:
-            return
+            return self.barrier()
         with self.ema_weights():  # written inside: in a world of one the state's tensors are the live weights
             state = self.lora_state_dict()
             if self.is_main:
@@ -301,8 +335,8 @@ class Engine:
     # only lets `set_state_dict` accept a state dict without the frozen keys.
     _OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
-    def _ema_state(self) -> dict:
-        return {"ema": self.ema.state_dict()} if self.ema else {}
+    def _ema_state(self) -> dict:  # the shadows' own tensors: the EMA and the old policy
+        return {k: v.state_dict() for k, v in (("ema", self.ema), ("old", self.old)) if v}
 
     def _state(self):
         return get_state_dict(self.model.transformer, self.optimizer, options=self._OPTIONS)

@@ -33,6 +33,10 @@ are named options, off in the public recipes:
 10. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, large clip range and learning rate)
    chosen so that learning is visible on a CPU within a minute or two.
 
+Algorithms (`--algorithm`, docs/algorithm.md §12, algorithms.py): `grpo`, the above with its variants below, or the
+forward-process `nft` (DiffusionNFT) and `awm` (Advantage Weighted Matching): an ODE rollout of any solver, and a
+flow-matching loss on its final latents re-noised, weighted by the reward. The loop's phases are the same for each.
+
 Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
 `train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
     --sde-type dance             DanceGRPO's SDE: constant noise level η, score drift        scheduler.py
@@ -57,6 +61,7 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import algorithms
 import checkpoint
 import engine as eng
 import models
@@ -115,6 +120,8 @@ class Args:
     """FLUX's distilled guidance embedding, one pass per step (unset: the pipeline's 3.5; only for FLUX)"""
     negative_prompt: str = " "
     """negative prompt for two-pass CFG"""
+    algorithm: Literal["grpo", "nft", "awm"] = "grpo"
+    """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs, or DiffusionNFT, AWM on ODE images"""
     sde_type: Literal["sde", "cps", "dance"] = "sde"
     """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
     noise_level: float = 0.7
@@ -129,8 +136,9 @@ class Args:
     """iterations between moves of the sliding window (MixGRPO: 25, MixGRPO-Flash: 20)"""
     branch: bool = False
     """Flow-GRPO-Fast: a group shares its noise and ODE path up to the window, then branches (needs --window)"""
-    ode_solver: Literal["euler", "dpm2"] = "euler"
-    """the ODE steps after the window: Euler, or DPM-Solver++(2M) on MixGRPO-Flash's 0.4·(K + 1) σ points"""
+    ode_solver: Literal["euler", "dpm2", "dpm2-full"] = "euler"
+    """the ODE steps after the window (nft, awm: all): Euler, DPM-Solver++(2M) on MixGRPO-Flash's 0.4·(K + 1) σ
+    points, or DPM-Solver++(2M) on every step"""
     guard: Literal["none", "full", "ratio-norm", "reweight"] = "none"
     """GRPO-Guard (`full`): its ratio normalisation and its per-step gradient reweight (1/|dt|); or one alone"""
     cps_density: Literal["public", "exact"] = "public"
@@ -155,6 +163,18 @@ class Args:
     """β of the KL to the reference model (adapter disabled); 0 skips the reference pass"""
     kl_form: Literal["public", "exact"] = "public"
     """the KL: Flow-GRPO's mean((μ − μ_ref)²)/(2·s_t²), or the exact Gaussian KL (sde: 1/|dt| times larger)"""
+    nft_beta: float = 1.0
+    """DiffusionNFT's β: the implicit policies β·v + (1 − β)·v_old and (1 + β)·v_old − β·v (> 0)"""
+    old_decay: Literal["nft0", "nft1", "nft2", "nft2-iterations", "awm"] = "nft1"
+    """the old policy's decay schedule (nft, awm): DiffusionNFT's decay_type 0/1/2, verl-omni's, AWM's (§12)"""
+    old_every: int = 1
+    """iterations between the old policy's updates (nft, awm)"""
+    old_kl: float = 1.0
+    """AWM: weight of the mean squared velocity gap to the old policy (its ema_beta; 0 skips the old pass)"""
+    train_timesteps: int = 3
+    """T: timesteps per image the forward-process update trains at (nft: distinct steps; awm: one per stratum)"""
+    train_timestep_range: tuple[int, int] = (0, 4)
+    """[lo, hi): the schedule steps (of --num-steps) the forward-process update draws its timesteps from"""
     lr: float = 1e-2
     """AdamW learning rate"""
     weight_decay: float = 1e-4
@@ -252,16 +272,16 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
          f"got {a.ema_decay}, {a.ema_every}")
     need(a.rollout == "local" or not (a.branch or a.guard in NEEDS_MEANS or a.ode_solver != "euler"),
-         "--branch, --ode-solver dpm2 and --guard full/ratio-norm need --rollout local (the vLLM-Omni pipeline has "
-         "none yet)")
+         "--branch, --ode-solver dpm2 or dpm2-full and --guard full/ratio-norm need --rollout local (the vLLM-Omni "
+         "pipeline has none yet)")
     need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
          "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
          "checkpoint's tensor shapes and cannot change on --resume")
-    sch.check_variants(a.num_steps, a.window, a.window_range, sde_type=a.sde_type, noise_level=a.noise_level,
-                       window_schedule=a.window_schedule, ode_solver=a.ode_solver)
+    algorithms.check_flags(a, RECIPES[a.recipe], ALGORITHMS)  # e.g. --clip-range with nft: refused, named
+    ALGORITHMS[a.algorithm].check(a)
     sch.check_window(a.eval_steps, 0, (0, 0))
     models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
                             model_path=a.model_path, sp=a.sp)
@@ -420,6 +440,9 @@ def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress
             "train/skipped_steps": engine.skipped_steps}
 
 
+ALGORITHMS = {"grpo": algorithms.grpo(train_on), **algorithms.FORWARD}  # --algorithm (docs/algorithm.md §12)
+
+
 # ---- evaluation ------------------------------------------------------------------------------------
 
 def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.RunLog) -> dict:
@@ -439,6 +462,7 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 
 def main(a: Args) -> list[dict]:
     resume = check_args(a)  # before any model is built or process group joined
+    algo = ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update (algorithms.py)
     rank, world, device = eng.init_distributed()
     arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     ckpt, meta = resume or (None, {})
@@ -461,7 +485,7 @@ def main(a: Args) -> list[dict]:
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
                         shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
-                        ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp)
+                        ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp, old_policy=algo.keeps_old)
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
@@ -483,21 +507,22 @@ def main(a: Args) -> list[dict]:
                                            engine.dp_size, seed=a.seed * 7919 + it)  # (dp, B) global image ids
             mine = assignment[engine.dp_rank]
             group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
-            steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=a.seed * 100_003 + it, iteration=it,
-                                      schedule=a.window_schedule, slide_every=a.slide_every)
+            steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
             t0 = time.perf_counter()
             model.transformer.eval()
-            backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
             def score_chunk(c, x):  # each decoded chunk is scored while the next one samples
                 scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])
-            batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
-                                   height=a.height, width=a.width, cfg_scale=a.cfg_scale,
-                                   negative_prompt=a.negative_prompt, noise_level=a.noise_level, sde_type=a.sde_type,
-                                   seed=a.seed, iteration=it, chunk=a.micro_batch, progress=engine.is_main,
-                                   on_images=score_chunk, branch=a.branch, ode_solver=a.ode_solver)
+            with algo.behaviour(engine):  # the weights that sample: the trained ones, or DiffusionNFT's old policy
+                backend.sync(engine, it)  # vllm-omni: publish them as adapter version `it`
+                batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
+                                       height=a.height, width=a.width, cfg_scale=a.cfg_scale,
+                                       negative_prompt=a.negative_prompt, noise_level=a.noise_level,
+                                       sde_type=a.sde_type, seed=a.seed, iteration=it, chunk=a.micro_batch,
+                                       progress=engine.is_main, on_images=score_chunk, branch=a.branch,
+                                       ode_solver=a.ode_solver)
             t1 = time.perf_counter()
 
             # --- 3. rewards (already running since each chunk was decoded), gathered over ranks -----
@@ -508,19 +533,20 @@ def main(a: Args) -> list[dict]:
             # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
             adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
                                              clip=a.adv_clip)
-            batch.advantages = adv[mine].to(engine.device)
+            batch.advantages = algo.weights(adv[mine], a).to(engine.device)  # grpo: A; nft: r ∈ [0, 1]; awm: A/c
             batch.weights = ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)[mine].to(engine.device)
 
-            # --- 5. policy update: PPO-clip over the trained steps, gradient accumulation -----------
+            # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
-            stats = engine.mean_over_ranks(train_on(model, engine, batch, a, arith, engine.is_main))
+            stats = engine.mean_over_ranks(algo.update(model, engine, batch, a, arith, engine.is_main))
             t2 = time.perf_counter()
 
             # --- 6. log -----------------------------------------------------------------------------
             comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
             row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
-                   "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
+                   "reward/zero_std_ratio": zero_std, **comps, **stats,
                    "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait}
+            row |= {"train/window_start": steps[0]} if steps else {}  # an ODE-only rollout has no window
 
             # --- 7. eval every K iterations and at the end ------------------------------------------
             if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
@@ -528,7 +554,7 @@ def main(a: Args) -> list[dict]:
                 with engine.ema_weights():
                     row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
             log.log(row)
-            bar.set_postfix(reward=f"{row['reward/mean']:.4f}", gap=f"{row['train/logp_gap']:.1e}")
+            bar.set_postfix(reward=f"{row['reward/mean']:.4f}", **{algo.watch.split("/")[-1]: f"{row[algo.watch]:.1e}"})
 
             # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration)
             if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):

@@ -24,7 +24,7 @@ prompt masks and SD3's conditioning in fused batches of n > 1 images, FLUX's LoR
 
 The file holds, for n images, W trained steps, latents of shape L per image ((S, C) packed for Qwen-Image and
 FLUX, (C, h, w) for SD3): latents (n, W+1, *L), log_probs (n, W), sigmas (W+1,), sigma_max (), images
-(n, 3, H, W) in [0, 1], all float32, and metadata {"format", "seeds", "prompt"} for the client's checks. No
+(n, 3, H, W) in [0, 1], x0 (n, *L) (the final latents), all float32, and metadata {"format", "seeds", "prompt"}. No
 prompt conditioning: the trainer re-encodes the prompts with its own (identical, frozen) text encoders; the
 embeddings would be the largest tensors in the file, and shipping them would hide part of the rollout-vs-trainer
 gap that `train/logp_gap` is there to measure.
@@ -47,7 +47,7 @@ from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 import scheduler as sch
 
 KEY = "flowgrpo"  # the extra_params entry that carries our knobs
-FORMAT = "flowgrpo-trajectory-v1"
+FORMAT = "flowgrpo-trajectory-v2"
 SAMPLER_KNOBS = ("steps", "noise_level", "sde_type", "max_sequence_length")  # one value per sampling pass
 
 
@@ -149,7 +149,7 @@ class FlowGRPOSampler:
                 images = (out.output.float() / 2 + 0.5).clamp(0, 1)
                 write_trajectory(self.trajectory_root, *k["where"], {
                     "latents": run["latents"][rows], "log_probs": run["log_probs"][rows], "sigmas": run["sigmas"],
-                    "sigma_max": torch.tensor(run["sigma_max"]), "images": images},
+                    "sigma_max": torch.tensor(run["sigma_max"]), "images": images, "x0": run["x0"][rows]},
                     {"format": FORMAT, "seeds": json.dumps(k["seeds"]), "prompt": _prompt_text(req.prompts[i])})
         return outputs
 
@@ -201,7 +201,7 @@ class FlowGRPOSampler:
         B = x.shape[0]
         run.update(latents=torch.stack(states, 1).cpu() if states else x.new_zeros(B, 0, *x.shape[1:]).cpu(),
                    log_probs=torch.stack(log_probs, 1).cpu() if log_probs else torch.zeros(B, 0),
-                   sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=sigma_max)
+                   sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=sigma_max, x0=x.cpu())
         return x.to(latents.dtype)
 
 

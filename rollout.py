@@ -43,17 +43,23 @@ class Batch:
     sigma_max: float  # σ_1 of the schedule (scheduler.step's σ̃ at σ = 1)
     cond: dict  # embeds (B, L, D), mask (B, L), and for CFG neg_embeds, neg_mask
     images: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]
-    advantages: torch.Tensor | None = None  # (B,) set by the loop after the rewards
+    advantages: torch.Tensor | None = None  # (B,) the update's per-image weights, set by the loop after the rewards
     means: torch.Tensor | None = None  # (B, W, S, C) float32: behaviour means of the trained transitions
     weights: torch.Tensor | None = None  # (B,) each image's weight in the loss mean, set by the loop (None: 1)
+    x0: torch.Tensor | None = None  # (B, S, C) float32: each image's final latents (the forward-process algorithms')
+    ids: torch.Tensor | None = None  # (B,) long: global image index (with `iteration`, it seeds the image's noise)
+    iteration: int = 0
 
     def chunk(self, start: int, stop: int) -> "Batch":
         """Images [start, stop) as a Batch (views, no copies)."""
         s = slice(start, stop)
+
+        def part(t):
+            return None if t is None else t[s]
         return Batch(self.prompts[s], self.metadata[s], self.group[s], self.latents[s], self.log_probs[s],
                      self.sigmas, self.sigma_max, {k: v[s] for k, v in self.cond.items()}, self.images[s],
-                     None if self.advantages is None else self.advantages[s],
-                     None if self.means is None else self.means[s], None if self.weights is None else self.weights[s])
+                     part(self.advantages), part(self.means), part(self.weights), part(self.x0), part(self.ids),
+                     self.iteration)
 
 
 def image_seed(seed: int, iteration: int, image_id: int) -> int:
@@ -94,8 +100,10 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     branch: a group's images share their initial noise and the s = steps[0] ODE steps before the window
     (`branch_prefixes`, once per group on each rank that holds part of it) and branch there into their own
     SDE steps: s + G·(N − s) calls per group instead of G·N.
-    ode_solver: how the ODE steps after the window are taken (scheduler.ODE_SOLVERS: `euler`, or `dpm2`,
-    diffusers' DPM-Solver++(2M) in half the calls); the trained steps and stored latents do not change."""
+    ode_solver: how the ODE steps after the window are taken (scheduler.ODE_SOLVERS: `euler`, `dpm2` (diffusers'
+    DPM-Solver++(2M) in half the calls) or `dpm2-full`); the trained steps and stored latents do not change.
+    No steps (evaluation; the forward-process algorithms' rollout): `ode_solver` walks the whole schedule and the batch
+    holds no log-probs and no per-step latents, only the images and their final latents `x0` (docs/algorithm.md §9)."""
     assert list(steps) == list(range(steps[0], steps[0] + len(steps))) if steps else True, f"not consecutive: {steps}"
     if branch and not steps:
         raise ValueError("branching needs SDE steps to branch into (a window); the ODE-only sampler has none")
@@ -105,12 +113,12 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     cond = model.conditioning(prompts, negative_prompt, cfg_scale)
     gens = image_generators(seed, iteration, image_ids)  # each image's own noise: initial (unless branched) and SDE
     start = steps[0] if branch else 0  # the first step an image takes on its own
-    tail = steps[-1] + 1 if steps else num_steps  # the first step after the window: ODE_SOLVERS[ode_solver] from here
+    tail = steps[-1] + 1 if steps else start  # the first step after the window (none: 0): ODE_SOLVERS[ode_solver] on
     shared = branch_prefixes(model, prompts, group, sigmas=sigmas, start=start, negative_prompt=negative_prompt,
                              cfg_scale=cfg_scale, seed=seed, iteration=iteration, height=height,
                              width=width) if branch else {}
     tail_calls = sch.ode_calls(ode_solver, num_steps - tail)
-    latents, log_probs, means, images = [], [], [], []
+    latents, log_probs, means, images, x0 = [], [], [], [], []
     bar = tqdm(total=len(prompts) * (tail - start + tail_calls), desc="rollout", unit="step", disable=not progress,
                leave=False)
     for c in range(0, len(prompts), chunk):
@@ -138,13 +146,15 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
         latents.append(torch.stack(states, 1) if states else x.new_zeros(x.shape[0], 0, *x.shape[1:]))
         log_probs.append(torch.stack(lps, 1) if lps else x.new_zeros(x.shape[0], 0))
         means.append(torch.stack(mus, 1) if mus else x.new_zeros(x.shape[0], 0, *x.shape[1:]))
+        x0.append(x.float())
         images.append(model.decode(x, height, width))
         if on_images:
             on_images(c, images[-1])
     bar.close()
     trained = sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0]
-    return Batch(list(prompts), list(metadata), group, torch.cat(latents), torch.cat(log_probs),
-                 trained, sigma_max, cond, torch.cat(images), means=torch.cat(means))
+    return Batch(list(prompts), list(metadata), group, torch.cat(latents), torch.cat(log_probs), trained, sigma_max,
+                 cond, torch.cat(images), means=torch.cat(means), x0=torch.cat(x0), ids=torch.as_tensor(image_ids),
+                 iteration=iteration)
 
 
 def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width: int, cfg_scale: float,
@@ -160,7 +170,7 @@ def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width:
 # ---- backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni_pipeline.py)
 
 BACKENDS = ("local", "vllm-omni")
-KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v1"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
+KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v2"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
 MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
 OMNI_DEFAULTS = dict(dir="", timeout=600.0, retries=3, backoff=2.0, concurrency=2)  # FLOWGRPO_ROLLOUT_<NAME>
 
@@ -233,8 +243,8 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_m
     they must be equal to the bit (tests/omni: they are); else it serves another model, or is not to be trusted."""
     n, states, W = len(seeds), len(sigmas), max(len(sigmas) - 1, 0)  # ODE only (W = 0): no states, as `sample`
     want = {"latents": (n, states, *latent_shape), "log_probs": (n, W), "sigmas": (states,), "sigma_max": (),
-            "images": (n, *image_shape)}
-    # float32 data, plus the header: 5 tensor entries, the seeds and the prompt (JSON-escaped: <= 6 bytes a byte)
+            "images": (n, *image_shape), "x0": (n, *latent_shape)}
+    # float32 data, plus the header: 6 tensor entries, the seeds and the prompt (JSON-escaped: <= 6 bytes a byte)
     limit = 4 * sum(torch.Size(s).numel() for s in want.values()) + 8 + 4096 + 6 * len(prompt.encode())
     data = _read_regular(path, limit, pipeline)
     try:  # the safetensors layout: an 8-byte little-endian header size, the JSON header, then the data
@@ -299,8 +309,8 @@ class OmniBackend:
     """Rollout on vLLM-Omni servers. The run's files go to a directory of its own, `<exchange>/rollout-<time>-<hex>`
     (`_exchange_dir`; `close` removes it). `sync` exports the policy as `policy/v<k>` there; `sample` sends the
     rank's requests (<= `concurrency` in flight per server, to whichever is free), reads and deletes the files
-    `trajectories/*`, and returns the local backend's Batch: the servers' latents, log-probs and images (float32
-    from the file, not the response's 8-bit PNGs), the trainer's own σ and prompt conditioning."""
+    `trajectories/*`, and returns the local backend's Batch: the servers' latents, log-probs, images (float32 from
+    the file, not the response's 8-bit PNGs) and final latents, the trainer's own σ and prompt conditioning."""
 
     def __init__(self, urls: str, run_dir: str, engine, *, exchange_dir: str | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 2.0, concurrency: int = 2):
@@ -375,7 +385,8 @@ class OmniBackend:
             return torch.cat([p[k] for p in parts])[order]
         batch = Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
                       cat("log_probs").to(model.device), expect["sigmas"], expect["sigma_max"],
-                      model.conditioning(list(prompts), negative_prompt, cfg_scale), cat("images"))
+                      model.conditioning(list(prompts), negative_prompt, cfg_scale), cat("images"),
+                      x0=cat("x0").to(model.device), ids=torch.as_tensor(image_ids), iteration=iteration)
         if on_images:
             on_images(0, batch.images)
         return batch

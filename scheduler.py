@@ -218,16 +218,21 @@ def ode_dpm2(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
     calls it is Euler on Flash's points)."""
     if len(sigmas) < 2:  # nothing left (the window reached the end)
         return x
-    sub = dpm2_sigmas(sigmas)
-    solver = dpm_solver(sub)
-    for t in range(len(sub) - 1):
-        v = velocity(x, sub[t].expand(x.shape[0]))
+    return ode_dpm2_full(velocity, x, dpm2_sigmas(sigmas))
+
+
+def ode_dpm2_full(velocity, x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """DPM-Solver++(2M) on every one of the K steps, one model call each: DiffusionNFT's `dpm2` sampler
+    (docs/algorithm.md §12; the first and the last step are first order, the others second)."""
+    solver = dpm_solver(sigmas)
+    for t in range(len(sigmas) - 1):
+        v = velocity(x, sigmas[t].expand(x.shape[0]))
         x = solver.step(v.float(), solver.timesteps[t], x.float(), return_dict=False)[0]
     return x
 
 
-ODE_SOLVERS = {"euler": ode_euler, "dpm2": ode_dpm2}
-ODE_CALLS = {"euler": euler_calls, "dpm2": flash_calls}
+ODE_SOLVERS = {"euler": ode_euler, "dpm2": ode_dpm2, "dpm2-full": ode_dpm2_full}
+ODE_CALLS = {"euler": euler_calls, "dpm2": flash_calls, "dpm2-full": euler_calls}  # dpm2-full: one call per step
 
 
 def ode_calls(solver: str, k: int) -> int:
@@ -292,7 +297,8 @@ def check_window(num_steps: int, window: int, window_range: tuple[int, int]) -> 
 def check_variants(num_steps: int, window: int, window_range: tuple[int, int], *, sde_type: str, noise_level: float,
                    window_schedule: str, ode_solver: str) -> None:
     """Refuse, naming the flags, the sampler combinations that cannot work (before anything is built). Any number of
-    ODE steps after the window works with either solver (dpm2 takes at least one call)."""
+    ODE steps after the window (or, for the forward-process algorithms, on the whole schedule) works with every solver
+    (dpm2 takes at least one call; with fewer than 3 steps DPM-Solver++(2M) is Euler)."""
     check_window(num_steps, window, window_range)
     if sde_type not in SDE_TYPES:
         raise ValueError(f"--sde-type must be one of {tuple(SDE_TYPES)}, got {sde_type!r}")

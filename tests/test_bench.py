@@ -47,7 +47,9 @@ def test_cpu_table_smallest(tmp_path):
                  "reward jpeg_compressibility", "reward jpeg_incompressibility", "reward brightness", "reward ocr",
                  "rollout + OCR reward: AsyncRewards overlapped ÷ serial", "ranks: time per iteration, 2 ÷ 1",
                  "tiny-sd3: rollout ÷ diffusers", "tiny-sd3: training ÷ bare fwd+bwd", "tiny-flux: rollout ÷ diffusers",
-                 "tiny-flux: training ÷ bare fwd+bwd", "ranks: peak RSS per rank, 2 ÷ 1",
+                 "tiny-flux: training ÷ bare fwd+bwd", "training per image, nft ÷ grpo full mode",
+                 "training per image, nft ÷ grpo window 2", "rollout per image, ODE (euler) without log-probs ÷ SDE",
+                 "rollout per image, ODE (dpm2-full) without log-probs ÷ SDE", "ranks: peak RSS per rank, 2 ÷ 1",
                  "SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"):
         assert name in rows, (name, list(rows))
     written = md.read_text()

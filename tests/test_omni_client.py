@@ -66,13 +66,13 @@ def write_fake_trajectory(body, seq_len, channels, mode):
     w, h = map(int, body["size"].split("x"))
     steps = k["steps"]
     schedule = trainer_sigmas(body["num_inference_steps"], seq_len)
-    sigmas = schedule[steps[0]:steps[-1] + 2].clone()
+    sigmas = schedule[steps[0]:steps[-1] + 2].clone() if steps else schedule[:0]  # none stored by an ODE-only rollout
     if mode == "other_sigmas":  # one σ off by one float32 ulp
         sigmas[1] = torch.nextafter(sigmas[1], torch.tensor(2.0))
-    tensors = {"latents": seed_rows(k["seeds"], (len(steps) + 1, seq_len, channels)),
+    tensors = {"latents": seed_rows(k["seeds"], (len(sigmas), seq_len, channels)),
                "log_probs": torch.tensor([[float(s % 1000)] * len(steps) for s in k["seeds"]]), "sigmas": sigmas,
                "sigma_max": torch.tensor(123.0 if mode == "sigma_max" else float(schedule[1])),
-               "images": seed_rows(k["seeds"], (3, h, w)).sigmoid()}
+               "images": seed_rows(k["seeds"], (3, h, w)).sigmoid(), "x0": -seed_rows(k["seeds"], (seq_len, channels))}
     if mode == "wrong_shape":
         tensors["latents"] = tensors["latents"][:, :-1].contiguous()
     meta = {"format": rollout.FORMAT, "prompt": body["prompt"],
@@ -251,7 +251,7 @@ def test_read_trajectory_checks_everything(tmp_path):
             read()
     with open(tmp_path / "t.safetensors", "ab") as f:  # more bytes than the request's trajectory can take
         f.write(bytes(2 * 4 * (3 * H * W + 4 * 16 * 16)))
-    with pytest.raises(ValueError, match="has more than the 36922 bytes a trajectory of this request takes"):
+    with pytest.raises(ValueError, match="has more than the 38970 bytes a trajectory of this request takes"):
         read()
     os.remove(tmp_path / "t.safetensors")
     os.symlink(tmp_path / "elsewhere.safetensors", tmp_path / "t.safetensors")  # the server writes files, not links
@@ -300,6 +300,19 @@ def test_sample_assembles_the_local_layout_in_batch_order(tmp_path, standin, mod
     assert torch.equal(batch.latents[3], seed_rows([seeds[3]], (4, 16, 16))[0])
     assert [b["lora"]["int_id"] for b in standin.bodies] == [backend.lora["int_id"]] * 2
     assert os.listdir(backend.traj_dir) == []  # read, then deleted
+
+
+def test_an_ode_only_rollout_returns_images_and_final_latents(tmp_path, standin, model):
+    """The forward-process algorithms' rollout (no SDE steps): the servers return images and each image's final
+    latents `x0` only; no log-probs, no per-step latents (their shapes: (n, 0), (n, 0, *L))."""
+    backend = make(standin.url, tmp_path)
+    backend.sync(fake_engine(), 0)
+    ids = [3, 8, 1]
+    batch = backend.sample(model, ["a cat", "a dog", "a cat"], [{}] * 3, [0, 1, 0], ids, **(KW | dict(steps=[])))
+    seeds = [rollout.image_seed(5, 3, i) for i in ids]
+    assert batch.log_probs.shape == (3, 0) and batch.latents.shape == (3, 0, 16, 16) and len(batch.sigmas) == 0
+    assert torch.equal(batch.x0, -seed_rows(seeds, (16, 16))) and batch.ids.tolist() == ids and batch.iteration == 3
+    assert standin.bodies[0]["extra_params"]["flowgrpo"]["steps"] == []
 
 
 def test_transient_503_is_retried(tmp_path, standin, model):

@@ -91,6 +91,33 @@ def test_served_trajectories_equal_the_local_backend(omni_server, trainer, tmp_p
     assert os.listdir(backend.traj_dir) == []
 
 
+def test_an_ode_rollout_returns_the_local_final_latents_sampled_with_the_old_policy(omni_server, trainer, tmp_path):
+    """The forward-process rollout (no SDE step): the server returns images and final latents `x0` only, equal to the
+    local backend's; DiffusionNFT samples with its old policy (engine.old_weights), which is what the server serves."""
+    model, engine = trainer
+    set_lora_b(model, 5)
+    named = [(n, p) for n, p in model.transformer.named_parameters() if p.requires_grad]
+    engine.old = eng.OldPolicy(named)  # the trained weights, then a different policy as the old one
+    try:
+        with torch.no_grad():
+            for s, (n, _) in zip(engine.old.shadow, named):
+                if "lora_B" in n:
+                    s.to_local().normal_(0.0, 0.05, generator=torch.Generator().manual_seed(6))
+        backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+        with engine.old_weights():
+            backend.sync(engine, 0)
+            served, local = both(backend, model, [], 1.0, "sde")
+        trained = rollout.sample(model, PROMPTS, [{}] * 5, [0, 1, 0, 1, 0], list(range(5)),
+                                 **dict(KW, steps=[], cfg_scale=1.0, sde_type="sde"))
+    finally:
+        engine.old = None
+    diffs = {k: (getattr(served, k) - getattr(local, k)).abs().max().item() for k in ("x0", "images")}
+    print(f"\nODE rollout, old policy: served − local max|diff| {diffs}")
+    assert served.log_probs.shape == (5, 0) and served.latents.shape[1] == 0 and served.x0.shape == local.x0.shape
+    assert max(diffs.values()) < 1e-5
+    assert (served.x0 - trained.x0).abs().max() > 1e-3  # the old policy sampled, not the trained one
+
+
 def test_each_version_is_a_new_adapter_that_changes_the_images(omni_server, trainer, tmp_path):
     model, engine = trainer
     backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
@@ -301,6 +328,24 @@ def test_cli_training_run_learns_with_a_tiny_logp_gap(omni_server, tiny_pipeline
     loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", omni_server.log_text()[log_start:])
     assert [int(v) for _, v in loaded] == list(range(iterations)) and len({i for i, _ in loaded}) == iterations
     assert not [p for p in os.listdir(run) if p.startswith("rollout-")]  # the run's exchange directory: removed
+
+
+@needs_cli
+@pytest.mark.parametrize("algorithm", ["nft", "awm"])
+def test_cli_forward_process_run_on_the_server(omni_server, tiny_pipeline_dir, tmp_path, algorithm):
+    """`--algorithm nft|awm --rollout vllm-omni`: the servers sample (a new adapter version each iteration), the
+    trainer trains on the returned final latents, and the run checkpoints with its old policy."""
+    run, iterations = tmp_path / "run", 3
+    log_start = len(omni_server.log_text())
+    out = trainer_cli("--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
+                      omni_server.url, "--run-dir", str(run), "--iterations", str(iterations), "--eval-every", "0",
+                      "--algorithm", algorithm, "--kl-beta", "0.01")
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = metrics(run)
+    assert len(rows) == iterations and all(r["train/grad_norm"] > 0 and r["train/kl"] >= 0 for r in rows)
+    loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", omni_server.log_text()[log_start:])
+    assert [int(v) for _, v in loaded] == list(range(iterations))
+    assert (run / "checkpoints" / f"{checkpoint.PREFIX}{iterations - 1:06d}" / "meta.json").exists()
 
 
 @needs_cli
