@@ -8,13 +8,15 @@ docs/algorithm.md §7.
 """
 import models
 
-LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux")}  # cheap: no diffusers
+LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux", "tiny-wan")}  # no diffusers
 
 RECIPES: dict[str, dict] = {
     # this project's CPU toys (docs/algorithm.md §7): random weights, a cheap image-space reward
     "tiny": {},  # Args' own defaults
     "tiny-sd3": dict(model="tiny-sd3", cfg_scale=4.5, negative_prompt="", lora_targets=LORA_TARGETS["tiny-sd3"]),
     "tiny-flux": dict(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
+    # 9 frames (3 latent frames); a reward on the frames' motion; lr 5e-2 (1e-2 moved it by < 1 std in 30 iterations)
+    "tiny-wan": dict(model="tiny-wan", num_frames=9, reward="motion", lr=5e-2, lora_targets=LORA_TARGETS["tiny-wan"]),
     # Flow-GRPO's public config pickscore_qwenimage with verl's Qwen-Image OCR LoRA example
     "qwen-image": dict(model="qwen-image", iterations=300, prompts="ocr", reward="ocr", group_size=16,
                        prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,
@@ -33,4 +35,13 @@ RECIPES: dict[str, dict] = {
                        guidance=3.5, noise_level=0.9, window_range=(0, 3), clip_range=1e-4, lr=3e-4, lora_rank=64,
                        lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"], mixed_precision=True, ema_decay=0.9,
                        ema_every=8, checkpoint_every=30, eval_every=30),
+    # Flow-GRPO's public config general_ocr_wan2_1 and scripts/train_wan2_1.py (one GPU), with DanceGRPO's Wan2.1
+    # sampler (fastvideo/train_grpo_wan_2_1.py: its SDE, η 0.3); docs/algorithm.md §7, §13
+    "wan2.1-t2v-1.3b": dict(model="wan2.1-t2v-1.3b", iterations=300, prompts="ocr", reward="ocr", group_size=4,
+                            prompts_per_iteration=4, micro_batch=8, height=240, width=416, num_frames=33, num_steps=20,
+                            eval_steps=50, cfg_scale=4.5, negative_prompt="", sde_type="dance", noise_level=0.3,
+                            std="group", clip_range=1e-3, kl_beta=0.004, lr=1e-4, lora_rank=32,
+                            lora_alpha=64, lora_targets=LORA_TARGETS["tiny-wan"], mixed_precision=True,
+                            activation_checkpointing=True, ema_decay=0.9, ema_every=8, checkpoint_every=60,
+                            eval_every=30),
 }
