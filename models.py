@@ -201,6 +201,7 @@ class Adapter:
     build_tiny = None  # seed -> the tiny pipeline (a staticmethod in each family)
     omni_pipeline_class: str  # the vLLM-Omni servers' pipeline_class for --rollout vllm-omni (omni_pipeline.py)
     max_sequence_length: int  # the prompts' text length (T5 pads to it); the servers are told it per request
+    num_frames: int = 1  # frames per sample: 1 for images (the servers are told it per request)
 
     def __init__(self, pipe, device, dtype: torch.dtype):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
@@ -228,6 +229,10 @@ class Adapter:
         else:
             pipe = from_pretrained(cls.pipeline_class, model, path or cls.default_path, dtype=dtype)
         return cls(pipe, device, dtype, **options)  # options: FLUX's guidance, a video model's num_frames
+
+    def sample_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """One decoded sample's shape: an image's (3, H, W) (a video model's: (F, 3, H, W))."""
+        return (3, height, width)
 
     def image_seq_len(self, height: int, width: int) -> int:
         """Image tokens the transformer sees (what the dynamic sigma shift depends on)."""

@@ -1,8 +1,9 @@
 """Wan2.1 text-to-video (tiny-wan) against diffusers' own WanPipeline, and the loop on 5-D video latents.
 
 The pipeline is compared with the scheduler the adapter puts into it, FlowMatchEulerDiscreteScheduler with Wan's shift
-3.0 (models_wan.WAN_SCHEDULER), not the checkpoints' UniPC: this project's sampler takes Euler/SDE steps on that σ
-schedule, and WanPipeline.__call__ steps with whatever scheduler it holds (docs/algorithm.md §13)."""
+3.0 on the public Wan trainers' σ table (models_wan.wan_scheduler_class), not the checkpoints' UniPC: this project's
+sampler takes Euler/SDE steps on that σ schedule, and WanPipeline.__call__ steps with whatever scheduler it holds
+(docs/algorithm.md §13)."""
 import dataclasses
 import json
 import os
@@ -12,11 +13,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from diffusers import FlowMatchEulerDiscreteScheduler
+from PIL import Image, ImageSequence
 
 import engine as eng
 import flowgrpo
 import models
+import models_wan
 import rewards
 import rollout
 import runlog
@@ -65,7 +68,7 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(wan, cfg):
     kw = dict(wan.pipeline_kwargs(cond, cfg), height=H, width=W, num_inference_steps=n_steps)
     ref_latents = wan.pipe(latents=x1.clone(), output_type="latent", **kw).frames
     sig = sch.sigma_schedule(wan.scheduler, n_steps, wan.image_seq_len(H, W))
-    assert type(wan.pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    assert isinstance(wan.pipe.scheduler, FlowMatchEulerDiscreteScheduler)
     assert torch.equal(sig, wan.pipe.scheduler.sigmas), (sig, wan.pipe.scheduler.sigmas)
     ref_frames = wan.pipe(latents=x1.clone(), output_type="pt", **kw).frames  # (B, F, 3, H, W)
     assert ref_frames.shape == batch.images.shape == (2, FRAMES, 3, H, W)
@@ -81,13 +84,21 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(wan, cfg):
     assert torch.equal(x, ref_latents), (x - ref_latents).abs().max()  # bit for bit
 
 
-def test_cfg_changes_the_velocity_and_the_frames_move(wan):
-    """Neither check above is vacuous: CFG changes v, and consecutive frames differ (the video is not one image)."""
+def test_cfg_changes_the_velocity_and_frames_change_where_latent_frames_do(wan):
+    """Neither check above is vacuous: CFG changes v. The toy's frame-wise decoder (models_wan.frame_wise_decoder):
+    the 4 frames of a latent frame are equal, consecutive latent frames decode to different frames, and the same
+    latent frame repeated decodes to the same frames (the first one aside: it is decoded alone)."""
     x, sigma = wan.noise(rollout.image_generators(0, 0, [0, 1]), H, W), torch.full((2,), 0.6)
     v1, v4 = (wan.velocity(x, sigma, wan.conditioning(PROMPTS, "", c), c, H, W) for c in (1.0, 4.5))
     assert (v1 - v4).abs().max() > 1e-3
-    frames = wan.decode(x, H, W)
-    assert (frames[:, 1:] - frames[:, :-1]).abs().mean() > 1e-2
+
+    def change(latents):  # (F − 1,) max |frame_{t+1} − frame_t|
+        frames = wan.decode(latents, H, W)
+        return (frames[:, 1:] - frames[:, :-1]).abs().amax(dim=(0, 2, 3, 4))
+    moving, still = change(x), change(x[:, :, :1].expand_as(x).contiguous())
+    within = [1, 2, 3, 5, 6, 7]  # pairs inside latent frames 1 (frames 1-4) and 2 (frames 5-8)
+    assert moving[within].max() == 0 and still[within].max() == 0
+    assert moving[4] > 1e-2 and still[4] == 0, (moving, still)  # frame 4 → 5 crosses latent frames 1 → 2
 
 
 def test_the_step_treats_5d_latents_as_their_flattened_elements():
@@ -235,4 +246,20 @@ def test_tiny_wan_learns_motion_exactly_on_policy_and_leaves_videos(tmp_path):
     assert last - first > 3 * rows[0]["reward/std"], (first, last, rows[0]["reward/std"])
     assert sorted(os.listdir(run / "samples")) == ["eval_00000.gif", "eval_00000.png", "eval_00029.gif",
                                                    "eval_00029.png"]
-    assert Image.open(run / "samples" / "eval_00029.gif").n_frames == TINY_WAN.num_frames
+    gif = Image.open(run / "samples" / "eval_00029.gif")  # Pillow merges equal consecutive frames, adding durations
+    shown = sum(frame.info["duration"] for frame in ImageSequence.Iterator(gif))
+    want = TINY_WAN.num_frames * 1000 / runlog.VIDEO_FPS  # ms, each frame's rounded to 10 ms in the file
+    assert 1 < gif.n_frames <= TINY_WAN.num_frames and abs(shown - want) <= 10 * gif.n_frames, (gif.n_frames, shown)
+
+
+def test_the_sigma_table_is_the_public_wan_trainers():
+    """σ_i = s(1 − i/N), s(t) = 3t/(1 + 2t): DanceGRPO's table (fastvideo/train_grpo_wan_2_1.py, `sd3_time_shift(3,
+    linspace(1, 0, N + 1))`, re-typed here), to float32 rounding; diffusers' own for the same config ends elsewhere."""
+    for n in (4, 20, 50):
+        t = torch.linspace(1, 0, n + 1)
+        public = 3 * t / (1 + 2 * t)
+        ours = sch.sigma_schedule(models_wan.wan_scheduler_class()(**models_wan.WAN_SCHEDULER), n, 0)
+        torch.testing.assert_close(ours, public, rtol=0, atol=1e-6)
+    ours = sch.sigma_schedule(models_wan.wan_scheduler_class()(**models_wan.WAN_SCHEDULER), 20, 0)
+    stock = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models_wan.WAN_SCHEDULER), 20, 0)
+    assert abs(ours[-2].item() - 3 / 22) < 1e-6 and abs(stock[-2].item() - 0.0089) < 1e-4, (ours, stock)  # s(1/20)
