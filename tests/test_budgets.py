@@ -18,8 +18,9 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
 BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py": 390, "omni_pipeline.py": 330}
 # (bench.py's last 40 lines of that: one import and one statement per line, where it had packed them.)
 # Raised for video (Wan2.1): image rewards applied per frame and two rewards on the frames' motion; evaluation videos
-# written as an animated GIF beside the first frames' grid.
-BUDGETS |= {"rewards.py": 470, "runlog.py": 230}
+# written as an animated GIF beside the first frames' grid; a fourth server pipeline (Wan: videos from the output's
+# media, the trainer's σ table, the frame count from the request) on two hooks of the common sampler.
+BUDGETS |= {"rewards.py": 470, "runlog.py": 230, "omni_pipeline.py": 380}
 
 
 def test_every_file_is_within_its_budget():
