@@ -193,8 +193,8 @@ def test_tiny_wan_learns_motion_exactly_on_policy_and_leaves_videos(tmp_path):
     GIFs with first-frame grids."""
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), "--model", "tiny-wan", "--run-dir",
-                          str(run), "--eval-every", "29", "--eval-images", "4", "--no-wandb"], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+                          str(run), "--eval-every", "29", "--eval-images", "4"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT, env=os.environ | {"WANDB_MODE": "offline"})  # wandb gets the GIFs too
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/logp_gap"] == 0 for r in rows) and all(r["train/approx_kl"] > 0 for r in rows)
@@ -203,6 +203,7 @@ def test_tiny_wan_learns_motion_exactly_on_policy_and_leaves_videos(tmp_path):
     assert last - first > 3 * rows[0]["reward/std"], (first, last, rows[0]["reward/std"])
     assert sorted(os.listdir(run / "samples")) == ["eval_00000.gif", "eval_00000.png", "eval_00029.gif",
                                                    "eval_00029.png"]
+    assert (run / "wandb").is_dir() and (run / "reward_curve.png").stat().st_size > 5000
     gif = Image.open(run / "samples" / "eval_00029.gif")  # Pillow merges equal consecutive frames, adding durations
     shown = sum(frame.info["duration"] for frame in ImageSequence.Iterator(gif))
     want = TINY_WAN.num_frames * 1000 / runlog.VIDEO_FPS  # ms, each frame's rounded to 10 ms in the file
