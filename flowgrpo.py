@@ -80,8 +80,9 @@ class Args:
     shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
-    model: Literal["tiny", "tiny-sd3", "tiny-flux", "qwen-image", "sd3.5-medium", "flux.1-dev"] = "tiny"
-    """Qwen-Image, SD3.5-Medium or FLUX.1-dev; the `tiny` ones are their classes at toy size, random, no downloads"""
+    model: Literal["tiny", "tiny-sd3", "tiny-flux", "tiny-wan", "qwen-image", "sd3.5-medium", "flux.1-dev",
+                   "wan2.1-t2v-1.3b"] = "tiny"
+    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; the `tiny` ones: their classes at toy size, random weights"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
@@ -110,6 +111,8 @@ class Args:
     """image height in pixels"""
     width: int = 32
     """image width in pixels"""
+    num_frames: int = 1
+    """frames per video (4·k + 1) for a video --model; 1 for images"""
     num_steps: int = 4
     """sampling steps in rollout (training-time denoising reduction)"""
     eval_steps: int = 8
@@ -284,10 +287,10 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     ALGORITHMS[a.algorithm].check(a)
     sch.check_window(a.eval_steps, 0, (0, 0))
     models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
-                            model_path=a.model_path, sp=a.sp)
+                            model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)
     if not a.full_finetune:
         models.check_lora_targets(a.model, a.model_path, a.lora_targets)
-    rewards.check_reward_spec(a.reward)
+    rewards.check_reward_spec(a.reward, video=a.num_frames > 1)
     prompts = prompt_sets.load_prompts(a.prompts)
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
     rollout.check_backend(a.rollout, a.rollout_url)
@@ -323,7 +326,7 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
     # A rank holds its images (3·H·W float32 each) and their trained states (at most 16 latent channels per 8×8
     # pixels, float32): refuse a batch that cannot fit in this machine's memory rather than die in the allocator.
     states = a.window + 1 if a.window else a.num_steps
-    need_gib = per_rank * (12 + states) * a.height * a.width / 2**30
+    need_gib = per_rank * (12 + states) * a.height * a.width * a.num_frames / 2**30
     if need_gib > psutil.virtual_memory().total / 2**30:
         raise ValueError(f"{per_rank} images per rank need about {need_gib:.3g} GiB for their images and latents, more "
                          f"than this machine's {psutil.virtual_memory().total / 2**30:.3g} GiB: lower --group-size or "
@@ -479,7 +482,8 @@ def main(a: Args) -> list[dict]:
                   " the public recipes use cps only with a window (--window 2)", file=sys.stderr)
 
     # --- build: model → engine (LoRA, FSDP2, optimizer) → reward → prompts → resume -----------------
-    model = models.load_model(a.model, a.model_path, device, seed=a.seed, guidance=a.guidance)
+    model = models.load_model(a.model, a.model_path, device, seed=a.seed, guidance=a.guidance,
+                              num_frames=a.num_frames)
     engine = eng.Engine(model, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets, lr=a.lr,
                         weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, seed=a.seed,
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,

@@ -6,10 +6,10 @@ initial noise, decode latents to images. It reuses the diffusers pipeline's own 
 latent packing, VAE normalisation) rather than copying them, so each ODE path reproduces its pipeline's
 `__call__` bit for bit (tests/test_models.py, tests/test_models_sd3_flux.py).
 
-Families: Qwen-Image (here), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py). Each has a
-`tiny` variant: the same diffusers classes with toy configs and random weights, built in code from a seed,
-no downloads. Importing this module loads neither diffusers nor transformers (`--help` stays fast): they
-are imported where a pipeline is built or loaded.
+Families: Qwen-Image (here), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video
+(models_wan.py). Each has a `tiny` variant: the same diffusers classes with toy configs and random weights, built in
+code from a seed (from the tiny parts here that the families share), no downloads. Importing this module loads
+neither diffusers nor transformers (`--help` stays fast): they are imported where a pipeline is built or loaded.
 """
 import functools
 import importlib
@@ -28,6 +28,7 @@ class Spec:
     pipeline: str  # the diffusers pipeline class, as a pipeline directory's model_index.json names it
     multiple: int  # VAE downsampling × patch size: image sides must be multiples of it
     guidance_embedding: bool = False  # a distilled guidance input (FLUX.1-dev): --guidance, not --cfg-scale
+    frame_multiple: int = 0  # video: --num-frames − 1 must be a multiple of it (the VAE's temporal factor); 0: images
 
 
 SPECS = {
@@ -37,6 +38,8 @@ SPECS = {
     "sd3.5-medium": Spec("models_sd3:SD3", "StableDiffusion3Pipeline", 16),
     "tiny-flux": Spec("models_flux:Flux", "FluxPipeline", 8, guidance_embedding=True),
     "flux.1-dev": Spec("models_flux:Flux", "FluxPipeline", 16, guidance_embedding=True),
+    "tiny-wan": Spec("models_wan:Wan", "WanPipeline", 8, frame_multiple=4),
+    "wan2.1-t2v-1.3b": Spec("models_wan:Wan", "WanPipeline", 16, frame_multiple=4),
 }
 MODELS = tuple(SPECS)
 RESOLUTION_MULTIPLE = {name: spec.multiple for name, spec in SPECS.items()}
@@ -59,7 +62,7 @@ def check_resolution(model: str, height: int, width: int) -> None:
 
 
 def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, guidance: float | None,
-                     model_path: str | None, sp: int = 1) -> None:
+                     model_path: str | None, sp: int = 1, num_frames: int = 1) -> None:
     """Refuse flags that cannot apply to `model`, each error naming the flag and a valid choice."""
     if model not in SPECS:
         raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
@@ -71,10 +74,11 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
     if not spec.guidance_embedding and guidance is not None:
         raise ValueError(f"--guidance applies only to models with a guidance embedding (tiny-flux, flux.1-dev); "
                          f"--model {model} takes --cfg-scale instead")
+    check_frames(model, num_frames)
     if model_path is not None:
         check_model_path(model, model_path)
     if sp > 1:
-        check_sequence_parallel(model, model_path, sp, height, width)
+        check_sequence_parallel(model, model_path, sp, height, width, num_frames)
 
 
 def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, width: int,
@@ -91,6 +95,16 @@ def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, 
         raise ValueError(f"--sp {sp} must divide every count it splits, but --model {model} at --height {height} "
                          f"--width {width} has {', '.join(bad)}: choose an --sp that divides each (the image tokens "
                          "also change with --height and --width)")
+
+
+def check_frames(model: str, num_frames: int) -> None:
+    """An image model makes 1 frame; a video model 1 + k·frame_multiple (its VAE's temporal factor)."""
+    k = SPECS[model].frame_multiple
+    if not k and num_frames != 1:
+        raise ValueError(f"--num-frames must be 1 for --model {model} (an image model), got {num_frames}")
+    if k and (num_frames < 1 or (num_frames - 1) % k):
+        raise ValueError(f"--num-frames must be {k}·n + 1 (1, {k + 1}, {2 * k + 1}, …) for --model {model}: its VAE "
+                         f"compresses each {k} frames after the first into one latent frame, got {num_frames}")
 
 
 def check_model_path(model: str, path: str) -> None:
@@ -157,14 +171,20 @@ def adapter_class(model: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def load_model(model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> "Adapter":
+def load_model(model: str, path: str | None, device, seed: int = 0, guidance: float | None = None,
+               num_frames: int = 1) -> "Adapter":
     """The adapter of `--model` with its pipeline loaded (or, for the tiny ones, built from `seed`).
-    `guidance` is FLUX's guidance embedding (None: the pipeline's default); other families take none."""
+    `guidance` is FLUX's guidance embedding (None: the pipeline's default); other families take none. `num_frames`:
+    a video model's frames per sample (images: 1)."""
     if model not in SPECS:
         raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
     if guidance is not None and not SPECS[model].guidance_embedding:
         raise ValueError(f"--guidance applies only to models with a guidance embedding; --model {model} has none")
-    adapter = adapter_class(model).load(model, path, device, seed, guidance)
+    check_frames(model, num_frames)
+    options = {} if guidance is None else {"guidance": guidance}
+    if SPECS[model].frame_multiple:
+        options["num_frames"] = num_frames
+    adapter = adapter_class(model).load(model, path, device, seed, **options)
     assert adapter.multiple == RESOLUTION_MULTIPLE[model], (adapter.multiple, model)  # the table matches the VAE
     return adapter
 
@@ -205,6 +225,7 @@ class Adapter:
     omni_pipeline_class: str  # the vLLM-Omni servers' pipeline_class for --rollout vllm-omni (omni_pipeline.py)
     max_sequence_length: int  # the prompts' text length (T5 pads to it); the servers are told it per request
     sp_degree = 1  # --sp N: each rank of a group holds 1/N of each sequence (set by sequence_parallel.enable_ulysses)
+    num_frames: int = 1  # frames per sample: 1 for images (the servers are told it per request)
 
     def __init__(self, pipe, device, dtype: torch.dtype):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
@@ -214,10 +235,14 @@ class Adapter:
             if isinstance(part, torch.nn.Module):
                 part.requires_grad_(False).eval()
         self.transformer, self.scheduler = pipe.transformer, pipe.scheduler
-        self.multiple = pipe.vae_scale_factor * 2  # VAE downsampling × 2×2 patches: image sides must divide by it
+        self.multiple = self.side_multiple()
+
+    def side_multiple(self) -> int:
+        """VAE downsampling × 2×2 patches: image sides must divide by it."""
+        return self.pipe.vae_scale_factor * 2
 
     @classmethod
-    def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> "Adapter":
+    def load(cls, model: str, path: str | None, device, seed: int = 0, **options) -> "Adapter":
         """A tiny model is built in code (float32; or read from a `save-tiny` directory); a real one loads from a
         hub id or a local pipeline directory, bf16 on CUDA and float32 on CPU (bf16 matmuls on CPU are slow and
         break exact on-policy checks)."""
@@ -227,7 +252,11 @@ class Adapter:
             pipe = cls.build_tiny(seed) if path is None else from_pretrained(cls.pipeline_class, model, path)
         else:
             pipe = from_pretrained(cls.pipeline_class, model, path or cls.default_path, dtype=dtype)
-        return cls(pipe, device, dtype, **({} if guidance is None else {"guidance": guidance}))
+        return cls(pipe, device, dtype, **options)  # options: FLUX's guidance, a video model's num_frames
+
+    def sample_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """One decoded sample's shape: an image's (3, H, W) (a video model's: (F, 3, H, W))."""
+        return (3, height, width)
 
     @classmethod
     def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
@@ -256,6 +285,64 @@ class Adapter:
         """Write a LoRA that `<pipeline_class>.load_lora_weights(directory)` loads, alpha included."""
         type(self.pipe).save_lora_weights(directory, transformer_lora_layers=state_dict,
                                           transformer_lora_adapter_metadata=metadata)
+
+
+# ---- tiny parts the families' toy models share (random weights, built in code, no downloads) -------------
+# The tiny tokenizers are built in code: no installed wheel ships CLIP's BPE or T5's SentencePiece files.
+#   - CLIP: `CLIPTokenizer` over CLIP's byte-level alphabet with no merges (every character one token, the word's
+#     last one with CLIP's `</w>`), CLIP's own lower-casing and special tokens: 514 tokens, 77 positions.
+#   - T5 (also Wan's UMT5): `T5Tokenizer` (a tokenizers Unigram model) over printable ASCII plus `▁`, one piece per
+#     character; other characters become `<unk>`: 98 tokens.
+# Every built-in prompt (≤ 68 characters) fits both in 77 tokens, so nothing is truncated.
+
+TINY_MAX_LENGTH = 77  # the tiny tokenizers' length (CLIP's), and the tiny models' T5 sequence length
+
+
+def tiny_clip_tokenizer():
+    """A CLIP tokenizer built in code (see above); eos = pad = `<|endoftext|>` as in CLIP."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+    chars = sorted(ByteLevel.alphabet())
+    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], model_max_length=TINY_MAX_LENGTH)
+
+
+def tiny_t5_tokenizer():
+    """A T5 tokenizer built in code (see above): `<pad>` 0, `</s>` 1, `<unk>` 2 as in T5."""
+    from transformers import T5Tokenizer
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)] + [(chr(c), -3.0) for c in range(33, 127)]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TINY_MAX_LENGTH)
+
+
+def tiny_clip(tokenizer, projection: bool):
+    """A 2-layer CLIP text encoder, hidden 16 (with a 16-wide projection for SD3's pooled embeddings)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, max_position_embeddings=TINY_MAX_LENGTH, projection_dim=16,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+
+
+def tiny_t5(tokenizer, umt5: bool = False):
+    """A 2-layer T5 encoder (or, for Wan, UMT5: T5 with a relative-position table in every layer), d_model 32 (the
+    tiny transformers' text width)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+    config, encoder = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    return encoder(config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                          relative_attention_num_buckets=8, decoder_start_token_id=0))
+
+
+def tiny_vae(scaling_factor: float, shift_factor: float):
+    """A 3-level AutoencoderKL (4× downsampling; the real ones have 4 levels, 8×), 4 latent channels, no quant
+    convs (as SD3's and FLUX's VAEs), with the given scaling and shift factors. 2 norm groups: 4 channels
+    per group at the finest level, as the real VAEs (128 / 32); with 1 channel per group the decoder's final
+    GroupNorm makes the image's brightness almost independent of the latents, and no reward on it can move."""
+    from diffusers import AutoencoderKL
+    return AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+                         block_out_channels=(8, 16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=2,
+                         scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False,
+                         use_post_quant_conv=False)
 
 
 # ---- Qwen-Image ------------------------------------------------------------------------------------

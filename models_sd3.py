@@ -1,66 +1,10 @@
-"""Stable Diffusion 3.5 (`sd3.5-medium`, `tiny-sd3`) around diffusers' StableDiffusion3Pipeline, and the tiny
-CLIP/T5 text encoders and VAE that the tiny SD3 and FLUX models share.
-
-The tiny tokenizers are built in code: no installed wheel ships CLIP's BPE or T5's SentencePiece files.
-  - CLIP: `CLIPTokenizer` over CLIP's byte-level alphabet with no merges (every character one token, the word's
-    last one with CLIP's `</w>`), CLIP's own lower-casing and special tokens: 514 tokens, 77 positions.
-  - T5: `T5Tokenizer` (a tokenizers Unigram model) over printable ASCII plus `▁`, one piece per character;
-    other characters become `<unk>`: 98 tokens.
-Every built-in prompt (≤ 68 characters) fits both in 77 tokens, so nothing is truncated.
-"""
+"""Stable Diffusion 3.5 (`sd3.5-medium`, `tiny-sd3`) around diffusers' StableDiffusion3Pipeline; its tiny variant is
+built from the tiny CLIP/T5 text encoders, tokenizers and VAE that models.py shares among the families."""
 import torch
 
-from models import Adapter
+from models import Adapter, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer, tiny_vae
 
 SD3_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)  # stabilityai/stable-diffusion-3.5-medium's scheduler
-TINY_MAX_LENGTH = 77  # the tiny tokenizers' length (CLIP's), and the tiny models' T5 sequence length
-
-
-def tiny_clip_tokenizer():
-    """A CLIP tokenizer built in code (see the module docstring); eos = pad = `<|endoftext|>` as in CLIP."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-    chars = sorted(ByteLevel.alphabet())
-    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], model_max_length=TINY_MAX_LENGTH)
-
-
-def tiny_t5_tokenizer():
-    """A T5 tokenizer built in code (see the module docstring): `<pad>` 0, `</s>` 1, `<unk>` 2 as in T5."""
-    from transformers import T5Tokenizer
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)] + [(chr(c), -3.0) for c in range(33, 127)]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TINY_MAX_LENGTH)
-
-
-def tiny_clip(tokenizer, projection: bool):
-    """A 2-layer CLIP text encoder, hidden 16 (with a 16-wide projection for SD3's pooled embeddings)."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-    config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=2, max_position_embeddings=TINY_MAX_LENGTH, projection_dim=16,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
-    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
-
-
-def tiny_t5(tokenizer):
-    """A 2-layer T5 encoder, d_model 32 (the tiny transformers' joint_attention_dim)."""
-    from transformers import T5Config, T5EncoderModel
-    return T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                   relative_attention_num_buckets=8, decoder_start_token_id=0))
-
-
-def tiny_vae(scaling_factor: float, shift_factor: float):
-    """A 3-level AutoencoderKL (4× downsampling; the real ones have 4 levels, 8×), 4 latent channels, no quant
-    convs (as SD3's and FLUX's VAEs), with the given scaling and shift factors. 2 norm groups: 4 channels
-    per group at the finest level, as the real VAEs (128 / 32); with 1 channel per group the decoder's final
-    GroupNorm makes the image's brightness almost independent of the latents, and no reward on it can move."""
-    from diffusers import AutoencoderKL
-    return AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-                         block_out_channels=(8, 16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=2,
-                         scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False,
-                         use_post_quant_conv=False)
-
-
 def build_tiny_sd3_pipeline(seed: int = 0):
     """A random-weight StableDiffusion3Pipeline with SD3.5-Medium's structure at toy size (RMS q/k norm, a
     dual-attention block, two CLIPs with projections, a T5, its scheduler). Deterministic given `seed`; leaves the

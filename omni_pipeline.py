@@ -1,10 +1,11 @@
-"""vLLM-Omni 0.30.0 custom pipelines: Qwen-Image, SD3.5 and FLUX.1 sampled with this project's `scheduler.step`,
-each writing the trajectory the trainer needs (rollout.Batch's tensors) to the file a request names.
+"""vLLM-Omni 0.30.0 custom pipelines: Qwen-Image, SD3.5, FLUX.1 and Wan2.1 T2V sampled with this project's
+`scheduler.step`, each writing the trajectory the trainer needs (rollout.Batch's tensors) to the file a request names.
 
     PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
         '{"pipeline_class": "omni_pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
-<CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline).
+<CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
+FlowGRPOWanPipeline).
 Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
@@ -17,14 +18,16 @@ A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend
     steps         the trained step indices (consecutive; [] = pure ODE); noise_level; sde_type
     max_sequence_length  the trainer's text length (its adapter's): T5 pads every prompt to it, so it shapes the
                   conditioning (the request API has no field for it)
+    num_frames    frames per sample (a video model's; 1, the default, for images): the image API has no field for it
 A request without it (the server's start-up warm-up, a plain generation) runs vLLM-Omni's own sampler and
 writes nothing. Everything else (prompt encoding, latent packing, the transformer, CFG, the VAE decode) stays
 vLLM-Omni's: only the denoising loop is ours (`FlowGRPOSampler`), plus fixes to three 0.30.0 defects: Qwen-Image's
 prompt masks and SD3's conditioning in fused batches of n > 1 images, FLUX's LoRA module names.
 
 The file holds, for n images, W trained steps, latents of shape L per image ((S, C) packed for Qwen-Image and
-FLUX, (C, h, w) for SD3): latents (n, W+1, *L), log_probs (n, W), sigmas (W+1,), sigma_max (), images
-(n, 3, H, W) in [0, 1], x0 (n, *L) (the final latents), all float32, and metadata {"format", "seeds", "prompt"}. No
+FLUX, (C, h, w) for SD3, (C, F', h, w) for Wan): latents (n, W+1, *L), log_probs (n, W), sigmas (W+1,), sigma_max (),
+images (n, 3, H, W) (videos: (n, F, 3, H, W)) in [0, 1], x0 (n, *L) (the final latents), all float32, and metadata
+{"format", "seeds", "prompt"}. No
 prompt conditioning: the trainer re-encodes the prompts with its own (identical, frozen) text encoders; the
 embeddings would be the largest tensors in the file, and shipping them would hide part of the rollout-vs-trainer
 gap that `train/logp_gap` is there to measure.
@@ -42,13 +45,15 @@ from safetensors.torch import save
 from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
+from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import Wan22Pipeline
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
 import scheduler as sch
+from models_wan import WAN_SCHEDULER, wan_scheduler_class
 
 KEY = "flowgrpo"  # the extra_params entry that carries our knobs
 FORMAT = "flowgrpo-trajectory-v2"
-SAMPLER_KNOBS = ("steps", "noise_level", "sde_type", "max_sequence_length")  # one value per sampling pass
+SAMPLER_KNOBS = ("steps", "noise_level", "sde_type", "max_sequence_length", "num_frames")  # one per sampling pass
 
 
 def checked_root(custom_pipeline_args: dict | None) -> str | None:
@@ -87,6 +92,7 @@ def parse_knobs(extra_args: dict | None, n: int, num_steps: int | None, root: st
     knobs = (extra_args or {}).get(KEY)
     if knobs is None:
         return None
+    knobs = {"num_frames": 1, **knobs}
     missing = [k for k in ("trajectory", "seeds", *SAMPLER_KNOBS) if k not in knobs]
     if missing:
         raise ValueError(f"extra_params.{KEY} lacks {missing}")
@@ -104,6 +110,8 @@ def parse_knobs(extra_args: dict | None, n: int, num_steps: int | None, root: st
         raise ValueError(f"sde_type must be one of {sch.SDE_TYPES}, got {knobs['sde_type']!r}")
     if not 0 < text_length <= 1024:
         raise ValueError(f"max_sequence_length must be in [1, 1024], got {text_length}")
+    if not (isinstance(knobs["num_frames"], int) and 0 < knobs["num_frames"] <= 1024):
+        raise ValueError(f"num_frames must be an int in [1, 1024], got {knobs['num_frames']!r}")
     return dict(knobs, where=where, steps=steps, seeds=seeds, noise_level=float(knobs["noise_level"]),
                 max_sequence_length=text_length)
 
@@ -146,7 +154,7 @@ class FlowGRPOSampler:
             for i, (k, out) in enumerate(zip(knobs, outputs)):
                 rows = slice(i * n, (i + 1) * n)
                 # out.output: (n, 3, H, W) in [-1, 1]; [0, 1] as VaeImageProcessor.postprocess(output_type="pt")
-                images = (out.output.float() / 2 + 0.5).clamp(0, 1)
+                images = (self.samples(out).float() / 2 + 0.5).clamp(0, 1)
                 write_trajectory(self.trajectory_root, *k["where"], {
                     "latents": run["latents"][rows], "log_probs": run["log_probs"][rows], "sigmas": run["sigmas"],
                     "sigma_max": torch.tensor(run["sigma_max"]), "images": images, "x0": run["x0"][rows]},
@@ -175,14 +183,21 @@ class FlowGRPOSampler:
         bound = inspect.signature(super().diffuse).bind(*args, **kwargs)
         bound.apply_defaults()
         a = SimpleNamespace(**bound.arguments)
-        return self._sample(a.latents, a.timesteps, self.velocity(a))
+        return self._sample(a.latents, *self.schedule(a), self.velocity(a))
 
-    def _sample(self, latents: torch.Tensor, timesteps, velocity) -> torch.Tensor:
+    def samples(self, out) -> torch.Tensor:
+        """The decoded images of one request's output, (n, 3, H, W) in [-1, 1]."""
+        return out.output
+
+    def schedule(self, a: SimpleNamespace) -> tuple:
+        """(timesteps (N,), σ (N + 1,)) of this pass: the parent's `prepare_timesteps` set them for this request."""
+        return a.timesteps, self.scheduler.sigmas.float().cpu()
+
+    def _sample(self, latents: torch.Tensor, timesteps, sigmas, velocity) -> torch.Tensor:
         """rollout.sample's loop on a float32 state x (B·n, *L), velocity(x, t) -> v (B·n, *L): SDE (recorded) on the
         trained steps, ODE elsewhere. σ_0 … σ_N (last 0) and timesteps σ_i·1000 come from the parent's
         `prepare_timesteps` for this request, as scheduler.sigma_schedule (the client checks them to the bit)."""
         run = self._run
-        sigmas = self.scheduler.sigmas.float().cpu()
         steps, sigma_max = run["steps"], float(sigmas[1])
         x, states, log_probs = latents.float(), [], []
         for i, t in enumerate(timesteps):
@@ -299,6 +314,41 @@ class FlowGRPOFluxPipeline(FlowGRPOSampler, FluxPipeline):
                        encoder_hidden_states=a.prompt_embeds, txt_ids=a.text_ids, img_ids=a.latent_image_ids,
                        joint_attention_kwargs=self.joint_attention_kwargs, return_dict=False)
             return self.predict_noise_maybe_with_cfg(False, a.true_cfg_scale, pos, None, a.cfg_normalize)
+        return v
+
+
+class FlowGRPOWanPipeline(FlowGRPOSampler, Wan22Pipeline):
+    """vLLM-Omni's Wan pipeline (it serves WanPipeline directories) for Wan2.1 text-to-video, with this project's
+    sampler (models_wan.Wan's twin): the trainer's Euler σ table (models_wan.WAN_SCHEDULER) in place of the server's
+    UniPC one, the request's num_frames knob, the videos from the output's media."""
+
+    def forward(self, req: DiffusionRequestBatch):
+        for sp in req.sampling_params_list:  # the image API has no frame count: the knob sets it
+            if KEY in (sp.extra_args or {}):
+                sp.num_frames = sp.extra_args[KEY].get("num_frames", 1)
+        return super().forward(req)
+
+    def samples(self, out) -> torch.Tensor:
+        return out.media.video.tensor.transpose(1, 2)  # (n, C, F, H, W) -> (n, F, C, H, W), as the trainer's decode
+
+    def schedule(self, a: SimpleNamespace) -> tuple:
+        sigmas = sch.sigma_schedule(wan_scheduler_class()(**WAN_SCHEDULER), len(a.timesteps), 0)
+        return sigmas[:-1] * WAN_SCHEDULER["num_train_timesteps"], sigmas  # = that scheduler's timesteps, float32
+
+    def velocity(self, a: SimpleNamespace):
+        """v(x, t) (B·n, C, F', h, w) as Wan22Pipeline.diffuse computes it with one transformer (Wan2.1): CFG
+        n + s·(p − n) in two passes when guidance_scale > 1 and a negative prompt is encoded."""
+        if self.transformer_2 is not None or a.latent_condition is not None:
+            raise ValueError("FlowGRPOWanPipeline samples Wan2.1 text-to-video only (one transformer, no image)")
+        cfg = a.guidance_low > 1 and a.negative_prompt_embeds is not None
+
+        def v(x, t):
+            # timestep σ·1000 in float32, as the trainer and diffusers' pipeline feed it
+            pos = dict(hidden_states=x.to(a.dtype), timestep=t.expand(x.shape[0]).to(x.device, torch.float32),
+                       encoder_hidden_states=a.prompt_embeds, attention_kwargs=a.attention_kwargs,
+                       return_dict=False, current_model=self.transformer)
+            neg = dict(pos, encoder_hidden_states=a.negative_prompt_embeds)
+            return self.predict_noise_maybe_with_cfg(cfg, a.guidance_low, pos, neg if cfg else None, False)
         return v
 
 

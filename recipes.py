@@ -9,13 +9,18 @@ many times per step), a fixed value of the recipe: the result does not depend on
 """
 import models
 
-LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux")}  # cheap: no diffusers
+LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux", "tiny-wan")}  # no diffusers
 
 RECIPES: dict[str, dict] = {
     # this project's CPU toys (docs/algorithm.md §7): random weights, a cheap image-space reward
     "tiny": {},  # Args' own defaults
     "tiny-sd3": dict(model="tiny-sd3", cfg_scale=4.5, negative_prompt="", lora_targets=LORA_TARGETS["tiny-sd3"]),
     "tiny-flux": dict(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
+    # 9 frames (3 latent frames), a reward on the frames' motion. Rise in 30 iterations (12) in iteration-0 within-
+    # batch stds, seeds 0, 1, 2: 5.6 (4.1), 3.1 (3.6), 6.9 (4.7); with 8 videos per prompt 4.9, 3.1, 5.3; with the
+    # noise and lr of `tiny` (0.7, 1e-2) and 8 videos 3.7, 1.7 (seeds 0, 1) (docs/algorithm.md §13)
+    "tiny-wan": dict(model="tiny-wan", num_frames=9, reward="motion", group_size=16, noise_level=1.0, lr=5e-2,
+                     lora_targets=LORA_TARGETS["tiny-wan"]),
     # Flow-GRPO's public config pickscore_qwenimage with verl's Qwen-Image OCR LoRA example
     "qwen-image": dict(model="qwen-image", iterations=300, prompts="ocr", reward="ocr", group_size=16,
                        prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,
@@ -84,4 +89,13 @@ RECIPES: dict[str, dict] = {
                                        lr=3e-4, lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
                                        mixed_precision=True, ema_decay=0.99, ema_every=1, checkpoint_every=50,
                                        eval_every=50),
+    # Flow-GRPO's public config general_ocr_wan2_1 and scripts/train_wan2_1.py (one GPU), with DanceGRPO's Wan2.1
+    # sampler (fastvideo/train_grpo_wan_2_1.py: its SDE, η 0.3); docs/algorithm.md §7, §13
+    "wan2.1-t2v-1.3b": dict(model="wan2.1-t2v-1.3b", iterations=300, prompts="ocr", reward="ocr", group_size=4,
+                            prompts_per_iteration=4, micro_batch=8, height=240, width=416, num_frames=33, num_steps=20,
+                            eval_steps=50, cfg_scale=4.5, negative_prompt="", sde_type="dance", noise_level=0.3,
+                            std="group", clip_range=1e-3, kl_beta=0.004, lr=1e-4, lora_rank=32,
+                            lora_alpha=64, lora_targets=LORA_TARGETS["tiny-wan"], mixed_precision=True,
+                            activation_checkpointing=True, ema_decay=0.9, ema_every=8, checkpoint_every=60,
+                            eval_every=30),
 }

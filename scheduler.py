@@ -22,9 +22,8 @@ def sigma_schedule(scheduler, num_steps: int, image_seq_len: int) -> torch.Tenso
     Qwen-Image and FLUX pipelines pass `sigmas = linspace(1, 1/N, N)` and a resolution-dependent
     `mu` (dynamic shift); diffusers' scheduler then applies the shift and the terminal stretch.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler  # diffusers loads in seconds: only where it is used
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler.config)  # never mutate the caller's
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift  # diffusers: only where it is used
+    scheduler = type(scheduler).from_config(scheduler.config)  # a copy (never mutate the caller's), of its own class
     cfg = scheduler.config
     if cfg.use_dynamic_shifting:
         mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),

@@ -4,8 +4,8 @@
     .venv/bin/python omni/serve_tiny.py serve /tmp/tiny-sd3 --port 8091 --trajectory-root /tmp  # vllm of .venv-omni
 
 `build` is `python models.py save-tiny DIR --model M` (the weights of `--model M --seed S`; M: tiny, tiny-sd3,
-tiny-flux); `serve` runs vLLM-Omni from its own venv (omni/setup_env.sh) with this project's pipeline class for
-the directory's family (its adapter's `omni_pipeline_class`, omni_pipeline.py) on PYTHONPATH.
+tiny-flux, tiny-wan); `serve` runs vLLM-Omni from its own venv (omni/setup_env.sh) with this project's pipeline
+class for the directory's family (its adapter's `omni_pipeline_class`, omni_pipeline.py) on PYTHONPATH.
 """
 import argparse
 import json
@@ -63,7 +63,7 @@ def main() -> None:
     b = sub.add_parser("build", help="write the tiny pipeline to DIR")
     b.add_argument("dir")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--model", default="tiny", help="tiny, tiny-sd3 or tiny-flux")
+    b.add_argument("--model", default="tiny", help="tiny, tiny-sd3, tiny-flux or tiny-wan")
     s = sub.add_parser("serve", help="serve DIR with vLLM-Omni in the foreground (Ctrl-C stops it)")
     s.add_argument("dir")
     s.add_argument("--port", type=int, default=8091)

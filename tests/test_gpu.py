@@ -2,8 +2,9 @@
 
 The CUDA cases are skipped without a GPU (the sequence-parallel comparison without 2) and have not run yet: no task
 so far was lent one. A session that is lent one runs this file right after `bash run.sh bench-gpu`, which installs
-the packages (BENCHMARKS.md gives the call). The bf16 case runs on CPU too, in CI."""
+the packages (BENCHMARKS.md gives the call). The bf16 cases run on CPU too, in CI."""
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import engine as eng
 import flowgrpo
 import models
+import models_wan
 import rollout
 import scheduler as sch
 import test_sp
@@ -74,3 +76,101 @@ def test_sequence_parallel_equals_the_unsplit_model_on_two_gpus(tmp_path):
     for family in ("qwen", "flux"):
         test_sp.check_float32(results[family], family)
     assert results["qwen bf16"]["gap"] == 0
+
+
+def as_loaded_in_bf16(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` in bf16 as from_pretrained(torch_dtype=bf16) leaves it: its `_keep_in_fp32_modules` stay float32."""
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    module.to(torch.bfloat16)
+    for name, sub in module.named_modules():
+        if any(k in name.split(".") for k in keep):
+            sub.float()
+    return module
+
+
+def bf16_tiny_wan(device: str, num_frames: int) -> models_wan.Wan:
+    """tiny-wan with its transformer and VAE in bf16, as the real one loads on a GPU."""
+    pipe = models_wan.build_tiny_wan_pipeline(0)
+    as_loaded_in_bf16(pipe.transformer), as_loaded_in_bf16(pipe.vae)
+    return models_wan.Wan(pipe, device, torch.bfloat16, num_frames)
+
+
+def wan_first_update(model, a: flowgrpo.Args, prompts: list[str], trained: int) -> tuple[dict, dict]:
+    """The Wan recipe's rollout of len(prompts) videos (full mode: every step but the last is SDE), then one optimizer
+    step on the first `trained` of its transitions: (train_on's stats, seconds and peak memory of each phase)."""
+    engine = eng.Engine(model, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets, lr=a.lr,
+                        weight_decay=a.weight_decay, max_grad_norm=1.0, seed=0, mixed_precision=True,
+                        activation_checkpointing=True, ema_decay=a.ema_decay, ema_every=a.ema_every)
+    n, cuda = len(prompts), model.device.type == "cuda"
+    steps, sync = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=1), torch.cuda.synchronize if cuda \
+        else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model.transformer.eval()
+    start = time.perf_counter()
+    batch = rollout.sample(model, prompts, [{}] * n, [0] * n, range(n), steps=steps, num_steps=a.num_steps,
+                           height=a.height, width=a.width, cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt,
+                           noise_level=a.noise_level, sde_type=a.sde_type, seed=0, iteration=0, chunk=a.micro_batch)
+    sync()
+    rolled, peak = time.perf_counter(), torch.cuda.max_memory_allocated() if cuda else 0
+    w = slice(0, trained + 1)  # the first `trained` transitions: each is a forward and backward of its own
+    batch = rollout.Batch(batch.prompts, batch.metadata, batch.group, batch.latents[:, w], batch.log_probs[:, :trained],
+                          batch.sigmas[w], batch.sigma_max, batch.cond, batch.images, means=batch.means[:, :trained])
+    batch.advantages = torch.linspace(-1, 1, n, device=model.device)
+    model.transformer.train()
+    one = dataclasses.replace(a, group_size=n, prompts_per_iteration=1, micro_batch=n, optimizer_steps=1)
+    stats = flowgrpo.train_on(model, engine, batch, one, flowgrpo.batch_arithmetic(one, 1), progress=False)
+    sync()
+    return stats, dict(rollout_s=rolled - start, train_s=time.perf_counter() - rolled, rollout_peak=peak,
+                       train_peak=torch.cuda.max_memory_allocated() if cuda else 0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device):
+    """The wan2.1-t2v-1.3b recipe (CFG 4.5, negative prompt "", DanceGRPO's SDE at η 0.3, full mode, LoRA r 32 on
+    q/k/v, bf16 mixed precision, activation checkpointing, EMA) on tiny-wan's bf16 weights, 5 frames at 32², 4 steps:
+    the first update recomputes the rollout's log-probs bit for bit."""
+    a = dataclasses.replace(flowgrpo.RECIPES["wan2.1-t2v-1.3b"], height=32, width=32, num_frames=5, num_steps=4,
+                            micro_batch=4)
+    assert a.mixed_precision and a.activation_checkpointing and a.cfg_scale > 1 and a.sde_type == "dance"
+    stats, _ = wan_first_update(bf16_tiny_wan(device, a.num_frames), a, ["a cat", "a sign that says \"A\""] * 2, 3)
+    assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0
+
+
+class RandomTextWan(models_wan.Wan):
+    """Wan with UMT5-XXL's output shape, 512 × 4096 random states per prompt, in place of its 5.7 B-parameter
+    encoder (as bench.py's RandomText for Qwen-Image): what the transformer sees, not what the text means."""
+
+    def encode(self, prompts: list[str]) -> dict:
+        g = torch.Generator().manual_seed(len(prompts))
+        return {"embeds": torch.randn(len(prompts), 512, 4096, generator=g).to(self.device, self.dtype)}
+
+
+@CUDA
+def test_wan_recipe_memory_and_speed_at_the_real_width():
+    """The wan2.1-t2v-1.3b recipe on one GPU, Wan2.1-T2V-1.3B's architecture with random weights (diffusers'
+    WanTransformer3DModel at 12 heads × 128, 30 blocks, FFN 8960, text 4096: 1.42 B parameters; the default
+    AutoencoderKLWan, Wan2.1's VAE; bf16): one micro-batch of 8 videos, 240 × 416 × 33 frames (3,510 tokens), 20 steps
+    with CFG 4.5 in two passes, then one optimizer step on 2 of its 19 trained transitions. Prints the peak memory
+    and the seconds the recipe's iteration (16 videos, 19 trained steps) takes per GPU, extrapolated; asserts the
+    first update is exactly on-policy at the real width in bf16 (BENCHMARKS.md reads the printed line)."""
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    a = flowgrpo.RECIPES["wan2.1-t2v-1.3b"]
+    tiny = models_wan.build_tiny_wan_pipeline(0)  # its tokenizer and encoder are placeholders RandomTextWan bypasses
+    with torch.device("cuda"):
+        transformer = as_loaded_in_bf16(WanTransformer3DModel(num_attention_heads=12, attention_head_dim=128,
+                                                              ffn_dim=8960, num_layers=30, text_dim=4096))
+        vae = as_loaded_in_bf16(AutoencoderKLWan())
+    pipe = WanPipeline(tokenizer=tiny.tokenizer, text_encoder=tiny.text_encoder, vae=vae, transformer=transformer,
+                       scheduler=tiny.scheduler)
+    model = RandomTextWan(pipe, "cuda", torch.bfloat16, a.num_frames)
+    assert 1.4e9 < sum(p.numel() for p in transformer.parameters()) < 1.45e9
+    assert model.image_seq_len(a.height, a.width) == 9 * 15 * 26
+    stats, m = wan_first_update(model, a, [f'a sign that says "WAN {i}"' for i in range(a.micro_batch)], 2)
+    videos, calls = a.prompts_per_iteration * a.group_size, a.num_steps - 1
+    iteration_s = videos / a.micro_batch * (m["rollout_s"] + m["train_s"] * calls / 2)
+    print(f"\nwan2.1-t2v-1.3b on {torch.cuda.get_device_name()}: peak memory rollout {m['rollout_peak'] / 2**30:.1f} "
+          f"GiB, training {m['train_peak'] / 2**30:.1f} GiB (micro-batch {a.micro_batch}); rollout {m['rollout_s']:.1f} s "
+          f"for {a.micro_batch} videos, training {m['train_s'] / 2:.1f} s per trained step; the recipe's iteration "
+          f"({videos} videos, {calls} trained steps) ≈ {iteration_s:.0f} s per GPU; logp_gap {stats['train/logp_gap']}")
+    assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0

@@ -11,6 +11,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
+from tiny_setup import check_ode_path_against_the_pipeline
 
 H = W = 32
 PROMPTS = ["a red cat", "a blue dog sitting on a green hill at sunset"]
@@ -67,26 +68,8 @@ def test_encode_is_the_pipelines_and_prompts_differ(built, name):
 @pytest.mark.parametrize("name,guide", CASES)
 def test_ode_rollout_reproduces_the_diffusers_pipeline(built, name, guide):
     """Same initial latents and embeddings: our ODE sampler's latents equal the pipeline's bit for bit, its images
-    within 1e-6, and the sigma schedule is the one the pipeline set."""
-    model, cfg, n_steps = adapter(built, name, **guide), guide.get("cfg", 1.0), 4
-    batch = rollout.sample(model, PROMPTS, [{}, {}], [0, 1], [0, 1], steps=[], num_steps=n_steps, height=H, width=W,
-                           cfg_scale=cfg, negative_prompt="", noise_level=0.0, sde_type="sde", seed=3, iteration=5,
-                           chunk=2)
-    x1 = model.noise(rollout.image_generators(3, 5, [0, 1]), H, W)
-    cond = model.conditioning(PROMPTS, "", cfg)
-    kw = dict(model.pipeline_kwargs(cond, cfg), height=H, width=W, num_inference_steps=n_steps)
-    ref_latents = model.pipe(latents=x1.clone(), output_type="latent", **kw).images
-    sig = sch.sigma_schedule(model.scheduler, n_steps, model.image_seq_len(H, W))
-    assert torch.equal(sig, model.pipe.scheduler.sigmas), (sig, model.pipe.scheduler.sigmas)
-    ref_images = model.pipe(latents=x1.clone(), output_type="pt", **kw).images
-    torch.testing.assert_close(model.decode(ref_latents, H, W), ref_images, rtol=0, atol=1e-6)
-    torch.testing.assert_close(batch.images, ref_images, rtol=0, atol=1e-6)
-    x = x1
-    with torch.no_grad():
-        for i in range(n_steps):
-            v = model.velocity(x, sig[i].expand(2), cond, cfg, H, W)
-            x, *_ = sch.step(v, x, sig[i], sig[i + 1], sigma_max=sig[1], noise_level=0)
-    torch.testing.assert_close(x, ref_latents, rtol=0, atol=0)  # bit for bit
+    within 1e-6, and the sigma schedule is the one the pipeline set (tiny_setup.check_ode_path_against_the_pipeline)."""
+    check_ode_path_against_the_pipeline(adapter(built, name, **guide), PROMPTS, guide.get("cfg", 1.0), H, W)
 
 
 def test_guidance_and_cfg_change_the_velocity(built):
@@ -130,10 +113,10 @@ def test_first_update_is_exactly_on_policy(name, guide, window):
     assert float(after["gap"]) > 0  # the check can fail: after two optimizer steps the policy has moved
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux", "tiny-wan"])
 def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(name, tmp_path):
     """Train one update in-process, export, load with `<Pipeline>.load_lora_weights` into a fresh pipeline: the
-    trained transformer's output, alpha included."""
+    trained transformer's output, alpha included (Wan too: WanPipeline, one-frame videos)."""
     args = dataclasses.replace(flowgrpo.RECIPES["tiny"], model=name, group_size=4, prompts_per_iteration=1,
                                micro_batch=4, optimizer_steps=1, cfg_scale=1.0)
     model = models.load_model(name, None, "cpu", seed=0)

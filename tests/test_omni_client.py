@@ -199,7 +199,8 @@ def test_requests_group_by_prompt_and_keep_per_image_seeds(model):
 def test_each_family_asks_for_its_own_guidance():
     """CFG and guidance travel in each vLLM-Omni pipeline's own request fields (the adapters' `omni_request`):
     Qwen-Image's true_cfg_scale, SD3's guidance_scale, FLUX's guidance embedding; a negative prompt only with
-    CFG (the servers would run CFG with one), and never for FLUX. Only FLUX's reads its adapter's state."""
+    CFG (the servers would run CFG with one), and never for FLUX; Wan's as SD3's. Only FLUX's reads its adapter's
+    state."""
     qwen, sd3 = models.adapter_class("tiny").omni_request, models.adapter_class("tiny-sd3").omni_request
     flux = models.adapter_class("tiny-flux").omni_request
     assert qwen(None, 1.0, " ") == {"true_cfg_scale": 1.0}
@@ -207,8 +208,11 @@ def test_each_family_asks_for_its_own_guidance():
     assert sd3(None, 1.0, "") == {"guidance_scale": 1.0}
     assert sd3(None, 4.5, "") == {"guidance_scale": 4.5, "negative_prompt": ""}
     assert flux(SimpleNamespace(guidance=3.5), 1.0, "") == {"guidance_scale": 3.5}
+    wan = models.adapter_class("tiny-wan").omni_request  # and its frame count rides in the request's knobs
+    assert wan(None, 1.0, "") == {"guidance_scale": 1.0} and wan(None, 4.5, "") == {"guidance_scale": 4.5,
+                                                                                     "negative_prompt": ""}
     assert [models.adapter_class(m).omni_pipeline_class.split(".")[1] for m in models.TINY] == [
-        "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline"]
+        "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline", "FlowGRPOWanPipeline"]
 
 
 # ---- trajectory files ---------------------------------------------------------------------------

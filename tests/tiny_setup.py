@@ -4,6 +4,7 @@ import torch
 import engine as eng
 import models
 import rollout
+import scheduler as sch
 
 
 def tiny_setup(lora_alpha=8, lr=5e-2, advantages=(1.0, -1.0, 0.5, -0.5)):
@@ -26,3 +27,36 @@ def random_walk(n_steps, shapes, seed=0):
     for _ in range(n_steps):
         values = [v + 0.1 * torch.randn(v.shape, generator=g) for v in values]
         yield values
+
+
+def check_ode_path_against_the_pipeline(model, prompts: list[str], cfg: float, height: int, width: int,
+                                        n_steps: int = 4) -> float:
+    """From the same initial latents and embeddings, `model`'s ODE path against its diffusers pipeline's `__call__`:
+    the σ schedule is the one the pipeline set, the latents are equal bit for bit, the decoded samples (images, or a
+    video model's frames) within 1e-6 (rollout.sample's and the adapter's decode of the pipeline's latents). Returns
+    the samples' max |ours − pipeline's|."""
+    n = len(prompts)
+    batch = rollout.sample(model, prompts, [{}] * n, range(n), range(n), steps=[], num_steps=n_steps, height=height,
+                           width=width, cfg_scale=cfg, negative_prompt="", noise_level=0.0, sde_type="sde", seed=3,
+                           iteration=5, chunk=n)
+    x1 = model.noise(rollout.image_generators(3, 5, range(n)), height, width)
+    cond = model.conditioning(prompts, "", cfg)
+    kw = dict(model.pipeline_kwargs(cond, cfg), height=height, width=width, num_inference_steps=n_steps)
+
+    def pipeline(output_type):  # the output's `images`, or `frames` for a video pipeline
+        out = model.pipe(latents=x1.clone(), output_type=output_type, **kw)
+        return out.frames if hasattr(out, "frames") else out.images
+    ref_latents = pipeline("latent")
+    sig = sch.sigma_schedule(model.scheduler, n_steps, model.image_seq_len(height, width))
+    assert torch.equal(sig, model.pipe.scheduler.sigmas), (sig, model.pipe.scheduler.sigmas)
+    ref_samples = pipeline("pt")
+    assert batch.images.shape == ref_samples.shape == (n, *model.sample_shape(height, width))
+    torch.testing.assert_close(model.decode(ref_latents, height, width), ref_samples, rtol=0, atol=1e-6)
+    torch.testing.assert_close(batch.images, ref_samples, rtol=0, atol=1e-6)
+    x = x1
+    with torch.no_grad():
+        for i in range(n_steps):
+            v = model.velocity(x, sig[i].expand(n), cond, cfg, height, width)
+            x, *_ = sch.step(v, x, sig[i], sig[i + 1], sigma_max=sig[1], noise_level=0)
+    assert torch.equal(x, ref_latents), (x - ref_latents).abs().max()  # bit for bit
+    return (batch.images - ref_samples).abs().max().item()

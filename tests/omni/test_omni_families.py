@@ -1,6 +1,7 @@
-"""SD3.5 and FLUX.1 through the real vLLM-Omni 0.30.0 server: omni_pipeline.FlowGRPOSD3Pipeline serves tiny-sd3,
-omni_pipeline.FlowGRPOFluxPipeline serves tiny-flux (each family's pipeline directory from
-models.save_tiny_pipeline; one server per family, reused by all of that family's tests).
+"""SD3.5, FLUX.1 and Wan2.1 through the real vLLM-Omni 0.30.0 server: omni_pipeline.FlowGRPOSD3Pipeline serves
+tiny-sd3, omni_pipeline.FlowGRPOFluxPipeline tiny-flux, omni_pipeline.FlowGRPOWanPipeline tiny-wan (5-frame videos;
+the CLI run: the recipe's 9) (each family's pipeline directory from models.save_tiny_pipeline; one server per
+family, reused by all of that family's tests).
 
 The served trajectories equal the local backend's (same seeds, same LoRA on the adapter's default targets, CFG
 4.5 for SD3, the guidance embedding for FLUX), also when the server fuses several requests of n > 1 images into
@@ -39,7 +40,9 @@ KW = dict(num_steps=4, height=H, width=W, negative_prompt="", noise_level=0.7, s
 PROMPTS = ["a red cube on a table", "a blue ball", "a red cube on a table", "a blue ball", "a red cube on a table"]
 # (steps, cfg_scale, sde_type) per family: SD3 with and without CFG; FLUX has only its guidance embedding
 CASES = {"tiny-sd3": [([0, 1, 2], 1.0, "sde"), ([1, 2], 4.5, "cps")],
-         "tiny-flux": [([0, 1, 2], 1.0, "sde"), ([1, 2], 1.0, "cps")]}
+         "tiny-flux": [([0, 1, 2], 1.0, "sde"), ([1, 2], 1.0, "cps")],
+         "tiny-wan": [([0, 1, 2], 1.0, "sde"), ([1, 2], 4.5, "dance")]}
+FRAMES = {"tiny-wan": 5}  # frames per sample (the image families: 1)
 TOL = 1e-5  # served vs local trajectories (module docstring)
 GAP_TOL = 2e-5  # the trainer's log-prob of the served transitions vs the server's
 
@@ -54,7 +57,7 @@ def family(request, tmp_path_factory):
                         extra_args=["--max-num-seqs", "4", "--request-batch-max-wait-ms", "50"],
                         pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
     try:
-        model = models.load_model(name, directory, "cpu")
+        model = models.load_model(name, directory, "cpu", num_frames=FRAMES.get(name, 1))
         engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=type(model).lora_targets, lr=1e-2,
                             weight_decay=0.0, max_grad_norm=1.0, seed=0)
         yield SimpleNamespace(name=name, dir=directory, server=server, model=model, engine=engine)
@@ -137,7 +140,8 @@ def test_served_sigmas_equal_the_trainers_to_the_bit(family, tmp_path):
 
 
 def test_cli_training_run_learns_with_a_tiny_logp_gap(family, tmp_path):
-    """The family's tiny recipe (SD3: CFG 4.5, negative prompt ""; FLUX: guidance 3.5) with --rollout vllm-omni."""
+    """The family's tiny recipe (SD3: CFG 4.5, negative prompt ""; FLUX: guidance 3.5; Wan: 9 frames, the motion
+    reward) with --rollout vllm-omni."""
     run, iterations = tmp_path / "run", 12
     log_start = len(family.server.log_text())
     t0 = time.monotonic()
