@@ -101,7 +101,7 @@ VARIANTS = [
     (dict(window=2, window_range=(0, 3)), dict(shard_text_encoder=True)),
     (dict(window=2, window_range=(1, 3), branch=True), {}),
     (dict(sde_type="dance", noise_level=0.3, num_steps=8, window=2, window_range=(0, 3), ode_solver="dpm2",
-          ratio_norm=True), dict(ema_decay=0.9, ema_every=1)),
+          guard="full"), dict(ema_decay=0.9, ema_every=1)),
     (dict(sde_type="cps", noise_level=0.5, window=1, window_range=(0, 2)), {}),
 ]
 
