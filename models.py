@@ -91,10 +91,12 @@ def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, 
     if transformer is not None:
         counts[f"attention heads ({type(transformer).__name__})"] = transformer.config.num_attention_heads
     bad = [f"{n} {what}" for what, n in counts.items() if n % sp]
+    flags = {"--height": height, "--width": width} | ({"--num-frames": num_frames} if SPECS[model].frame_multiple
+                                                       else {})
     if bad:
-        raise ValueError(f"--sp {sp} must divide every count it splits, but --model {model} at --height {height} "
-                         f"--width {width} has {', '.join(bad)}: choose an --sp that divides each (the image tokens "
-                         "also change with --height and --width)")
+        raise ValueError(f"--sp {sp} must divide every count it splits, but --model {model} at "
+                         f"{' '.join(f'{f} {n}' for f, n in flags.items())} has {', '.join(bad)}: choose an --sp that "
+                         f"divides each (the tokens also change with {', '.join(flags)})")
 
 
 def check_frames(model: str, num_frames: int) -> None:

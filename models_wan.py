@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from models import Adapter, tiny_t5, tiny_t5_tokenizer
+from models import SPECS, Adapter, tiny_t5, tiny_t5_tokenizer
 
 # FlowMatchEulerDiscreteScheduler's config: Wan's shift 3.0 (diffusers' Wan default for 480p, the `flow_shift` of the
 # 1.3B checkpoint's UniPC config, DanceGRPO's --shift 3), σ·1000 as the timestep.
@@ -97,6 +97,15 @@ class Wan(Adapter):
 
     def sample_shape(self, height: int, width: int) -> tuple[int, ...]:
         return (self.num_frames, 3, height, width)
+
+    @classmethod
+    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        """The video tokens, F'·(H/p)·(W/p) (`image_seq_len`'s count, from the model's name: p the VAE's spatial factor
+        × the 2×2 patch): WanTransformer3DModel's context-parallel plan splits them and their rope at the first block
+        and gathers them at `proj_out`; the text enters by cross-attention and is not split (docs/algorithm.md §14)."""
+        spec = SPECS[model]
+        frames = (num_frames - 1) // spec.frame_multiple + 1
+        return {"video tokens": frames * (height // spec.multiple) * (width // spec.multiple)}
 
     def side_multiple(self) -> int:
         return self.pipe.vae_scale_factor_spatial * self.transformer.config.patch_size[1]

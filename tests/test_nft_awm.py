@@ -356,10 +356,13 @@ def cli(*flags, timeout=600):
     ("nft", ["--model", "tiny-flux", "--kl-beta", "0.01"]),
     ("nft", ["--model", "tiny-sd3", "--full-finetune", "--ode-solver", "dpm2-full", "--num-steps", "6",
              "--train-timestep-range", "0", "6"]),
-    ("awm", ["--model", "tiny-sd3", "--ode-solver", "dpm2-full", "--kl-beta", "0.01"])])
+    ("awm", ["--model", "tiny-sd3", "--ode-solver", "dpm2-full", "--kl-beta", "0.01"]),
+    ("nft", ["--model", "tiny-wan", "--reward", "brightness"]),  # an image reward, on every 4th frame
+    ("awm", ["--model", "tiny-wan"])])  # the recipe's motion reward
 def test_every_family_trains(algorithm, flags, tmp_path):
     """The families and modes the two-rank tests leave out (nft: tiny; awm: tiny-flux full fine-tuning), one iteration
-    each with its checkpoint (the old policy in it) and an evaluation."""
+    each with its checkpoint (the old policy in it) and an evaluation; tiny-wan's on 5-D final latents (9 frames),
+    its evaluation an animated GIF."""
     out = cli("--algorithm", algorithm, *flags, "--iterations", "1", "--eval-every", "1", "--eval-images", "2",
               "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -369,6 +372,7 @@ def test_every_family_trains(algorithm, flags, tmp_path):
         assert math.isfinite(r["eval/reward_mean"])
     assert (tmp_path / "run" / "lora").exists() != ("--full-finetune" in flags)
     assert (tmp_path / "run" / "checkpoints" / "iter_000000" / "meta.json").exists()
+    assert (tmp_path / "run" / "samples" / "eval_00000.gif").exists() == ("tiny-wan" in flags)
 
 
 @pytest.mark.parametrize("algorithm,flags", [("nft", ["--nft-beta", "0.1"]), ("awm", ["--old-kl", "0.1"])])
