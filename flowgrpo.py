@@ -73,8 +73,9 @@ class Args:
     shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
-    model: Literal["tiny", "tiny-sd3", "tiny-flux", "qwen-image", "sd3.5-medium", "flux.1-dev"] = "tiny"
-    """Qwen-Image, SD3.5-Medium or FLUX.1-dev; the `tiny` ones are their classes at toy size, random, no downloads"""
+    model: Literal["tiny", "tiny-sd3", "tiny-flux", "nano", "qwen-image", "sd3.5-medium", "flux.1-dev"] = "tiny"
+    """Qwen-Image, SD3.5-Medium or FLUX.1-dev; `tiny*`: their classes at toy size, random; `nano`: tiny Qwen-Image
+    pretrained on handwritten digits (assets/nano, nano.py). No downloads for tiny* and nano"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
@@ -380,10 +381,13 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
     images = rollout.sample_ode(model, [p for p, _ in mine], num_steps=a.eval_steps, height=a.height, width=a.width,
                                 cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, seed=a.seed,
                                 chunk=a.micro_batch)
-    scores, _ = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
+    scores, info = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
     scores, images = engine.all_gather(scores), engine.all_gather(images)
     log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())])
-    return {"eval/reward_mean": scores.mean().item()}
+    parts = {f"eval/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}  # e.g. a weight-0 judge
+    groups = [[i for i, (p, _) in enumerate(evalset) if p == q] for q in dict(evalset)]  # each eval prompt's images
+    spread = [images[g].std(0).mean().item() for g in groups if len(g) > 1]  # pixel std across a prompt's images
+    return {"eval/reward_mean": scores.mean().item(), **parts} | ({"eval/diversity": np.mean(spread)} if spread else {})
 
 
 # ---- the loop --------------------------------------------------------------------------------------
@@ -391,6 +395,11 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 def main(a: Args) -> list[dict]:
     resume = check_args(a)  # before any model is built or process group joined
     rank, world, device = eng.init_distributed()
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # it wins when set (torchrun: 1 per rank)
+        # one thread per physical core it may use, split among the node's ranks; more wait on each other (BENCHMARKS.md)
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (macOS)
+        cores = usable * (psutil.cpu_count(logical=False) or 1) // (psutil.cpu_count() or 1)  # not hyper-threads
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     arith = batch_arithmetic(a, world)
     ckpt, meta = resume or (None, {})
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
@@ -437,7 +446,7 @@ def main(a: Args) -> list[dict]:
                                       schedule=a.window_schedule)
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
-            t0 = time.perf_counter()
+            t0, passes = time.perf_counter(), model.passes  # transformer passes so far (models.Adapter counts them)
             model.transformer.eval()
             backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
@@ -448,7 +457,7 @@ def main(a: Args) -> list[dict]:
                                    negative_prompt=a.negative_prompt, noise_level=a.noise_level, sde_type=a.sde_type,
                                    seed=a.seed, iteration=it, chunk=a.micro_batch, progress=engine.is_main,
                                    on_images=score_chunk, branch=a.branch, ode_solver=a.ode_solver)
-            t1 = time.perf_counter()
+            t1, rollout_passes = time.perf_counter(), model.passes - passes
 
             # --- 3. rewards (already running since each chunk was decoded), gathered over ranks -----
             scores, info, reward_wait = scorer.collect()
@@ -469,7 +478,8 @@ def main(a: Args) -> list[dict]:
             comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
             row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
                    "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
-                   "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait}
+                   "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait,
+                   "perf/rollout_passes": rollout_passes, "perf/train_passes": model.passes - passes - rollout_passes}
 
             # --- 7. eval every K iterations and at the end ------------------------------------------
             if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):

@@ -9,7 +9,8 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
            "omni_pipeline.py": 300, "rewards.py": 450, "prompts.py": 150, "runlog.py": 150, "bench.py": 300,
            # files split off by concept: the checkpoint format, the HTTP side of rewards, one adapter per family
            "checkpoint.py": 150, "reward_http.py": 420, "models_sd3.py": 200, "models_flux.py": 150,
-           "recipes.py": 150}  # the named configurations, each value with its source
+           "recipes.py": 150,  # the named configurations, each value with its source
+           "nano.py": 350}  # the nano task: data, its two classifiers, pretraining, evaluation, the comparison
 # Raised, with the reason: six recipes, each public value sourced, and six variant flags, each with its help line (the
 # loop itself is unchanged); a run directory that belongs to one run (claim, resume cut-back, closing summary); a
 # vLLM-Omni client that refuses hostile servers (exact σ, regular files only, one exchange directory per run); bench
@@ -17,6 +18,7 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
 # sampler plus one velocity per family) with three vLLM-Omni 0.30.0 workarounds.
 BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py": 390, "omni_pipeline.py": 330}
 # (bench.py's last 40 lines of that: one import and one statement per line, where it had packed them.)
+BUDGETS |= {"prompts.py": 155}  # + the nano task's built-in `digits` set and why it is evaluated on its own prompts
 
 
 def test_every_file_is_within_its_budget():
