@@ -74,8 +74,7 @@ class Args:
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
     model: Literal["tiny", "tiny-sd3", "tiny-flux", "nano", "qwen-image", "sd3.5-medium", "flux.1-dev"] = "tiny"
-    """Qwen-Image, SD3.5-Medium or FLUX.1-dev; `tiny*`: their classes at toy size, random; `nano`: tiny Qwen-Image
-    pretrained on handwritten digits (assets/nano, nano.py). No downloads for tiny* and nano"""
+    """Qwen-Image, SD3.5-Medium or FLUX.1-dev; tiny*: their classes at toy size, random; nano: trained on digits"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
@@ -446,7 +445,7 @@ def main(a: Args) -> list[dict]:
                                       schedule=a.window_schedule)
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
-            t0, passes = time.perf_counter(), model.passes  # transformer passes so far (models.Adapter counts them)
+            t0, cpu0, passes = time.perf_counter(), time.process_time(), model.passes  # passes: models.Adapter counts
             model.transformer.eval()
             backend.sync(engine, it)  # vllm-omni: publish the current policy as adapter version `it`
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
@@ -479,7 +478,8 @@ def main(a: Args) -> list[dict]:
             row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
                    "reward/zero_std_ratio": zero_std, **comps, **stats, "train/window_start": steps[0],
                    "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait,
-                   "perf/rollout_passes": rollout_passes, "perf/train_passes": model.passes - passes - rollout_passes}
+                   "perf/rollout_passes": rollout_passes, "perf/train_passes": model.passes - passes - rollout_passes,
+                   "perf/cpu_s": time.process_time() - cpu0}
 
             # --- 7. eval every K iterations and at the end ------------------------------------------
             if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):

@@ -1,27 +1,24 @@
 """The nano task: real handwritten digits, a base model pretrained on them here, and two classifiers that read them.
 
-    python nano.py pretrain [--out assets/nano]       # the shipped base model: VAE, then transformer (~5 CPU-minutes)
-    python nano.py classifiers                        # the reward's and the judge's held-out accuracy on real digits
-    python nano.py evaluate [RUN_DIR ...]             # the base (and each run's LoRA) on held-out seeds
-    python nano.py grid RUN_DIR [--out PNG]           # before vs after: one row per digit
-    python nano.py compare [--seeds 3]                # every method of METHODS through flowgrpo.py: table + curves
+    python nano.py pretrain [--out assets/nano]   # the shipped base model: VAE, then transformer (a few CPU-minutes)
+    python nano.py classifiers                    # the reward's and the judge's held-out accuracy on real digits
+    python nano.py evaluate [RUN_DIR ...]         # the base (and each run's LoRA) on held-out seeds
+    python nano.py grid RUN_DIR [--out PNG]       # before vs after: one row per digit
+    python nano.py compare [--seeds 3]            # every method of METHODS through flowgrpo.py: table and curves
 
-Data: scikit-learn's `load_digits` (1,797 real 8×8 digits, UCI, inside the wheel: nothing downloads), split 80/20,
-stratified and seeded. An image is a digit upscaled bilinearly to 16×16, white on black, 3 channels. Prompts: the
-built-in `digits` set, "a handwritten digit N". Both classifiers are trained on the train split only, on images made
-that way and quantised to 8 bits as every reward sees them: the **reward** (`--reward digit`) is a logistic
-regression's probability of the prompted digit, read from the image averaged back to 8×8; the **judge**
-(`digit_judge`, 1 if right, else 0) is an RBF support-vector machine on all 16×16 pixels, so detail the reward
-cannot see (it averages it away) still counts for the judge. The base model is the tiny Qwen-Image architecture
-(`models.build_nano_pipeline`): its frozen random text encoder (seed 0) is the condition; its VAE and transformer
-are trained here with a fixed seed and step count, the transformer deliberately short of convergence so that RL
-has room to improve it (docs/algorithm.md §15).
+Data: scikit-learn's `load_digits` (1,797 real 8×8 digits inside the wheel: nothing downloads), split 80/20,
+stratified, seeded; an image is a digit upscaled bilinearly to 16×16, white on black, 3 channels. Both classifiers
+are fitted on the train split only, on 8-bit images as every reward sees them: the reward (`--reward digit`), a
+logistic regression's p(prompted digit) from the image averaged back to 8×8, and the judge (`digit_judge`), an RBF
+SVM on all 16×16 pixels, which sees the detail the reward averages away. The base model (models.build_nano_pipeline)
+is pretrained here with a fixed seed and step count, short of convergence so that RL has room (docs/algorithm.md §15).
 """
 import functools
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -160,13 +157,10 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
                                latents_std=mean_z.std((0, 2, 3, 4)).tolist())
         recon = vae.decode(vae.encode(test_images[:, :, None]).latent_dist.mean).sample[:, :, 0]  # held out
     seen = quantised((recon + 1) / 2)  # what the classifiers read of a perfect transformer's output: the ceiling
-    report["vae"] = dict(steps=vae_steps, first_mse=float(np.mean(losses[:10])), last_mse=float(np.mean(losses[-20:])),
-                         held_out_mse=float((recon - test_images).square().mean()), seconds=round(time.time() - start, 1),
-                         judge_on_reconstructions=float(judge_scores(seen, y_test).mean()),
-                         reward_on_reconstructions=float(reward_scores(seen, y_test).mean()))
-    print(f"vae: {vae_steps} steps, train MSE {report['vae']['first_mse']:.4f} -> {report['vae']['last_mse']:.4f}, "
-          f"held-out reconstruction MSE {report['vae']['held_out_mse']:.4f} (images in [-1, 1]); the judge reads "
-          f"{report['vae']['judge_on_reconstructions']:.1%} of the reconstructions right", flush=True)
+    reached(report, "vae", steps=vae_steps, first_mse=np.mean(losses[:10]), last_mse=np.mean(losses[-20:]),
+            held_out_mse=(recon - test_images).square().mean().item(), seconds=time.time() - start,
+            judge_on_reconstructions=judge_scores(seen, y_test).mean(),
+            reward_on_reconstructions=reward_scores(seen, y_test).mean())
 
     # 2. Transformer: rectified flow on the normalised, packed latents, x_σ = (1 − σ)·x0 + σ·ε, target ε − x0,
     #    σ logit-normal and shifted as the scheduler shifts it at this image size, conditioned on the frozen encoder
@@ -204,10 +198,8 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
                 averaged[k].lerp_(t, 1 - decay)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
-    report["transformer"] = dict(steps=transformer_steps, first_loss=float(np.mean(losses[:10])),
-                                 last_loss=float(np.mean(losses[-20:])), seconds=round(time.time() - start, 1))
-    print(f"transformer: {transformer_steps} steps, loss {report['transformer']['first_loss']:.3f} -> "
-          f"{report['transformer']['last_loss']:.3f}", flush=True)
+    reached(report, "transformer", steps=transformer_steps, first_loss=np.mean(losses[:10]),
+            last_loss=np.mean(losses[-20:]), seconds=time.time() - start)
     net.load_state_dict(averaged)
 
     # 3. Write (float16: half the bytes; what loads is what was measured), then measure what was written
@@ -215,13 +207,17 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
         for t in [*part.parameters(), *part.buffers()]:  # (not .to(): diffusers warns about modules kept in fp32)
             t.data = t.data.half()
         part.save_pretrained(os.path.join(out, name))
-    base = load(out)
-    report["base"] = evaluate(base, per_digit) | {"classifiers_held_out": held_out_accuracy()}
-    report["seconds"] = round(time.time() - start + report["vae"]["seconds"], 1)
+    reached(report, "base model", **evaluate(load(out), per_digit))
+    report["classifiers_held_out"] = held_out_accuracy()
     with open(os.path.join(out, "pretrain.json"), "w") as f:
         json.dump(report, f, indent=2)
-    print(f"base model ({out}): " + ", ".join(f"{k} {v:.4g}" for k, v in report["base"].items() if not isinstance(v, dict)))
     return report
+
+
+def reached(report: dict, stage: str, **figures) -> None:
+    """Record what a stage of pretraining reached (report[stage]) and say it."""
+    report[stage] = {k: round(float(v), 6) for k, v in figures.items()}
+    print(f"{stage}: " + ", ".join(f"{k} {v:.4g}" for k, v in report[stage].items()), flush=True)
 
 
 # ---- evaluation: ODE samples on held-out seeds, read by the reward and the judge ---------------------
@@ -311,20 +307,23 @@ METHODS = {  # name -> flowgrpo.py flags on top of `--model nano` (its recipe); 
     "full mode + EMA 0.9": ("--ema-decay", "0.9", "--ema-every", "1"),
 }
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
-        "seconds": "loop seconds (rollout + reward + training)"}
+        "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
+
+
+def run_path(out: str, name: str, seed: int) -> str:
+    return os.path.join(out, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + f"-seed{seed}")
 
 
 def run_method(name: str, flags, seed: int, out: str, iterations: int, eval_every: int, eval_images: int) -> str:
-    """`flowgrpo.py --model nano FLAGS --seed S` into out/<name>-seed<S> (one torch thread, niced); a run already
-    complete there is reused, so an interrupted comparison continues. Returns the run directory."""
-    run_dir = os.path.join(out, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + f"-seed{seed}")
+    """`flowgrpo.py --model nano FLAGS --seed S` into out/<name>-seed<S> (one torch thread); a run already complete
+    there is reused, so an interrupted comparison continues. Returns the run directory."""
+    run_dir = run_path(out, name, seed)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isfile(metrics) and len(open(metrics).readlines()) == iterations and os.path.isdir(f"{run_dir}/lora"):
         return run_dir
     if os.path.exists(run_dir):  # an unfinished attempt of this comparison: start it again
-        import shutil
         shutil.rmtree(run_dir)
-    cmd = ["nice", "-n", "10", sys.executable, os.path.join(ROOT, "flowgrpo.py"), "--model", "nano", "--seed",
+    cmd = [sys.executable, os.path.join(ROOT, "flowgrpo.py"), "--model", "nano", "--seed",
            str(seed), "--iterations", str(iterations), "--eval-every", str(eval_every), "--eval-images",
            str(eval_images), "--checkpoint-every", "0", "--keep-checkpoints", "1", "--no-wandb", "--run-dir", run_dir,
            *flags]
@@ -341,7 +340,7 @@ def curve(run_dir: str) -> dict[str, np.ndarray]:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     spent = {"rollout_passes": [r["perf/rollout_passes"] for r in rows],
              "passes": [r["perf/rollout_passes"] + r["perf/train_passes"] for r in rows],
-             "seconds": [r["perf/rollout_s"] + r["perf/reward_wait_s"] + r["perf/train_s"] for r in rows]}
+             "seconds": [r["perf/cpu_s"] for r in rows]}
     at = [i for i, r in enumerate(rows) if "eval/digit_judge/mean" in r]
     return {k: np.cumsum(v)[at] for k, v in spent.items()} | {
         "judge": np.array([rows[i]["eval/digit_judge/mean"] for i in at]),
@@ -368,9 +367,9 @@ def compare(out: str, seeds: int, iterations: int, eval_every: int, eval_images:
 
     def pm(values, fmt="{:.1%}"):
         return f"{fmt.format(np.mean(values))} ± {fmt.format(np.std(values))}"
-    lines = [f"| method | flags | rollout / training passes per iteration | s per iteration | judge @ "
+    lines = [f"| method | flags | rollout / training passes per iteration | CPU s per iteration | judge @ "
              f"{budget['rollout_passes']:,.0f} rollout passes | judge @ {budget['passes']:,.0f} passes | judge @ "
-             f"{budget['seconds']:.0f} s | final judge | final reward | final diversity |", "|---" * 10 + "|",
+             f"{budget['seconds']:.0f} CPU s | final judge | final reward | final diversity |", "|---" * 10 + "|",
              f"| base model | | | | {base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | "
              f"{base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | {base['reward_mean']:.3f} | "
              f"{base['diversity']:.3f} |"]
@@ -451,8 +450,7 @@ def main(argv=None) -> None:
         lines, measured = compare(a.out, a.seeds, a.iterations, a.eval_every, a.eval_images,
                                   {m: METHODS[m] for m in a.methods}, a.jobs, a.per_digit)
         plot(a.plot, measured)
-        grid(os.path.join(a.out, re.sub(r"[^a-z0-9]+", "-", a.methods[0].lower()).strip("-") + "-seed0"),
-             os.path.join(os.path.dirname(a.plot), "before_after.png"))
+        grid(run_path(a.out, a.methods[0], 0), os.path.join(os.path.dirname(a.plot), "before_after.png"))
         import platform
         head = (f"`python nano.py {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
                 f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
