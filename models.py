@@ -99,7 +99,7 @@ def check_model_path(model: str, path: str) -> None:
         found = json.load(f).get("_class_name")
     want = SPECS[model].pipeline
     if found != want:
-        fits = [m for m, s in SPECS.items() if s.pipeline == found]
+        fits = [m for m, s in SPECS.items() if s.pipeline == found and not s.trained_parts]
         raise ValueError(f"--model-path {path} holds a {found}, but --model {model} needs a {want}"
                          + (f": use --model {' or '.join(fits)}" if fits else ""))
 

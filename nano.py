@@ -47,7 +47,7 @@ _DIGIT = re.compile(r"\bdigit (\d)\b")
 # ---- data --------------------------------------------------------------------------------------------
 
 def split(seed: int = SPLIT_SEED):
-    """(x_train, x_test, y_train, y_test): load_digits' 8×8 images (N, 8, 8) in [0, 16] and labels, 80/20, stratified."""
+    """(x_train, x_test, y_train, y_test): load_digits' images (N, 8, 8) in [0, 16] and labels; 80/20, stratified."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
     data = load_digits()
@@ -124,10 +124,11 @@ def held_out_accuracy() -> dict:
 
 # ---- pretraining: the VAE, then the transformer ------------------------------------------------------
 
-def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_batch: int, vae_lr: float, kl_weight: float,
-             transformer_steps: int, transformer_batch: int, transformer_lr: float, ema: float) -> dict:
+def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_batch: int, vae_lr: float,
+             kl_weight: float, transformer_steps: int, transformer_batch: int, transformer_lr: float,
+             ema: float) -> dict:
     """Train the nano VAE and transformer on the train split and write them to `out` (vae/, transformer/: diffusers'
-    own format, float16) for `--model nano --model-path out`. Returns what each stage reached, also in out/pretrain.json."""
+    own format, float16) for `--model nano --model-path out`. Returns what each stage reached (out/pretrain.json)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
     torch.manual_seed(seed)
@@ -170,7 +171,7 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
     with torch.no_grad():
         posterior = vae.encode(train_images[:, :, None]).latent_dist  # (N, 4, 1, 4, 4)
         mu_z, std_z = posterior.mean[:, :, 0], posterior.std[:, :, 0]
-        scale = (torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1), torch.tensor(vae.config.latents_std).view(1, -1, 1, 1))
+        scale = [torch.tensor(vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std")]
     cond = model.conditioning(prompt_texts(), " ", 1.0)  # the ten prompts' embeddings (10, L, D), indexed by digit
     cfg = model.scheduler.config
     mu = calculate_shift(model.image_seq_len(SIDE, SIDE), cfg.base_image_seq_len, cfg.max_image_seq_len,
@@ -241,7 +242,7 @@ def load(path: str | None = None, lora: str | None = None):
 @torch.no_grad()
 def sample(pipe, per_digit: int, steps: int = 10, chunk: int = 100) -> tuple[torch.Tensor, np.ndarray]:
     """(images (10·per_digit, 3, 16, 16) in [0, 1], digits (10·per_digit,)): diffusers' own QwenImagePipeline call
-    (the ODE, Euler, as the loop's evaluation); image i shows digit i mod 10 from seed EVAL_SEED + i, for every model."""
+    (the ODE, Euler, as the loop's evaluation); image i shows digit i mod 10 from seed EVAL_SEED + i, for any model."""
     digits = np.tile(np.arange(10), per_digit)
     texts, images = prompt_texts(), []
     for c in range(0, len(digits), chunk):
@@ -450,6 +451,8 @@ def main(argv=None) -> None:
         lines, measured = compare(a.out, a.seeds, a.iterations, a.eval_every, a.eval_images,
                                   {m: METHODS[m] for m in a.methods}, a.jobs, a.per_digit)
         plot(a.plot, measured)
+        with open(os.path.join(a.out, "measured.json"), "w") as f:  # every run's curve and final evaluation
+            json.dump(measured, f, indent=1, default=lambda v: v.tolist())
         grid(run_path(a.out, a.methods[0], 0), os.path.join(os.path.dirname(a.plot), "before_after.png"))
         import platform
         head = (f"`python nano.py {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "

@@ -15,7 +15,7 @@ RECIPES: dict[str, dict] = {
     "tiny": {},  # Args' own defaults
     "tiny-sd3": dict(model="tiny-sd3", cfg_scale=4.5, negative_prompt="", lora_targets=LORA_TARGETS["tiny-sd3"]),
     "tiny-flux": dict(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
-    # the nano task (nano.py): tiny Qwen-Image pretrained here on handwritten digits; values measured in docs/algorithm.md §15
+    # the nano task (nano.py): tiny Qwen-Image pretrained here on digits; values measured in docs/algorithm.md §15
     "nano": dict(model="nano", iterations=60, prompts="digits", reward="digit=1,digit_judge=0", height=16, width=16,
                  num_steps=10, eval_steps=10, window_range=(0, 5), micro_batch=16, lr=1e-3, clip_range=2e-3,
                  lora_rank=32, lora_alpha=64, eval_every=10, eval_images=200),

@@ -18,7 +18,11 @@ BUDGETS = {"flowgrpo.py": 450, "scheduler.py": 250, "models.py": 500, "engine.py
 # sampler plus one velocity per family) with three vLLM-Omni 0.30.0 workarounds.
 BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py": 390, "omni_pipeline.py": 330}
 # (bench.py's last 40 lines of that: one import and one statement per line, where it had packed them.)
-BUDGETS |= {"prompts.py": 155}  # + the nano task's built-in `digits` set and why it is evaluated on its own prompts
+# The nano task's built-in `digits` prompts (and why they are evaluated on themselves); nano.py holds the task and its
+# method comparison, whose driver (the METHODS table, the runs, the judge at equal compute, the curves: ~150 lines)
+# lives here, running flowgrpo.py as a subprocess, rather than in bench.py (the overhead benchmark): rewards.py imports
+# nano.py, so nano.py may import neither rewards.py nor anything above it.
+BUDGETS |= {"prompts.py": 155, "nano.py": 470}
 
 
 def test_every_file_is_within_its_budget():

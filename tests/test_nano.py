@@ -117,6 +117,7 @@ def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_
     assert len(rows) == ITERATIONS and all(r["train/logp_gap"] == 0 for r in rows)
     assert np.mean([r["train/clipfrac"] > 0 for r in rows]) > 0.5  # the clip range acts (in the second step)
     assert all(r["perf/rollout_passes"] == 32 * 10 and r["perf/train_passes"] == 32 * 9 for r in rows)  # counted
+    assert all(r["perf/cpu_s"] > 0 for r in rows)
     images, digits = nano.sample(nano.load(), 50)
     before = nano.judge_scores(nano.quantised(images), digits)
     images, _ = nano.sample(nano.load(lora=str(run / "lora")), 50)
