@@ -8,8 +8,10 @@ latent packing, VAE normalisation) rather than copying them, so each ODE path re
 
 Families: Qwen-Image (here), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py). Each has a
 `tiny` variant: the same diffusers classes with toy configs and random weights, built in code from a seed,
-no downloads. Importing this module loads neither diffusers nor transformers (`--help` stays fast): they
-are imported where a pipeline is built or loaded.
+no downloads; `nano` is tiny Qwen-Image with its VAE and transformer pretrained here on handwritten digits
+(nano.py, shipped in assets/nano). Every adapter counts the image rows through its transformer (`passes`).
+Importing this module loads neither diffusers nor transformers (`--help` stays fast): they are imported where
+a pipeline is built or loaded.
 """
 import functools
 import importlib

@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -217,7 +218,7 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
 
 def reached(report: dict, stage: str, **figures) -> None:
     """Record what a stage of pretraining reached (report[stage]) and say it."""
-    report[stage] = {k: round(float(v), 6) for k, v in figures.items()}
+    report[stage] = {k: v if isinstance(v, int) else round(float(v), 6) for k, v in figures.items()}
     print(f"{stage}: " + ", ".join(f"{k} {v:.4g}" for k, v in report[stage].items()), flush=True)
 
 
@@ -377,7 +378,8 @@ def compare(out: str, seeds: int, iterations: int, eval_every: int, eval_images:
     for name, cs in runs.items():
         at = {axis: [np.interp(budget[axis], c[axis], c["judge"]) for c in cs] for axis in AXES}
         per = [c["per_iteration"] for c in cs]
-        lines.append(f"| {name} | `{' '.join(methods[name])}` | {np.mean([p['rollout_passes'] for p in per]):.0f} / "
+        flags = f"`{' '.join(methods[name])}`" if methods[name] else "(the recipe)"
+        lines.append(f"| {name} | {flags} | {np.mean([p['rollout_passes'] for p in per]):.0f} / "
                      f"{np.mean([p['passes'] - p['rollout_passes'] for p in per]):.0f} | "
                      f"{np.mean([p['seconds'] for p in per]):.2f} | " + " | ".join(pm(at[axis]) for axis in AXES) +
                      f" | {pm([c['final']['judge_accuracy'] for c in cs])} | "
@@ -392,17 +394,18 @@ def plot(path: str, measured: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), dpi=100, sharey=True)
     for ax, axis in zip(axes, ("passes", "seconds")):
-        for name, cs in measured["runs"].items():
+        for i, (name, cs) in enumerate(measured["runs"].items()):
             grid_x = np.linspace(max(c[axis][0] for c in cs), min(c[axis][-1] for c in cs), 50)
             ys = np.array([np.interp(grid_x, c[axis], c["judge"]) for c in cs])
-            ax.plot(grid_x, ys.mean(0), label=name)
-            ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), alpha=0.15)
-        ax.axhline(measured["base"]["judge_accuracy"], color="gray", ls="--", label="base model")
-        ax.set(xlabel=AXES[axis], ylabel="held-out judge accuracy", title=f"nano: judge accuracy vs {axis}")
+            ax.plot(grid_x, ys.mean(0), color=f"C{i}", ls="-" if i < 5 else "--", lw=1.6, label=name)
+            ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=f"C{i}", alpha=0.06)
+        ax.axhline(measured["base"]["judge_accuracy"], color="gray", ls=":", label="base model")
+        ax.set(xlabel=AXES[axis], title=f"held-out judge accuracy vs {AXES[axis].split(' (')[0]}")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel(f"judge accuracy (mean ± std, {len(cs)} seeds)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -424,9 +427,9 @@ def main(argv=None) -> None:
     g.add_argument("--out", help="the PNG (default: <run>/before_after.png)")
     c = sub.add_parser("compare", help="every method of METHODS, --seeds seeds each: table, curves, grid")
     c.add_argument("--out", default="runs/nano-compare", help="where the runs go (complete ones are reused)")
-    c.add_argument("--seeds", type=int, default=3)
-    c.add_argument("--iterations", type=int, default=40)
-    c.add_argument("--eval-every", type=int, default=5)
+    c.add_argument("--seeds", type=int, default=5)  # the defaults: BENCHMARKS.md's table
+    c.add_argument("--iterations", type=int, default=60)
+    c.add_argument("--eval-every", type=int, default=10)
     c.add_argument("--eval-images", type=int, default=200)
     c.add_argument("--methods", nargs="*", choices=list(METHODS), default=list(METHODS))
     c.add_argument("--jobs", type=int, default=1, help="runs at a time (each one torch thread)")
@@ -454,7 +457,6 @@ def main(argv=None) -> None:
         with open(os.path.join(a.out, "measured.json"), "w") as f:  # every run's curve and final evaluation
             json.dump(measured, f, indent=1, default=lambda v: v.tolist())
         grid(run_path(a.out, a.methods[0], 0), os.path.join(os.path.dirname(a.plot), "before_after.png"))
-        import platform
         head = (f"`python nano.py {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
                 f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                 f"{(time.time() - start) / 60:.0f} min, load {os.getloadavg()[0]:.2f}")

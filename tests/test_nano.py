@@ -105,9 +105,10 @@ def test_evaluation_seeds_are_never_rollout_seeds():
 def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_path):
     """`flowgrpo.py --model nano` (the recipe) through the CLI, then the base model and the run's exported LoRA on the
     same 500 held-out seeds (nano's evaluation), read by the judge training never saw. Noise: the paired standard
-    error of the change, sqrt(var(after_i − before_i) / n) over the 500 images, ~2 points; the margin asked: 4 of
-    it, and at least 6 points (measured over three seeds: see docs/algorithm.md §15). Every first update is exactly
-    on-policy, the clip acts in the second, and the grid shows the change."""
+    error of the change, sqrt(var(after_i − before_i) / n) over the 500 images, ~2 points. The margin asked: 3 of
+    it and at least 5 points; this run (seed 0) gains 12.2 points (5.5 of its noise), and every seed of the recipe
+    measured cleared the margin (docs/algorithm.md §15), so a machine whose floats round differently is no risk.
+    Every first update is exactly on-policy, the clip acts in the second, and the grid shows the change."""
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "nano", "--run-dir", str(run), "--iterations",
                           str(ITERATIONS), "--eval-every", "0", "--no-wandb"], cwd=ROOT, capture_output=True, text=True,
@@ -123,6 +124,6 @@ def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_
     images, _ = nano.sample(nano.load(lora=str(run / "lora")), 50)
     after = nano.judge_scores(nano.quantised(images), digits)
     gain, noise = after.mean() - before.mean(), (after - before).std() / np.sqrt(len(digits))
-    assert gain > max(4 * noise, 0.06), f"judge accuracy {before.mean():.1%} -> {after.mean():.1%}, noise {noise:.1%}"
+    assert gain > max(3 * noise, 0.05), f"judge accuracy {before.mean():.1%} -> {after.mean():.1%}, noise {noise:.1%}"
     shown = nano.grid(str(run), str(tmp_path / "grid.png"))
     assert (tmp_path / "grid.png").stat().st_size > 10_000 and shown["after"] > shown["before"], shown
