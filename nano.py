@@ -95,10 +95,12 @@ def classifiers():
     logistic regression on 8×8 averages and an RBF SVM on all 16×16 pixels. Both are deterministic."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.svm import SVC
+    from threadpoolctl import threadpool_limits
     x_train, _, y_train, _ = split()
     images = quantised(render(x_train))
-    reward = LogisticRegression(max_iter=5000).fit(gray(images, 8), y_train)
-    judge = SVC(kernel="rbf", C=10.0, gamma="scale").fit(gray(images, SIDE), y_train)
+    with threadpool_limits(1):  # small problems: more BLAS threads only wait on each other (38 s instead of 1 here)
+        reward = LogisticRegression(max_iter=5000).fit(gray(images, 8), y_train)
+        judge = SVC(kernel="rbf", C=10.0, gamma="scale").fit(gray(images, SIDE), y_train)
     return reward, judge
 
 

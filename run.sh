@@ -18,7 +18,7 @@ case $recipe in
   tiny-sd3)        python flowgrpo.py --model tiny-sd3 "$@" ;;                              # CPU: SD3.5's classes, toy size
   tiny-flux)       python flowgrpo.py --model tiny-flux "$@" ;;                             # CPU: FLUX.1's classes, toy size
   nano)            python flowgrpo.py --model nano "$@" ;;                                  # CPU: real digits, the judge rises
-  nano-compare)    nice -n 10 python nano.py compare --markdown nano_compare.md "$@" ;;     # CPU: every method (BENCHMARKS.md)
+  nano-compare)    OMP_NUM_THREADS=1 nice -n 10 python nano.py compare --markdown nano_compare.md "$@" ;;  # BENCHMARKS.md
   sd3-ocr-8gpu)    torchrun --standalone --nproc_per_node=8 flowgrpo.py --model sd3.5-medium "$@" ;;  # Flow-GRPO's OCR
   flux-pick-8gpu)  torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.1-dev "$@" ;;    # recipes (docs)
   qwen-ocr-1gpu)   python flowgrpo.py --model qwen-image "$@" ;;                            # one GPU (--offload if short of memory)
