@@ -119,8 +119,7 @@ def held_out_accuracy() -> dict:
     """Both classifiers on the held-out split's real digits (rendered and quantised as in training)."""
     _, x_test, _, y_test = split()
     images = quantised(render(x_test))
-    reward, judge = classifiers()
-    return {"n": len(y_test), "reward_accuracy": float((reward.predict(gray(images, 8)) == y_test).mean()),
+    return {"n": len(y_test), "reward_accuracy": float((classifiers()[0].predict(gray(images, 8)) == y_test).mean()),
             "reward_p_true": float(reward_scores(images, y_test).mean()),
             "judge_accuracy": float(judge_scores(images, y_test).mean())}
 
@@ -276,8 +275,7 @@ def grid(run_dir: str, out: str, per_digit: int = 8, cell: int = 48) -> dict:
     seeds: one row per digit, a green frame where the judge reads the prompted digit, red where it does not."""
     from PIL import Image, ImageDraw, ImageFont
     font, pad, gap = ImageFont.load_default(size=13), 4, 24
-    width = 24 + 2 * per_digit * cell + gap
-    canvas = Image.new("RGB", (width, 22 + 10 * cell), "white")
+    canvas = Image.new("RGB", (24 + 2 * per_digit * cell + gap, 22 + 10 * cell), "white")
     draw, result = ImageDraw.Draw(canvas), {}
     for side, lora in enumerate((None, os.path.join(run_dir, "lora"))):
         images, digits = sample(load(lora=lora), per_digit)
