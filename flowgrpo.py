@@ -80,9 +80,10 @@ class Args:
     shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
-    model: Literal["tiny", "tiny-sd3", "tiny-flux", "tiny-wan", "qwen-image", "sd3.5-medium", "flux.1-dev",
+    model: Literal["tiny", "tiny-sd3", "tiny-flux", "tiny-wan", "nano", "qwen-image", "sd3.5-medium", "flux.1-dev",
                    "wan2.1-t2v-1.3b"] = "tiny"
-    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; the `tiny` ones: their classes at toy size, random weights"""
+    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; tiny*: their classes at toy size, random weights; nano: tiny
+    Qwen-Image pretrained here on handwritten digits (docs/algorithm.md §15)"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
@@ -455,10 +456,13 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
     images = rollout.sample_ode(model, [p for p, _ in mine], num_steps=a.eval_steps, height=a.height, width=a.width,
                                 cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, seed=a.seed,
                                 chunk=a.micro_batch, first=engine.dp_rank * share)
-    scores, _ = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
+    scores, info = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
     scores, images = engine.all_gather(scores), engine.all_gather(images)
     log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())])
-    return {"eval/reward_mean": scores.mean().item()}
+    parts = {f"eval/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}  # e.g. a weight-0 judge
+    groups = [[i for i, (p, _) in enumerate(evalset) if p == q] for q in dict(evalset)]  # each eval prompt's images
+    spread = [images[g].std(0).mean().item() for g in groups if len(g) > 1]  # pixel std across a prompt's images
+    return {"eval/reward_mean": scores.mean().item(), **parts} | ({"eval/diversity": np.mean(spread)} if spread else {})
 
 
 # ---- the loop --------------------------------------------------------------------------------------
@@ -467,6 +471,11 @@ def main(a: Args) -> list[dict]:
     resume = check_args(a)  # before any model is built or process group joined
     algo = ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update (algorithms.py)
     rank, world, device = eng.init_distributed()
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # it wins when set (torchrun: 1 per rank)
+        # one thread per physical core it may use, split among the node's ranks; more wait on each other (BENCHMARKS.md)
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (macOS)
+        cores = usable * (psutil.cpu_count(logical=False) or 1) // (psutil.cpu_count() or 1)  # not hyper-threads
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     ckpt, meta = resume or (None, {})
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
@@ -514,7 +523,7 @@ def main(a: Args) -> list[dict]:
             steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
-            t0 = time.perf_counter()
+            t0, cpu0, passes = time.perf_counter(), time.process_time(), model.passes  # passes: models.Adapter counts
             model.transformer.eval()
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
             def score_chunk(c, x):  # each decoded chunk is scored while the next one samples
@@ -527,7 +536,7 @@ def main(a: Args) -> list[dict]:
                                        sde_type=a.sde_type, seed=a.seed, iteration=it, chunk=a.micro_batch,
                                        progress=engine.is_main, on_images=score_chunk, branch=a.branch,
                                        ode_solver=a.ode_solver)
-            t1 = time.perf_counter()
+            t1, rollout_passes = time.perf_counter(), model.passes - passes
 
             # --- 3. rewards (already running since each chunk was decoded), gathered over ranks -----
             scores, info, reward_wait = scorer.collect()
@@ -549,7 +558,9 @@ def main(a: Args) -> list[dict]:
             comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
             row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
                    "reward/zero_std_ratio": zero_std, **comps, **stats,
-                   "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait}
+                   "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait,
+                   "perf/rollout_passes": rollout_passes, "perf/train_passes": model.passes - passes - rollout_passes,
+                   "perf/cpu_s": time.process_time() - cpu0}
             row |= {"train/window_start": steps[0]} if steps else {}  # an ODE-only rollout has no window
 
             # --- 7. eval every K iterations and at the end ------------------------------------------

@@ -8,8 +8,10 @@ latent packing, VAE normalisation) rather than copying them, so each ODE path re
 
 Families: Qwen-Image (here), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video
 (models_wan.py). Each has a `tiny` variant: the same diffusers classes with toy configs and random weights, built in
-code from a seed (from the tiny parts here that the families share), no downloads. Importing this module loads
-neither diffusers nor transformers (`--help` stays fast): they are imported where a pipeline is built or loaded.
+code from a seed (from the tiny parts here that the families share), no downloads; `nano` is tiny Qwen-Image with its
+VAE and transformer pretrained here on handwritten digits (nano.py, shipped in assets/nano). Every adapter counts the
+image rows through its transformer (`passes`). Importing this module loads neither diffusers nor transformers
+(`--help` stays fast): they are imported where a pipeline is built or loaded.
 """
 import functools
 import importlib
@@ -29,10 +31,12 @@ class Spec:
     multiple: int  # VAE downsampling × patch size: image sides must be multiples of it
     guidance_embedding: bool = False  # a distilled guidance input (FLUX.1-dev): --guidance, not --cfg-scale
     frame_multiple: int = 0  # video: --num-frames − 1 must be a multiple of it (the VAE's temporal factor); 0: images
+    trained_parts: tuple[str, ...] = ()  # --model-path holds only these (diffusers' format); the rest is built in code
 
 
 SPECS = {
     "tiny": Spec("models:QwenImage", "QwenImagePipeline", 8),
+    "nano": Spec("models:NanoQwenImage", "QwenImagePipeline", 8, trained_parts=("vae", "transformer")),
     "qwen-image": Spec("models:QwenImage", "QwenImagePipeline", 16),
     "tiny-sd3": Spec("models_sd3:SD3", "StableDiffusion3Pipeline", 8),
     "sd3.5-medium": Spec("models_sd3:SD3", "StableDiffusion3Pipeline", 16),
@@ -75,8 +79,8 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
         raise ValueError(f"--guidance applies only to models with a guidance embedding (tiny-flux, flux.1-dev); "
                          f"--model {model} takes --cfg-scale instead")
     check_frames(model, num_frames)
-    if model_path is not None:
-        check_model_path(model, model_path)
+    if model_path is not None or spec.trained_parts:  # nano's default is the shipped directory: check it too
+        check_model_path(model, model_path or adapter_class(model).default_path)
     if sp > 1:
         check_sequence_parallel(model, model_path, sp, height, width, num_frames)
 
@@ -111,7 +115,15 @@ def check_frames(model: str, num_frames: int) -> None:
 
 def check_model_path(model: str, path: str) -> None:
     """A local --model-path must be a diffusers pipeline directory of `model`'s family (its model_index.json
-    names the pipeline class); anything else that does not exist locally is taken for a hub id."""
+    names the pipeline class); anything else that does not exist locally is taken for a hub id. A model whose
+    Spec lists `trained_parts` (nano) takes a local directory holding just those."""
+    parts = SPECS[model].trained_parts
+    missing = [p for p in parts if not os.path.isfile(os.path.join(path, p, "config.json"))]
+    if parts and missing:
+        raise ValueError(f"--model-path {path}: no {'/, '.join(missing)}/ with a config.json; --model {model} reads "
+                         f"the directory that `python nano.py pretrain --out DIR` writes")
+    if parts:
+        return
     index = os.path.join(path, "model_index.json")
     if os.path.exists(path) and not os.path.isfile(index):
         raise ValueError(f"--model-path {path}: not a diffusers pipeline directory (no model_index.json)")
@@ -123,7 +135,7 @@ def check_model_path(model: str, path: str) -> None:
         found = json.load(f).get("_class_name")
     want = SPECS[model].pipeline
     if found != want:
-        fits = [m for m, s in SPECS.items() if s.pipeline == found]
+        fits = [m for m, s in SPECS.items() if s.pipeline == found and not s.trained_parts]
         raise ValueError(f"--model-path {path} holds a {found}, but --model {model} needs a {want}"
                          + (f": use --model {' or '.join(fits)}" if fits else ""))
 
@@ -238,10 +250,15 @@ class Adapter:
                 part.requires_grad_(False).eval()
         self.transformer, self.scheduler = pipe.transformer, pipe.scheduler
         self.multiple = self.side_multiple()
+        self.passes = 0  # image rows through the transformer so far (a two-pass CFG step counts 2); the loop logs them
+        self.transformer.register_forward_pre_hook(self._count_passes, with_kwargs=True)
 
     def side_multiple(self) -> int:
         """VAE downsampling × 2×2 patches: image sides must divide by it."""
         return self.pipe.vae_scale_factor * 2
+
+    def _count_passes(self, module, args, kwargs) -> None:
+        self.passes += len(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
 
     @classmethod
     def load(cls, model: str, path: str | None, device, seed: int = 0, **options) -> "Adapter":
@@ -385,6 +402,23 @@ def build_tiny_qwen_pipeline(seed: int = 0, heads: int = 3):
                              transformer=transformer)
 
 
+NANO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "nano")  # `python nano.py pretrain`
+
+
+def build_nano_pipeline(path: str | None = NANO_DIR, vae=None, transformer=None):
+    """The nano model (nano.py): the tiny pipeline's frozen text encoder, tokenizer and scheduler (seed 0, always: the
+    condition it was pretrained on), with the VAE and transformer trained on handwritten digits, read from `path`
+    (vae/, transformer/), or the modules given (pretraining)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+    tiny = build_tiny_qwen_pipeline(0)
+    if path is not None:
+        vae = AutoencoderKLQwenImage.from_pretrained(os.path.join(path, "vae"), torch_dtype=torch.float32)
+        transformer = QwenImageTransformer2DModel.from_pretrained(os.path.join(path, "transformer"),
+                                                                  torch_dtype=torch.float32)
+    return QwenImagePipeline(scheduler=tiny.scheduler, vae=vae, text_encoder=tiny.text_encoder,
+                             tokenizer=tiny.tokenizer, transformer=transformer)
+
+
 class QwenImage(Adapter):
     """Qwen-Image (and `tiny`, the same architecture at toy size) around diffusers' QwenImagePipeline.
 
@@ -483,6 +517,16 @@ class QwenImage(Adapter):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
         image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]  # the pipeline's exact arithmetic
         return self.pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+
+
+class NanoQwenImage(QwenImage):
+    """`nano`: Qwen-Image's classes at toy size, pretrained on real handwritten digits (nano.py, docs/algorithm.md
+    §15); --model-path is a directory of its trained parts (default: the shipped assets/nano)."""
+    default_path = NANO_DIR
+
+    @classmethod
+    def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> "Adapter":
+        return cls(build_nano_pipeline(path or cls.default_path), device, torch.float32)
 
 
 # ---- `python models.py save-tiny DIR`: a tiny pipeline on disk, for vLLM-Omni to serve ---------------

@@ -4,7 +4,8 @@
 (one `{"prompt": ..., **metadata}` object per line; the metadata is handed to the reward), or a built-in
 name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: with fewer than 20 prompts the
 eval set is the whole file (too few to hold any out); otherwise every 10th prompt (the 10th, 20th, ...)
-is held out for eval and never trained on. The built-in sets have their own disjoint eval splits.
+is held out for eval and never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
+splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses.
 """
 import json
 from dataclasses import dataclass
@@ -75,10 +76,12 @@ def _hold_out(pairs, every: int) -> PromptSet:
     """Every `every`-th pair (the every-th, 2*every-th, ...) for eval, the rest for training."""
     return PromptSet([x for i, x in enumerate(pairs) if i % every != every - 1], pairs[every - 1::every])
 
+_DIGITS = [(f"a handwritten digit {d}", {}) for d in range(10)]  # nano.py: digit d at index d
 BUILTIN = {
     "ocr": lambda: PromptSet([(s.format(p), {}) for s in _SCENES for p in _TRAIN_PHRASES],
                              [(s.format(p), {}) for s in _SCENES[::4] for p in _EVAL_PHRASES]),
     "general": lambda: _hold_out([(p, {}) for p in _GENERAL], 6),
+    "digits": lambda: PromptSet(list(_DIGITS), list(_DIGITS)),
 }
 
 def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:

@@ -21,6 +21,10 @@ RECIPES: dict[str, dict] = {
     # noise and lr of `tiny` (0.7, 1e-2) and 8 videos 3.7, 1.7 (seeds 0, 1) (docs/algorithm.md §13)
     "tiny-wan": dict(model="tiny-wan", num_frames=9, reward="motion", group_size=16, noise_level=1.0, lr=5e-2,
                      lora_targets=LORA_TARGETS["tiny-wan"]),
+    # the nano task (nano.py): tiny Qwen-Image pretrained here on digits; values measured in docs/algorithm.md §15
+    "nano": dict(model="nano", iterations=60, prompts="digits", reward="digit=1,digit_judge=0", height=16, width=16,
+                 num_steps=10, eval_steps=10, window_range=(0, 5), micro_batch=16, lr=1e-3, clip_range=2e-3,
+                 lora_rank=32, lora_alpha=64, eval_every=10, eval_images=200),
     # Flow-GRPO's public config pickscore_qwenimage with verl's Qwen-Image OCR LoRA example
     "qwen-image": dict(model="qwen-image", iterations=300, prompts="ocr", reward="ocr", group_size=16,
                        prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,

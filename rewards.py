@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+import nano
+
 # ---------------------------------------------------------------- rewards without models (as ddpo-pytorch)
 def _encode(img, fmt, **kw) -> bytes:
     buf = io.BytesIO()
@@ -213,6 +215,18 @@ JUDGE_TASKS = {
                        {"max_completion_tokens": 8, "logprobs": True, "top_logprobs": 20,
                         "structured_outputs": {"choice": list(YES_NO)}}, _score_yes_no),
 }
+
+# ---------------------------------------------------------------- the nano task's digit readers (nano.py)
+def digit():
+    """p(the prompted digit) under nano.py's reward classifier (a logistic regression on the image averaged to 8×8)."""
+    nano.classifiers()  # fitted now (seconds): at start-up, not in the first rollout
+    return lambda images, prompts, metadata: nano.reward_scores(images, [nano.target_digit(p) for p in prompts])
+
+def digit_judge():
+    """1 if nano.py's judge (an RBF SVM on all 16×16 pixels) reads the prompted digit, else 0. The nano recipe gives it
+    weight 0 (`digit=1,digit_judge=0`): logged beside the reward, never optimised."""
+    nano.classifiers()
+    return lambda images, prompts, metadata: nano.judge_scores(images, [nano.target_digit(p) for p in prompts])
 
 # ---------------------------------------------------------------- rewards over HTTP (reward_http.py; imported on use)
 def remote(url):
@@ -450,9 +464,10 @@ class AsyncRewards:
 
 # ---------------------------------------------------------------- the registry: one line per reward
 REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
-                                    aesthetic, remote, judge, temporal_consistency, motion)}
+                                    aesthetic, digit, digit_judge, remote, judge, temporal_consistency, motion)}
 VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B, F, H, W, 3); the others images
-PROMPT_CHECKS = {"ocr": ocr_target, **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
+PROMPT_CHECKS = {"ocr": ocr_target, "digit": nano.target_digit, "digit_judge": nano.target_digit,
+                 **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 
 if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P (reward_http.main)
     import reward_http

@@ -21,6 +21,8 @@ case $recipe in
   tiny-sd3)        python flowgrpo.py --model tiny-sd3 "$@" ;;                              # CPU: SD3.5's classes, toy size
   tiny-flux)       python flowgrpo.py --model tiny-flux "$@" ;;                             # CPU: FLUX.1's classes, toy size
   tiny-wan)        python flowgrpo.py --model tiny-wan "$@" ;;                              # CPU: Wan2.1's classes, 9 frames
+  nano)            python flowgrpo.py --model nano "$@" ;;                                  # CPU: real digits, the judge rises
+  nano-compare)    OMP_NUM_THREADS=1 nice -n 10 python nano.py compare --markdown nano_compare.md "$@" ;;  # BENCHMARKS.md
   sd3-ocr-8gpu)    torchrun --standalone --nproc_per_node=8 flowgrpo.py --model sd3.5-medium "$@" ;;  # Flow-GRPO's OCR
   flux-pick-8gpu)  torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.1-dev "$@" ;;    # recipes (docs)
   wan-8gpu)        torchrun --standalone --nproc_per_node=8 flowgrpo.py --model wan2.1-t2v-1.3b \
@@ -41,8 +43,8 @@ case $recipe in
                      -d .whl $(grep -iE "^($CARRY)==" requirements.txt) ;;
   bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
                    PYTHONPATH=/tmp/site python3 bench.py --device cuda --model qwen-image --random-init "$@" ;;
-  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux tiny-wan sd3-ocr-8gpu" \
-          "flux-pick-8gpu wan-8gpu qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu qwen-ocr-vllm" \
-          "sd3-ocr-vllm flux-pick-vllm gpu-wheels bench-gpu" \
+  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux tiny-wan nano nano-compare" \
+          "sd3-ocr-8gpu flux-pick-8gpu wan-8gpu qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu" \
+          "qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm gpu-wheels bench-gpu" \
           "(got '$recipe')" >&2; exit 2 ;;
 esac
