@@ -311,7 +311,6 @@ def judge_rows(t: list, o):
     does (then the row measures the client's concurrency, not a model)."""
     import http.server
     import threading
-    import reward_http
     answer = json.dumps({"choices": [{"message": {"content": "Yes"}, "finish_reason": "stop", "logprobs": {"content": [
         {"top_logprobs": [{"token": "Yes", "logprob": -0.2}, {"token": "No", "logprob": -1.7}]}]}}]}).encode()
 
@@ -331,10 +330,10 @@ def judge_rows(t: list, o):
             pass
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    given, n, c = os.environ.get("FLOWGRPO_BENCH_JUDGE_URL"), 16 if o.quick else 64, reward_http.JUDGE_CONCURRENCY
+    given, n, c = os.environ.get("FLOWGRPO_BENCH_JUDGE_URL"), 16 if o.quick else 64, rewards.JUDGE_CONCURRENCY
     url = given or f"http://127.0.0.1:{server.server_address[1]}"
     images, prompts = rewards.to_uint8(torch.rand(n, 3, 64, 64)), [f"a photo of thing {i}" for i in range(n)]
-    fns = {k: reward_http.judge("match", [url], concurrency=k) for k in (1, c)}
+    fns = {k: rewards.judge("match", [url], concurrency=k) for k in (1, c)}
     r = measure({k: lambda f=f: f(images, prompts, [{}] * n) for k, f in fns.items()}, o.repeats)
     row(t, f"judge requests/s, concurrency {c} ÷ 1", np.divide(r[1], r[c]), "×", f"≤ {c}",
         f"{n} requests (64² PNG) to {given or 'the stand-in'}; {n / med(r[1]):.0f} vs {n / med(r[c]):.0f} requests/s")

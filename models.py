@@ -15,10 +15,15 @@ import functools
 import importlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+# diffusers' SD3 and FLUX pipelines import transformers' CLIP and Siglip image processors (for IP-adapters, unused
+# here); without torchvision, transformers warns that it falls back to their PIL versions: not the user's concern.
+logging.getLogger("transformers.utils.import_utils").addFilter(lambda r: "requires torchvision" not in r.getMessage())
 
 
 @dataclass(frozen=True)

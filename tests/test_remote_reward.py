@@ -44,11 +44,12 @@ def png_b64(width, height, mode="RGB"):
 
 @pytest.fixture
 def serve():
-    """Start reward_http.make_server(spec) in a thread on a free port; yields a starter returning the base URL."""
+    """Start reward_http's server of rewards.make_reward(spec) in a thread on a free port; yields a starter returning
+    the base URL."""
     servers = []
 
     def start(spec, **limits):
-        server = reward_http.make_server(spec, limits=reward_http.Limits(**limits))
+        server = reward_http.make_server(rewards.make_reward(spec), spec, limits=reward_http.Limits(**limits))
         threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(server)
         host, port = server.server_address[:2]
@@ -453,4 +454,4 @@ def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path, fake):
             trainer.kill()
     assert trainer.returncode != 0 and "interrupt" in err.lower(), err[-2000:]
     assert last_checkpoint_iteration(run) >= 0
-    assert not list((run / "checkpoints").glob("*.tmp")), "a checkpoint was left half-written"
+    assert not list((run / "checkpoints").glob("*.tmp-*")), "a checkpoint was left half-written"
