@@ -133,10 +133,10 @@ def replace_dir(src: str, dst: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_temporaries(path: str) -> None:
-    """Delete what an interrupted write of `path` left (`temporary` names): the run directory is locked by its run,
-    so no other process is writing them."""
-    for stale in glob.glob(glob.escape(path) + ".tmp-*"):
+def remove_temporaries(directory: str) -> None:
+    """Delete the temporary directories (`temporary` names) interrupted writes left in `directory`: the run directory
+    is locked by its run, so no other process is writing them."""
+    for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -157,10 +157,12 @@ def list_checkpoints(root: str, run_id: str | None = None) -> list[str]:
 def set_aside_after(root: str, iteration: int) -> list[str]:
     """Rename the checkpoints under root later than `iteration` (a branch abandoned by resuming an earlier one) to
     names --resume auto never picks, keeping them; returns their new names."""
-    later = [p for p in list_checkpoints(root) if iteration_of(p) > iteration]
-    for p in later:
-        os.rename(p, f"{p}.abandoned-{secrets.token_hex(4)}")
-    return [f"{p}.abandoned-*" for p in later]
+    moved = []
+    for p in list_checkpoints(root):
+        if iteration_of(p) > iteration:
+            moved.append(f"{p}.abandoned-{secrets.token_hex(4)}")
+            os.rename(p, moved[-1])
+    return moved
 
 
 def _run_id_of(directory: str) -> str | None:
@@ -187,17 +189,17 @@ def read_checkpoint_meta(directory: str) -> dict:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
         raise ValueError(f"--resume: {path} is corrupt ({e})") from e
-    for field, kind in SCHEMA.items():
+    for field, kind in SCHEMA.items():  # a field's parent comes before it
         *parents, key = field.split(".")
         part = meta
         for p in parents:
             part = part[p]
         if not isinstance(part, dict) or key not in part:
             raise ValueError(f"--resume: {path} lacks {field}: not a checkpoint written by this version of flowgrpo.py")
-        value = part[key]
-        if not isinstance(value, kind) or isinstance(value, bool) or kind is int and value < (field == "world_size"):
-            raise ValueError(f"--resume: {path}: {field} is {value!r}, not {'a' if kind is int else 'of'} "
-                             f"{'non-negative int' if kind is int else kind}: the checkpoint is damaged")
+        value, lowest = part[key], 1 if field == "world_size" else 0
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < lowest):
+            raise ValueError(f"--resume: {path}: {field} is {value!r}: the wrong type or out of range; the checkpoint "
+                             "is damaged")
     n = iteration_of(directory)
     if n is not None and n != meta["loop"]["iteration"]:
         raise ValueError(f"--resume: {path}: loop.iteration is {meta['loop']['iteration']}, but the directory is named "

@@ -270,6 +270,7 @@ class Engine:
         with self.ema_weights():  # written inside: in a world of one the state's tensors are the live weights
             state = self.lora_state_dict()
             if self.is_main:
+                ckpt.remove_temporaries(os.path.dirname(directory))  # what an interrupted export left
                 tmp = ckpt.temporary(directory)
                 self.model.save_lora(tmp, state, self.lora_config.to_dict())
                 ckpt.replace_dir(tmp, directory)

@@ -228,7 +228,7 @@ def check_args(a: Args) -> tuple[str, dict] | None:
                     ("--checkpoint-every", a.checkpoint_every), ("--eval-every", a.eval_every)):
         need(v >= 0, f"{flag} must be >= 0, got {v}")
     for flag, v, lo, hi in (("--lr", a.lr, 0, 1), ("--num-steps", a.num_steps, 2, 1000),  # beyond: typos, not runs
-                            ("--cfg-scale", a.cfg_scale, 1, 100), ("--eval-steps", a.eval_steps, 1, 1000),
+                            ("--cfg-scale", a.cfg_scale, 1, 100), ("--eval-steps", a.eval_steps, 2, 1000),
                             ("--eval-images", a.eval_images, 0, 1024), ("--guidance", a.guidance or 0.0, 0, 100)):
         need(lo <= v <= hi, f"{flag} must be in [{lo}, {hi}], got {v}")
     need(0 <= a.seed < 2**32, f"--seed must be in [0, 2**32), got {a.seed}")

@@ -196,9 +196,9 @@ def gather(futures: list[Future]) -> list:
 # ---------------------------------------------------------------- the server: python rewards.py serve
 @dataclass(frozen=True)
 class Limits:
-    """What one request may cost the server (each is a `serve` flag). Memory, measured (README, "Reliability"): at most
-    max_connections requests are held at once, each ~3× its body while the body is parsed, then about 16 bytes per
-    decoded pixel plus what the reward itself takes while it is scored."""
+    """What one request may cost the server (each is a `serve` flag). Memory: at most max_connections requests are held
+    at once, each about 3× its body while it is parsed, then its images' pixels (3 bytes each) and what the reward
+    itself takes: measured, at most 12 bytes per pixel at the limit (README, "Reliability")."""
     max_request_mb: float = 256.0  # request body
     max_json_values: int = 2**16  # JSON values in the body, counted before it is parsed (each costs up to ~72 bytes)
     max_request_images: int = 64  # images in one request
@@ -232,9 +232,10 @@ def _png(s: str, i: int, limits: Limits) -> Image.Image:
                            "chunks)") from None
 
 
-def read_images(encoded, limits: Limits) -> torch.Tensor:
-    """base64 PNGs -> (B, 3, H, W) float in [0, 1]. Every size is read from its PNG header and checked before any image
-    is decoded; then each image is decoded, and held, only while it is copied into the batch."""
+def read_images(encoded: list, limits: Limits) -> torch.Tensor:
+    """base64 PNGs -> (B, 3, H, W) uint8, the pixels themselves (a reward takes them as they are). Every size is read
+    from its PNG header and checked before any image is decoded; then each image is decoded, and held, only while it
+    is copied into the batch, and its entry of `encoded` is dropped: the request's text goes as its pixels come."""
     if len(encoded) > limits.max_request_images:
         raise Refused(413, f"the request holds {len(encoded)} images, over the server's limit of "
                            f"{limits.max_request_images} (--max-request-images): lower FLOWGRPO_REMOTE_BATCH")
@@ -251,18 +252,19 @@ def read_images(encoded, limits: Limits) -> torch.Tensor:
                            "(--max-request-pixels): lower FLOWGRPO_REMOTE_BATCH")
     if len(set(sizes)) > 1:
         raise Refused(400, f"the images differ in size: {sorted(set(sizes))}")
-    batch = torch.empty(len(encoded), 3, sizes[0][1], sizes[0][0])
+    batch = np.empty((len(encoded), sizes[0][1], sizes[0][0], 3), np.uint8)
     for i, s in enumerate(encoded):
         try:
             with _png(s, i, limits) as png:
-                batch[i] = torch.from_numpy(np.array(png.convert("RGB"))).permute(2, 0, 1)
+                batch[i] = png.convert("RGB")
         except (OSError, ValueError, SyntaxError) as e:  # a truncated or corrupt PNG body
             raise Refused(400, f"images[{i}] could not be decoded: {type(e).__name__}") from None
-    return batch.div_(255)  # to_uint8 restores the pixels exactly
+        encoded[i] = s = None
+    return torch.from_numpy(batch).permute(0, 3, 1, 2)
 
 
-def parse_request(raw: bytes, limits: Limits):
-    """The body of POST /score -> (images, prompts, metadata), or Refused naming what is wrong."""
+def parse_request(raw: bytes, limits: Limits) -> tuple[list, list, list | None]:
+    """The body of POST /score -> (base64 images, prompts, metadata), or Refused naming what is wrong."""
     # Every JSON value but a container's first follows a comma, and every container opens with a bracket: this count
     # (strings' own commas included) bounds the objects json.loads would make, ~72 bytes each ("{}," makes a dict).
     values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
@@ -283,7 +285,7 @@ def parse_request(raw: bytes, limits: Limits):
     if metadata is not None and not (isinstance(metadata, list) and len(metadata) == len(images)
                                      and all(isinstance(m, dict) for m in metadata)):
         raise Refused(400, f'"metadata" must be absent or a list of {len(images)} objects, one per image')
-    return read_images(images, limits), prompts, metadata
+    return images, prompts, metadata
 
 
 class _Server(ThreadingHTTPServer):
@@ -362,13 +364,14 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             raw = self.rfile.read(size)
             if len(raw) < size:
                 raise Refused(400, f"the body ended after {len(raw)} of {size} bytes")
-            return parse_request(raw, limits)
+            return raw
 
         def do_POST(self):
             self.header_dog.cancel()
             try:
                 try:
-                    images, prompts, metadata = self._read()
+                    encoded, prompts, metadata = parse_request(self._read(), limits)  # the body is freed here
+                    images = read_images(encoded, limits)
                 except Refused as e:
                     return self._send(e.code, {"error": str(e)})
                 self.dog.cancel()  # the request is in; scoring takes what the reward takes
@@ -400,8 +403,7 @@ def serve_cli(build, check, argv=None) -> None:
     helps = dict(max_request_mb="largest request body", max_json_values="most JSON values in a body",
                  max_request_images="most images in one request", max_image_pixels="largest image (width × height)",
                  max_request_pixels="most pixels in one request", max_connections="connections served at once",
-                 header_timeout="seconds a client has to send its headers",
-                 request_timeout="seconds a client has to send its whole request")
+                 header_timeout="seconds to send the headers", request_timeout="seconds to send the whole request")
     for f in dataclasses.fields(Limits):
         s.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=helps[f.name])
     a = p.parse_args(argv)

@@ -5,9 +5,9 @@ transport: a remote reward (`remote=URL`), a vision-language judge (`judge:TASK=
                 ITEM = NAME[:ARG][=WEIGHT] | remote=URL[=WEIGHT] | judge:TASK=URL[+URL...][=WEIGHT]
   e.g. jpeg_compressibility | ocr=1.0,pickscore=0.5 | pickscore:/ckpt/pickscore | remote=http://host:8000
        | judge:ocr=http://h1:8000+http://h2:8000 | ocr=1,judge:match=http://h1:8000=0.5     (ARG: no "," or "=")
-A reward: fn(images (B,3,H,W) float in [0,1] on CPU, prompts, metadata) -> (scores (B,) float64, info), info =
-each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to uint8
-exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. ARG of the CLIP rewards: a
+A reward: fn(images (B,3,H,W) float in [0,1] on CPU, or uint8 pixels, prompts, metadata) -> (scores (B,) float64,
+info), info = each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to
+uint8 exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. ARG of the CLIP rewards: a
 hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key of JUDGE_TASKS.
 """
 from __future__ import annotations
@@ -360,13 +360,17 @@ def check_prompts_for_reward(spec: str, prompts: list[str]) -> None:
             PROMPT_CHECKS[kind](prompt)
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) float in [0, 1] -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do."""
+    """(B, 3, H, W) float in [0, 1] (or uint8) -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do."""
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"rewards take a (B, 3, H, W) image tensor, got {getattr(images, 'shape', type(images))}")
-    if not torch.isfinite(images).all():
-        raise ValueError("rewards: the images contain NaN or infinity")
-    # One float temporary (in-place rounding): on the reward server this is most of the memory per pixel.
-    return (images.detach().float().cpu() * 255).round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    if images.dtype == torch.uint8:  # the pixels themselves (the reward server's, read from PNGs)
+        return images.permute(0, 2, 3, 1).cpu().numpy()
+    out = torch.empty(images.shape[0], *images.shape[2:], 3, dtype=torch.uint8)
+    for i, image in enumerate(images.detach()):  # one image's temporaries at a time (the reward server's memory)
+        if not torch.isfinite(image).all():
+            raise ValueError("rewards: the images contain NaN or infinity")
+        out[i] = (image.float().cpu() * 255).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0)
+    return out.numpy()
 
 def _checked(label, fn, serial):
     # Model rewards run one call at a time: they are not assumed thread-safe (transformers' fast tokenizers are

@@ -1,4 +1,10 @@
-"""A shared starting point for in-process loop and engine tests (not a conftest: tests/omni has its own)."""
+"""A shared starting point for in-process loop and engine tests, and a way to stop a trainer that says where it was
+(not a conftest: tests/omni has its own)."""
+import signal
+import subprocess
+import time
+
+import psutil
 import torch
 
 import engine as eng
@@ -17,3 +23,21 @@ def tiny_setup(lora_alpha=8, lr=5e-2, advantages=(1.0, -1.0, 0.5, -0.5)):
                            iteration=0, chunk=4)
     batch.advantages = torch.tensor(advantages)
     return model, engine, batch
+
+
+def stop(proc, sig, seconds: float = 60) -> tuple[str, str]:
+    """(stdout, stderr) of `proc` once `sig` ended it, which must be within `seconds`; else the test fails saying where
+    the trainer was: every thread's stack, which it prints on SIGUSR1 (engine.handle_signals), for it and its
+    children (a torchrun launcher's workers)."""
+    proc.send_signal(sig)
+    try:
+        return proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        for p in children or [psutil.Process(proc.pid)]:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        for p in children + [psutil.Process(proc.pid)]:
+            p.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"still running {seconds} s after {signal.Signals(sig).name}; its threads:\n{err[-8000:]}")
