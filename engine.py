@@ -300,7 +300,8 @@ class Engine:
                 os.makedirs(tmp)
             self.barrier()
             model_sd, optim_sd = self._state()
-            dcp.save({"model": model_sd, "optim": optim_sd, **self._ema_state()}, checkpoint_id=os.path.join(tmp, "dcp"))
+            dcp.save({"model": model_sd, "optim": optim_sd, **self._ema_state()},
+                     checkpoint_id=os.path.join(tmp, "dcp"))
             ckpt.save_rng_state(os.path.join(tmp, f"rng_rank{self.rank}.safetensors"))
             self.export_lora(os.path.join(tmp, "lora"))  # ends with a barrier: every rank's files are written
             if self.is_main:

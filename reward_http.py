@@ -140,8 +140,8 @@ def knob(name: str, default, lo, hi):
 def client_from_env(prefix: str, what: str, hint: str) -> Client:
     """A Client with <prefix>_TIMEOUT (the whole-request deadline, s), _RETRIES and _BACKOFF (s) from the
     environment, each checked (`knob`)."""
-    return Client(what, hint, knob(f"{prefix}_TIMEOUT", 120.0, 1e-3, 86400.0), knob(f"{prefix}_RETRIES", RETRIES, 0, 20),
-                  knob(f"{prefix}_BACKOFF", 1.0, 0.0, 3600.0))
+    return Client(what, hint, knob(f"{prefix}_TIMEOUT", 120.0, 1e-3, 86400.0),
+                  knob(f"{prefix}_RETRIES", RETRIES, 0, 20), knob(f"{prefix}_BACKOFF", 1.0, 0.0, 3600.0))
 
 
 def png_base64(image: np.ndarray) -> str:

@@ -7,8 +7,8 @@ transport: a remote reward (`remote=URL`), a vision-language judge (`judge:TASK=
        | judge:ocr=http://h1:8000+http://h2:8000 | ocr=1,judge:match=http://h1:8000=0.5     (ARG: no "," or "=")
 A reward: fn(images (B,3,H,W) float in [0,1] on CPU, or uint8 pixels, prompts, metadata) -> (scores (B,) float64,
 info), info = each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to
-uint8 exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. ARG of the CLIP rewards: a
-hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key of JUDGE_TASKS.
+uint8 exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. ARG of the CLIP
+rewards: a hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key of JUDGE_TASKS.
 """
 from __future__ import annotations
 
@@ -261,7 +261,8 @@ def judge(task: str, urls: list[str], concurrency: int | None = None):
     workers = reward_http.Workers(urls * per_server, "judge")
 
     def ask(url, image, prompt):
-        content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + reward_http.png_base64(image)}},
+        url_of_image = "data:image/png;base64," + reward_http.png_base64(image)
+        content = [{"type": "image_url", "image_url": {"url": url_of_image}},
                    {"type": "text", "text": spec.question.format(prompt=prompt)}]
         body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, **spec.request}
         reply = client.call(url, "/v1/chat/completions", body, f" for prompt {prompt!r}")

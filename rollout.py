@@ -193,7 +193,10 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
 def omni_options() -> dict:
     """OmniBackend's keyword arguments from FLOWGRPO_ROLLOUT_* (OMNI_KNOBS; _DIR: the run directory if unset)."""
     options = {k: reward_http.knob(f"FLOWGRPO_ROLLOUT_{k.upper()}", *v) for k, v in OMNI_KNOBS.items()}
-    return options | {"exchange_dir": os.environ.get("FLOWGRPO_ROLLOUT_DIR") or None}
+    exchange = os.environ.get("FLOWGRPO_ROLLOUT_DIR") or None
+    if exchange and os.path.exists(exchange) and not os.path.isdir(exchange):
+        raise ValueError(f"FLOWGRPO_ROLLOUT_DIR={exchange!r} is not a directory: give one beneath the servers' root")
+    return options | {"exchange_dir": exchange}
 
 
 def make_backend(kind: str, urls: str | None, run_dir: str, engine):

@@ -214,8 +214,8 @@ class RunLog:
 
     def __init__(self, claim: Claim, *, enabled: bool, use_wandb: bool):
         self.run_dir, self.enabled, self.rows, self.wandb = claim.run_dir, enabled, [], None
-        self.metrics, self.started, self.args, self.flat = os.path.join(claim.run_dir, "metrics.jsonl"), time.time(), \
-            claim.args, 0
+        self.metrics, self.started = os.path.join(claim.run_dir, "metrics.jsonl"), time.time()
+        self.args, self.flat = claim.args, 0  # flat: iterations in a row without any reward spread
         if not enabled:
             return
         self.rows = metrics_until(claim.metrics, claim.until) if claim.metrics else []

@@ -33,7 +33,8 @@ TINY = ["--model", "tiny", "--group-size", "2", "--prompts-per-iteration", "2", 
 def cli(*flags, wait=True, launcher=(sys.executable,), env=None):
     cmd = [*launcher, str(ROOT / "flowgrpo.py"), *TINY, *map(str, flags)]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=600)
 
 
@@ -57,13 +58,14 @@ def test_two_runs_started_at_once_into_one_new_run_dir_exactly_one_proceeds(tmp_
 
 def test_a_held_run_dir_is_refused_at_once_naming_the_holder_and_freed_when_it_dies(tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, runlog\nrunlog.lock_run_dir(sys.argv[1], True)\n"
-                               "print('held', flush=True)\ntime.sleep(300)", str(run)], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True)
+    code = ("import sys, time, runlog\nrunlog.lock_run_dir(sys.argv[1], True)\nprint('held', flush=True)\n"
+            "time.sleep(900)")  # killed below
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         out = cli("--run-dir", run, "--iterations", 1)
-        assert out.returncode == 1 and f"host {socket.gethostname()}, PID {holder.pid}" in out.stderr, out.stderr[-2000:]
+        named = f"host {socket.gethostname()}, PID {holder.pid}"
+        assert out.returncode == 1 and named in out.stderr, out.stderr[-2000:]
         assert "batch arithmetic" not in out.stdout  # refused before anything was built
     finally:
         holder.kill()  # a lock left by a dead process: released by the OS
@@ -105,7 +107,7 @@ def copy_checkpoint(trained, tmp_path, name="iter_000001") -> Path:
 ])
 def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(trained, tmp_path, victim, plant, needle):
     """The manifest check and meta.json read every file with a plain open(): a FIFO hung --resume (45 s and
-    counting), a link to /dev/zero spun on it (30 CPU-s). Now only regular files are opened, checked without blocking."""
+    counting), a link to /dev/zero spun on it (30 CPU-s). Now only regular files are opened, without blocking."""
     bad = copy_checkpoint(trained, tmp_path)
     os.remove(bad / victim)
     plant(str(bad / victim))

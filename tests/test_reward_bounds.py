@@ -71,7 +71,8 @@ class Server:
     def memory(self) -> dict[str, int]:
         """VmRSS (now) and VmHWM (the peak so far), bytes."""
         lines = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
-        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in lines) if k in ("VmRSS", "VmHWM")}
+        fields = dict(line.split(":", 1) for line in lines)
+        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
 
     def close(self):
         self.proc.kill()
@@ -208,10 +209,10 @@ def test_a_total_reward_that_overflows_stops_with_the_reward_named(huge):
 
 def test_a_run_whose_rewards_overflow_stops_naming_the_reward(huge, tmp_path):
     """Before: reward/mean inf, the loss NaN, every optimizer step skipped, and the run exited 0."""
-    out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), "--model", "tiny", "--reward", f"remote={huge}",
-                          "--iterations", "2", "--group-size", "2", "--prompts-per-iteration", "2", "--micro-batch", "2",
-                          "--eval-every", "0", "--no-wandb", "--run-dir", str(tmp_path / "run")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env=NO_PROXY)
+    flags = ["--model", "tiny", "--reward", f"remote={huge}", "--iterations", "2", "--group-size", "2",
+             "--prompts-per-iteration", "2", "--micro-batch", "2", "--eval-every", "0", "--no-wandb"]
+    out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), *flags, "--run-dir", str(tmp_path / "run")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=NO_PROXY)
     assert out.returncode == 1, out.stderr[-3000:]
     error = out.stderr.strip().splitlines()[-1]
     assert error.startswith(f"flowgrpo.py: error: --reward remote={huge}: this iteration's rewards"), out.stderr[-3000:]
@@ -229,11 +230,21 @@ def test_every_knob_is_checked_at_start_up_like_a_flag(monkeypatch, name, value)
 
 
 def test_knobs_are_refused_by_the_cli_before_anything_is_built(tmp_path):
+    omni = ["--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9"]
     for env, flags, needle in [({"FLOWGRPO_REMOTE_TIMEOUT": "inf"}, ["--reward", "remote=http://127.0.0.1:9"],
                                 "FLOWGRPO_REMOTE_TIMEOUT='inf'"),
-                               ({"FLOWGRPO_ROLLOUT_TIMEOUT": "inf"}, ["--rollout", "vllm-omni", "--rollout-url",
-                                                                      "http://127.0.0.1:9"], "FLOWGRPO_ROLLOUT_TIMEOUT")]:
+                               ({"FLOWGRPO_ROLLOUT_TIMEOUT": "inf"}, omni, "FLOWGRPO_ROLLOUT_TIMEOUT")]:
         out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), *flags, "--run-dir", str(tmp_path / "r")],
                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=NO_PROXY | env)
         assert out.returncode == 1 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert "batch arithmetic" not in out.stdout and not (tmp_path / "r").exists()
+
+
+def test_the_soak_loses_nothing():
+    """`python bench.py soak` at its smallest, every request followed by a hostile one: it exits 0 only if every valid
+    request was answered once, correctly, and the server's threads and memory came back (BENCHMARKS.md: the full one)."""
+    out = subprocess.run([sys.executable, "bench.py", "soak", "--clients", "2", "--requests", "5", "--hostile", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=NO_PROXY)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "| valid: answered, correct | 10 |" in out.stdout and "| server threads, start → end |" in out.stdout
+    assert "hostile, " in out.stdout and "lost" not in out.stdout, out.stdout
