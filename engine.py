@@ -49,9 +49,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 def handle_signals() -> None:
-    """SIGTERM (what torchrun sends every worker when one fails, and a scheduler before it kills) stops a run as Ctrl-C
-    does, on every rank; SIGINT does so even where it was inherited ignored (a job a shell started in the background);
-    SIGUSR1 prints every thread's stack to stderr (where is a run that seems stuck?)."""
+    """SIGTERM (torchrun's to every worker when one fails; a scheduler's before a kill) and SIGINT, even inherited
+    ignored (a shell's background job), stop a run as Ctrl-C does, on every rank; SIGUSR1 prints all threads' stacks."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     faulthandler.register(signal.SIGUSR1, all_threads=True)

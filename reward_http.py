@@ -198,7 +198,7 @@ def gather(futures: list[Future]) -> list:
 class Limits:
     """What one request may cost the server (each is a `serve` flag). Memory: at most max_connections requests are held
     at once, each about 3× its body while it is parsed, then its images' pixels (3 bytes each) and what the reward
-    itself takes: measured, at most 12 bytes per pixel at the limit (README, "Reliability")."""
+    itself takes: at most 16 bytes per pixel at the limit, 12 measured (README, "Reliability")."""
     max_request_mb: float = 256.0  # request body
     max_json_values: int = 2**16  # JSON values in the body, counted before it is parsed (each costs up to ~72 bytes)
     max_request_images: int = 64  # images in one request
@@ -259,7 +259,7 @@ def read_images(encoded: list, limits: Limits) -> torch.Tensor:
                 batch[i] = png.convert("RGB")
         except (OSError, ValueError, SyntaxError) as e:  # a truncated or corrupt PNG body
             raise Refused(400, f"images[{i}] could not be decoded: {type(e).__name__}") from None
-        encoded[i] = s = None
+        encoded[i] = None  # its text goes
     return torch.from_numpy(batch).permute(0, 3, 1, 2)
 
 
