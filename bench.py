@@ -403,11 +403,14 @@ def soak(argv) -> None:
             body = json.dumps({"images": [reward_http.png_base64(x) for x in rewards.to_uint8(images)],
                                "prompts": ["p"] * 4}).encode()
             start = time.perf_counter()
-            for attempt in range(12):  # backoff 0.05 s, doubling: 100 s in all
-                code, reply = reward_http.exchange(url, "/score", body, 120, 2**20)
-                if code != 503:
+            for attempt in range(12):  # as reward_http.Client retries, backoff 0.05 s doubling: 100 s in all
+                try:
+                    code, reply = reward_http.exchange(url, "/score", body, 120, 2**20)
+                except OSError as e:  # a busy server's 503 and close can cut the body being sent
+                    code, reply = type(e).__name__, b""
+                if code != 503 and isinstance(code, int):
                     break
-                count("valid: 503 busy, retried")
+                count(f"valid: {code} (busy), retried")
                 time.sleep(0.05 * 2 ** attempt)
             right = code == 200 and json.loads(reply)["scores"] == local(images, ["p"] * 4)[0].tolist()
             count("valid: answered, correct" if right else f"valid: lost or wrong (HTTP {code})")
