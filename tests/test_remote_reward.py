@@ -434,9 +434,9 @@ def test_training_run_whose_reward_server_dies_fails_clearly_and_keeps_its_check
 def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path, fake, launcher):
     """SIGINT to a run whose reward server accepted a request and never answers (deadline 600 s): the run stops
     at once, its last checkpoint complete. Before, a non-daemon reward thread held the process until the deadline;
-    and a trainer started with SIGINT ignored (a background job's inheritance, IGNORING_SIGINT) ran on: it failed
-    every time started so, and passed 20 of 20 started normally under a load of 4 to 14 on 2 cores. The trainer now
-    sets its own handler. If it does not stop, the test prints where it was (tiny_setup.stop)."""
+    and a trainer started with SIGINT ignored (a background job's inheritance, IGNORING_SIGINT) ran on for good, the
+    cause of the lost Ctrl-C the second review saw (README, "Reliability"): the trainer now sets its own handler. If
+    it does not stop, the test fails with where it was (tiny_setup.stop)."""
     hung, answered = threading.Event(), []
 
     def handler(h):
