@@ -84,12 +84,12 @@ class Claim:
     until: int = -1  # the iteration of the checkpoint resumed from
 
 
-def claim_run_dir(run_dir: str | None, name: str, checkpoint: str | None, meta: dict, config: dict) -> Claim:
+def claim_run_dir(run_dir: str | None, name: str, resumed: str | None, meta: dict, config: dict) -> Claim:
     """The run directory made this run's, on rank 0, before anything is built: locked for the life of the process
-    (lock_run_dir), and checked: a new run refuses a directory that holds a run; a resumed run continues in its
-    checkpoint's run directory (or a new one). Nothing is written but the lock: RunLog writes when training starts."""
+    (lock_run_dir), and checked: a new run refuses a directory that holds a run; a run resumed from checkpoint
+    `resumed` continues in its run directory (or a new one). Nothing is written but the lock: RunLog writes when training starts."""
     try:
-        if checkpoint is None:
+        if resumed is None:
             made, stamp = run_dir is None or not os.path.exists(run_dir), time.strftime("%Y%m%d-%H%M%S")
             run_dir = run_dir or _new_dir(os.path.join("runs", f"{name.replace('/', '_')}-{stamp}"))
             lock_run_dir(run_dir, made)
@@ -98,18 +98,18 @@ def claim_run_dir(run_dir: str | None, name: str, checkpoint: str | None, meta: 
                                  f"{run_dir}, or give a new directory")
             run_id = uuid.uuid4().hex
             return Claim(run_dir, run_id, None, config | {"run_id": run_id, "resumes": []})
-        source = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))  # <run-dir>/checkpoints/iter_N
+        source = os.path.dirname(os.path.dirname(os.path.abspath(resumed)))  # <run-dir>/checkpoints/iter_N
         run_dir = run_dir or source
         lock_run_dir(run_dir, not os.path.exists(run_dir))
     except OSError as e:
         raise ValueError(f"--run-dir {run_dir}: cannot write there ({e.strerror}); give a writable directory") from e
     previous = _read_json(os.path.join(run_dir, "args.json"))
     if _holds_run(run_dir) and previous.get("run_id") != meta["run_id"]:
-        raise ValueError(f"--run-dir {run_dir} holds another run than the one {checkpoint} belongs to: resume in "
+        raise ValueError(f"--run-dir {run_dir} holds another run than the one {resumed} belongs to: resume in "
                          f"{source} or in a new directory")
     own = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
     changed = {k: [v, config[k]] for k, v in meta["flags"].items() if json.loads(json.dumps(config[k])) != v}
-    history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(checkpoint), "changed": changed}]
+    history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(resumed), "changed": changed}]
     return Claim(run_dir, meta["run_id"], meta["loop"]["wandb_id"] if own else None,
                  config | {"run_id": meta["run_id"], "resumes": history},
                  os.path.join(run_dir if own else source, "metrics.jsonl"), meta["loop"]["iteration"])

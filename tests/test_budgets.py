@@ -23,7 +23,7 @@ BUDGETS |= {"flowgrpo.py": 520, "runlog.py": 210, "rollout.py": 430, "bench.py":
 # nothing can be learned; checkpoints read as regular files only, meta.json's schema and own SHA-256, unique
 # temporaries, a full disk in one line; the remote-reward and judge clients moved from reward_http.py (now transport
 # only) into rewards.py; SIGTERM as Ctrl-C; the reward server's soak (`python bench.py soak`); a FIFO prompt file named.
-BUDGETS |= {"runlog.py": 280, "checkpoint.py": 250, "rewards.py": 470, "engine.py": 360, "bench.py": 485,
+BUDGETS |= {"runlog.py": 280, "checkpoint.py": 250, "rewards.py": 470, "engine.py": 360, "bench.py": 490,
             "prompts.py": 155}
 
 
