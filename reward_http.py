@@ -85,9 +85,8 @@ def exchange(url: str, path: str, body: bytes | None, deadline: float, max_reply
     return status, raw
 
 
-# The retry budget, 1 + 2 + 4 + 8 + 16 + 32 = 63 s of backoff by default, outlasts the longest a reward server holds
-# a connection slot for a client that never finishes its request (Limits.request_timeout, 60 s): connections that
-# fill every slot delay a run, they cannot stop it.
+# The retry budget, 1 + 2 + 4 + 8 + 16 + 32 = 63 s of backoff, outlasts the longest a reward server holds a slot
+# for a client that never finishes its request (Limits.request_timeout, 60 s): filling the slots cannot stop a run.
 RETRIES = 6
 
 
@@ -138,8 +137,7 @@ def knob(name: str, default, lo, hi):
 
 
 def client_from_env(prefix: str, what: str, hint: str) -> Client:
-    """A Client with <prefix>_TIMEOUT (the whole-request deadline, s), _RETRIES and _BACKOFF (s) from the
-    environment, each checked (`knob`)."""
+    """A Client with <prefix>_TIMEOUT (the whole-request deadline, s), _RETRIES and _BACKOFF (s), each a `knob`."""
     return Client(what, hint, knob(f"{prefix}_TIMEOUT", 120.0, 1e-3, 86400.0),
                   knob(f"{prefix}_RETRIES", RETRIES, 0, 20), knob(f"{prefix}_BACKOFF", 1.0, 0.0, 3600.0))
 
@@ -183,8 +181,11 @@ class Workers:
 
 def gather(futures: list[Future]) -> list:
     """The futures' results, in order. The first to fail raises at once, without waiting for the others (a chunk or
-    request stuck on a hung server); those not started yet are cancelled."""
-    wait(futures, return_when=FIRST_EXCEPTION)
+    request stuck on a hung server); those not started yet are cancelled. The wait wakes every second: a signal the OS
+    hands to another thread runs its handler (SIGTERM, Ctrl-C) only once the main thread runs Python code again."""
+    while wait(futures, timeout=1.0, return_when=FIRST_EXCEPTION).not_done and not any(
+            f.done() and f.exception() is not None for f in futures):
+        pass
     failed = [f for f in futures if f.done() and f.exception() is not None]
     if failed:
         for f in futures:
@@ -209,13 +210,11 @@ class Limits:
     request_timeout: float = 60.0  # seconds to send a whole request; also each socket read and write
 
 
-# Bytes of decompressed PNG text (tEXt, zTXt, iTXt, iCCP) Pillow may read per chunk and per image (its defaults: 1 MiB
-# and 64 MiB, kept with the open image). The images this project sends carry none.
-PNG_TEXT = 2**16
+PNG_TEXT = 2**16  # bytes of PNG text (zTXt, iCCP, ...) Pillow may inflate per image (default: 64 MiB); ours have none
 
 
 class Refused(Exception):
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str):  # the HTTP status and the reply's message
         super().__init__(message)
         self.code = code
 
