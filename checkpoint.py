@@ -1,29 +1,67 @@
 """What a checkpoint is on disk, and the checks that make it data rather than code.
 
-    <run-dir>/checkpoints/iter_<n>/     written as iter_<n>.tmp, renamed when complete (engine.save_checkpoint)
+    <run-dir>/checkpoints/iter_<n>/     written under a unique temporary name, renamed when complete (engine.py)
         dcp/                            trained weights, AdamW state (and EMA): torch.distributed.checkpoint, sharded
         rng_rank<r>.safetensors         each rank's torch RNG states
         lora/                           the adapter in diffusers' format
-        meta.json                       run id, the flags that decide the result, the loop's state, world size, and
-                                        the SHA-256 of every other file (the manifest)
+        meta.json                       run id, the flags that decide the result, the loop's state, world size, the
+                                        SHA-256 of every other file (the manifest) and of the rest of meta.json itself
 
 torch's checkpoint format unpickles `dcp/.metadata` and non-tensor values, so a file swapped for a pickle would
-run code: `resolve_resume` checks every file against the manifest before anything reads it. The manifest guards
-against damaged or swapped files, not against whoever can rewrite meta.json too: a checkpoint from someone else
-is code, to be trusted as such (README, "Reliability").
+run code: `resolve_resume` checks every file against the manifest before anything reads it, reading only regular
+files (never a FIFO, a device or a link). The manifest and meta.json's own SHA-256 guard against damaged, swapped
+or hand-edited files, not against whoever rewrites them all consistently: a checkpoint from someone else is code,
+to be trusted as such (README, "Reliability").
 """
+import errno
 import glob
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
+import stat
 
 import torch
 from safetensors.torch import load_file, save_file
 
 PREFIX = "iter_"
-META_KEYS = ("run_id", "flags", "loop", "world_size", "manifest")
-LOOP_KEYS = ("iteration", "sampler", "skipped_steps", "wandb_id")
+# meta.json's fields and their types; every other field is the loop's (flowgrpo.py), the flags' (their names) or
+# the prompt sampler's (prompts.py). Read back, each is checked before anything uses it.
+SCHEMA = {"run_id": str, "flags": dict, "loop": dict, "world_size": int, "manifest": dict, "sha256": str,
+          "loop.iteration": int, "loop.sampler": dict, "loop.skipped_steps": int, "loop.wandb_id": (str, type(None)),
+          "loop.prompts_sha256": str, "loop.sampler.n": int, "loop.sampler.seed": int}
+
+
+def temporary(path: str) -> str:
+    """A name beside `path` for writing it: unique to this process and call, so no two writers ever share one."""
+    return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def open_regular(path: str, below: str | None = None):
+    """`path` opened for reading (binary) if it is a regular file, reached without following a symbolic link at it or
+    at any directory beneath `below` (default: its own directory), opened without blocking and checked on the
+    descriptor: a plain open of a FIFO waits for a writer, a link to /dev/zero never ends. FileNotFoundError if it is
+    missing; a ValueError naming it if it is anything else."""
+    below = below or os.path.dirname(path) or "."
+    parts = os.path.relpath(path, below).split(os.sep)
+    fd = os.open(below, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i, part in enumerate(parts):
+            kind = os.O_NONBLOCK if i == len(parts) - 1 else os.O_DIRECTORY
+            fd, parent = os.open(part, os.O_RDONLY | os.O_NOFOLLOW | kind, dir_fd=fd), fd
+            os.close(parent)
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"{path} cannot be opened ({e.strerror}: a symbolic link on the way?)") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file (mode {stat.filemode(mode)})")
+    return open(fd, "rb")
 
 
 def save_rng_state(path: str) -> None:
@@ -42,17 +80,138 @@ def load_rng_state(path: str) -> None:
         torch.cuda.set_rng_state_all([state[f"cuda{i}"] for i in range(torch.cuda.device_count())])
 
 
+def json_sha256(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
 def manifest(directory: str) -> dict[str, str]:
-    """{relative path: SHA-256} of every file under directory except meta.json (which holds the manifest)."""
+    """{relative path: SHA-256} of every file under directory except meta.json (which holds the manifest); a file
+    that is not a regular one (a FIFO, a device, a link) is refused, naming it."""
     out = {}
     for root, _, files in os.walk(directory):
         for name in sorted(files):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, directory)
+            rel = os.path.relpath(os.path.join(root, name), directory)
             if rel != "meta.json":
-                with open(path, "rb") as f:
-                    out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+                try:
+                    with open_regular(os.path.join(root, name), directory) as f:
+                        out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+                except ValueError as e:
+                    raise ValueError(f"--resume: {e}: no file of a checkpoint; resume from another one") from None
     return out
+
+
+def write_meta(directory: str, meta: dict) -> None:
+    """meta.json of a complete checkpoint directory: `meta`, the manifest of its files, and the SHA-256 of both."""
+    meta = dict(meta, manifest=manifest(directory))
+    with open(os.path.join(directory, "meta.json"), "w") as f:
+        json.dump(dict(meta, sha256=json_sha256(meta)), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_error(e: BaseException, directory: str) -> BaseException:
+    """What stops a run whose checkpoint `directory` could not be written: DCP wraps each rank's error, Ctrl-C and a
+    full disk too, in a CheckpointException (a BaseException); a full disk is one line naming it."""
+    errors = [e] + [f[0] for f in getattr(e, "failures", {}).values() if isinstance(f, tuple)]
+    if any(isinstance(x, KeyboardInterrupt) for x in errors):
+        return KeyboardInterrupt()
+    os_errors = [x for x in errors if isinstance(x, OSError)]
+    if not os_errors:
+        return RuntimeError(f"checkpoint {directory} could not be written: {e}")
+    root, full = os.path.dirname(directory), os_errors[0].errno in (errno.ENOSPC, errno.EDQUOT)
+    disk = f"the disk holding {root} ({shutil.disk_usage(root).free / 2**20:.0f} MiB free)" if full else root
+    return ValueError(f"checkpoint {directory} could not be written ({os_errors[0].strerror}) on {disk}; the previous "
+                      "checkpoints are intact: free space and continue with --resume auto")
+
+
+def replace_dir(src: str, dst: str) -> None:
+    """Rename src to dst; an existing dst is moved aside first and removed only after the swap."""
+    old = temporary(dst)
+    if os.path.exists(dst):
+        os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_temporaries(directory: str) -> None:
+    """Delete the temporary directories (`temporary` names) interrupted writes left in `directory`: the run directory
+    is locked by its run, so no other process is writing them."""
+    for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def iteration_of(path: str) -> int | None:
+    """n of a checkpoint directory named iter_<n>; None for any other name (a temporary, a set-aside one, a copy)."""
+    m = re.fullmatch(PREFIX + r"(\d+)", os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: str, run_id: str | None = None) -> list[str]:
+    """Complete checkpoints under root, oldest first: real directories (not links) named iter_<n> with a meta.json;
+    with run_id, only that run's (pruning never touches another run's)."""
+    paths = [p for p in glob.glob(os.path.join(root, PREFIX + "*")) if iteration_of(p) is not None]
+    done = [p for p in paths if not os.path.islink(p) and os.path.isfile(os.path.join(p, "meta.json"))]
+    return sorted(p for p in done if run_id is None or _run_id_of(p) == run_id)
+
+
+def set_aside_after(root: str, iteration: int) -> list[str]:
+    """Rename the checkpoints under root later than `iteration` (a branch abandoned by resuming an earlier one) to
+    names --resume auto never picks, keeping them; returns their new names."""
+    moved = []
+    for p in list_checkpoints(root):
+        if iteration_of(p) > iteration:
+            moved.append(f"{p}.abandoned-{secrets.token_hex(4)}")
+            os.rename(p, moved[-1])
+    return moved
+
+
+def _run_id_of(directory: str) -> str | None:
+    try:
+        with open_regular(os.path.join(directory, "meta.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def read_checkpoint_meta(directory: str) -> dict:
+    """meta.json of a checkpoint, with one line naming the field or file for a missing, incomplete, corrupt, foreign
+    or edited one: its schema (SCHEMA), its SHA-256, its iteration against the directory's name, its world size
+    against the RNG files of its manifest."""
+    path = os.path.join(directory, "meta.json")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"--resume: no checkpoint directory {directory}")
+    for needed in (path, os.path.join(directory, "dcp", ".metadata")):
+        if not os.path.lexists(needed):
+            raise ValueError(f"--resume: {directory} is incomplete ({needed} is missing): it was interrupted while being "
+                             "written — resume from an earlier checkpoint")
+    try:
+        with open_regular(path, directory) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise ValueError(f"--resume: {path} is corrupt ({e})") from e
+    for field, kind in SCHEMA.items():  # a field's parent comes before it
+        *parents, key = field.split(".")
+        part = meta
+        for p in parents:
+            part = part[p]
+        if not isinstance(part, dict) or key not in part:
+            raise ValueError(f"--resume: {path} lacks {field}: not a checkpoint written by this version of flowgrpo.py")
+        value, lowest = part[key], 1 if field == "world_size" else 0
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < lowest):
+            raise ValueError(f"--resume: {path}: {field} is {value!r}: the wrong type or out of range; the checkpoint "
+                             "is damaged")
+    n = iteration_of(directory)
+    if n is not None and n != meta["loop"]["iteration"]:
+        raise ValueError(f"--resume: {path}: loop.iteration is {meta['loop']['iteration']}, but the directory is named "
+                         f"for iteration {n}: the checkpoint was renamed or edited")
+    ranks = {k for k in meta["manifest"] if re.fullmatch(r"rng_rank\d+\.safetensors", k)}
+    if ranks != {f"rng_rank{r}.safetensors" for r in range(meta["world_size"])}:
+        raise ValueError(f"--resume: {path}: world_size is {meta['world_size']}, but its manifest lists "
+                         f"{sorted(ranks)}: the checkpoint was edited")
+    if meta["sha256"] != json_sha256({k: v for k, v in meta.items() if k != "sha256"}):
+        raise ValueError(f"--resume: {path} was edited after it was written (its sha256 does not match its content): "
+                         "resume from another checkpoint")
+    return meta
 
 
 def verify_checkpoint(directory: str) -> dict:
@@ -66,54 +225,6 @@ def verify_checkpoint(directory: str) -> dict:
                 else "differs from its SHA-256 in the manifest"
             raise ValueError(f"--resume: {os.path.join(directory, rel)} {state} ({os.path.join(directory, 'meta.json')})"
                              ": the checkpoint was altered or damaged; resume from another one")
-    return meta
-
-
-def replace_dir(src: str, dst: str) -> None:
-    """Rename src to dst; an existing dst is moved aside first and removed only after the swap."""
-    old = dst + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(dst):
-        os.rename(dst, old)
-    os.rename(src, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def list_checkpoints(root: str, run_id: str | None = None) -> list[str]:
-    """Complete checkpoints under root, oldest first: real directories (not links) with a meta.json (a `.tmp`
-    directory is an interrupted write); with run_id, only that run's (pruning never touches another run's)."""
-    paths = [p for p in glob.glob(os.path.join(root, PREFIX + "*")) if p[-4:] not in (".tmp", ".old")]
-    done = [p for p in paths if not os.path.islink(p) and os.path.isfile(os.path.join(p, "meta.json"))]
-    return sorted(p for p in done if run_id is None or _run_id_of(p) == run_id)
-
-
-def _run_id_of(directory: str) -> str | None:
-    try:
-        with open(os.path.join(directory, "meta.json")) as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def read_checkpoint_meta(directory: str) -> dict:
-    """meta.json of a checkpoint, with a clear error for a missing, incomplete, corrupt or foreign one."""
-    path = os.path.join(directory, "meta.json")
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"--resume: no checkpoint directory {directory}")
-    for needed in (path, os.path.join(directory, "dcp", ".metadata")):
-        if not os.path.exists(needed):
-            raise ValueError(f"--resume: {directory} is incomplete ({needed} is missing): it was interrupted while being "
-                             "written — resume from an earlier checkpoint")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--resume: {path} is corrupt ({e})") from e
-    missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
-    missing += [f"loop.{k}" for k in LOOP_KEYS if not missing and k not in meta["loop"]]
-    if missing:
-        raise ValueError(f"--resume: {path} lacks {', '.join(missing)}: not a checkpoint written by this version of "
-                         "flowgrpo.py")
     return meta
 
 

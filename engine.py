@@ -9,12 +9,12 @@ collectives the loop needs, saving and loading checkpoints
 process is simply a world of size 1 (same FSDP2 code path).
 """
 import contextlib
-import json
+import faulthandler
 import math
 import os
 import shutil
+import signal
 import sys
-import time
 import warnings
 from typing import NoReturn
 
@@ -49,6 +49,18 @@ def init_distributed() -> tuple[int, int, torch.device]:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return rank, world, device
+
+
+def handle_signals() -> None:
+    """SIGTERM (torchrun's to every worker when one fails; a scheduler's before a kill) and SIGINT, even inherited
+    ignored (a shell's background job), stop a run as Ctrl-C does, on every rank; SIGUSR1 prints all threads' stacks."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def shutdown() -> None:
@@ -323,8 +335,8 @@ class Engine:
         with self.ema_weights():  # written inside: in a world of one the state's tensors are the live weights
             state = self.lora_state_dict()
             if self.is_main:
-                tmp = directory + ".tmp"
-                shutil.rmtree(tmp, ignore_errors=True)
+                ckpt.remove_temporaries(os.path.dirname(directory))  # what an interrupted export left
+                tmp = ckpt.temporary(directory)
                 self.model.save_lora(tmp, state, self.lora_config.to_dict())
                 ckpt.replace_dir(tmp, directory)
         self.barrier()
@@ -342,28 +354,30 @@ class Engine:
         return get_state_dict(self.model.transformer, self.optimizer, options=self._OPTIONS)
 
     def save_checkpoint(self, directory: str, meta: dict, keep: int) -> None:
-        """Write `directory` atomically: everything goes to `<directory>.tmp` and is renamed when complete, so a
-        crash at any moment leaves the previous checkpoints intact. `meta` (JSON: the loop's state, the run's
-        flags and id) goes to meta.json with a SHA-256 manifest of every other file. Keeps this run's newest `keep`."""
-        tmp = directory + ".tmp"
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        self.barrier()
-        model_sd, optim_sd = self._state()
-        dcp.save({"model": model_sd, "optim": optim_sd, **self._ema_state()}, checkpoint_id=os.path.join(tmp, "dcp"))
-        time.sleep(float(os.environ.get("FLOWGRPO_CHECKPOINT_DELAY", 0)))  # widens the window for crash tests
-        ckpt.save_rng_state(os.path.join(tmp, f"rng_rank{self.rank}.safetensors"))
-        self.export_lora(os.path.join(tmp, "lora"))  # ends with a barrier: every rank's files are written
-        if self.is_main:
-            meta = dict(meta, world_size=self.world_size, manifest=ckpt.manifest(tmp))
-            with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            ckpt.replace_dir(tmp, directory)
-            for old in ckpt.list_checkpoints(os.path.dirname(directory), run_id=meta["run_id"])[:-keep]:
-                shutil.rmtree(old)
+        """Write `directory` atomically: everything goes to a temporary directory renamed when complete, so a crash at
+        any moment leaves the previous checkpoints intact. `meta` (JSON: the loop's state, the run's flags and id)
+        goes to meta.json with a SHA-256 manifest of every other file. Keeps this run's newest `keep`. A failure to
+        write (a full disk) removes the temporary directory and stops the run in one line (checkpoint.write_error)."""
+        root, tmp = os.path.dirname(directory), self.broadcast_object(ckpt.temporary(directory))  # rank 0's name
+        try:
+            if self.is_main:
+                ckpt.remove_temporaries(root)  # what an interrupted write left (the run directory is this run's)
+                os.makedirs(tmp)
+            self.barrier()
+            model_sd, optim_sd = self._state()
+            dcp.save({"model": model_sd, "optim": optim_sd, **self._ema_state()},
+                     checkpoint_id=os.path.join(tmp, "dcp"))
+            ckpt.save_rng_state(os.path.join(tmp, f"rng_rank{self.rank}.safetensors"))
+            self.export_lora(os.path.join(tmp, "lora"))  # ends with a barrier: every rank's files are written
+            if self.is_main:
+                ckpt.write_meta(tmp, dict(meta, world_size=self.world_size))
+                ckpt.replace_dir(tmp, directory)
+                for old in ckpt.list_checkpoints(root, run_id=meta["run_id"])[:-keep]:
+                    shutil.rmtree(old)
+        except (OSError, CheckpointException) as e:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise ckpt.write_error(e, directory) from None
         self.barrier()
 
     def load_checkpoint(self, directory: str) -> dict:

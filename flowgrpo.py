@@ -268,8 +268,11 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     for flag, v in (("--kl-beta", a.kl_beta), ("--weight-decay", a.weight_decay),
                     ("--checkpoint-every", a.checkpoint_every), ("--eval-every", a.eval_every)):
         need(v >= 0, f"{flag} must be >= 0, got {v}")
+    for flag, v, lo, hi in (("--lr", a.lr, 0, 1), ("--num-steps", a.num_steps, 2, 1000),  # beyond: typos, not runs
+                            ("--cfg-scale", a.cfg_scale, 1, 100), ("--eval-steps", a.eval_steps, 2, 1000),
+                            ("--eval-images", a.eval_images, 0, 1024), ("--guidance", a.guidance or 0.0, 0, 100)):
+        need(lo <= v <= hi, f"{flag} must be in [{lo}, {hi}], got {v}")
     need(0 <= a.seed < 2**32, f"--seed must be in [0, 2**32), got {a.seed}")
-    need(a.cfg_scale >= 1, f"--cfg-scale must be >= 1 (1 = no CFG), got {a.cfg_scale}")
     need(a.eval_images >= 1 or not a.eval_every, f"--eval-images must be >= 1 with --eval-every > 0, got {a.eval_images}")
     need(not (a.full_finetune and a.kl_beta > 0), "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
     need(not a.branch or a.window > 0, "--branch needs a window (--window > 0): the group branches at its start")
@@ -286,10 +289,10 @@ def check_args(a: Args) -> tuple[str, dict] | None:
          "checkpoint's tensor shapes and cannot change on --resume")
     algorithms.check_flags(a, RECIPES[a.recipe], ALGORITHMS)  # e.g. --clip-range with nft: refused, named
     ALGORITHMS[a.algorithm].check(a)
-    sch.check_window(a.eval_steps, 0, (0, 0))
     models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
                             model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)
     if not a.full_finetune:
+        need(a.lora_targets, "--lora-targets must name at least one module of the transformer (or --full-finetune)")
         models.check_lora_targets(a.model, a.model_path, a.lora_targets)
     rewards.check_reward_spec(a.reward, video=a.num_frames > 1)
     prompts = prompt_sets.load_prompts(a.prompts)
@@ -300,6 +303,9 @@ def check_args(a: Args) -> tuple[str, dict] | None:
     ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
     need(meta["loop"]["iteration"] + 1 < a.iterations, f"--iterations {a.iterations} leaves nothing to train after "
          f"{ckpt}, which ends iteration {meta['loop']['iteration']}: --iterations is the total, pass more")
+    need(meta["loop"]["prompts_sha256"] == checkpoint.json_sha256(prompts.train) or "prompts" in allowed(a),
+         f"--prompts {a.prompts}: its training prompts differ from those of {ckpt} (their SHA-256): resume with "
+         "those, or name prompts in --allow-change")
     return ckpt, meta
 
 
@@ -479,9 +485,9 @@ def main(a: Args) -> list[dict]:
     arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     ckpt, meta = resume or (None, {})
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
-    run_dir, run_id, wandb_id = eng.on_main(runlog.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,
-                                            dataclasses.asdict(a) | {"batch_arithmetic": arith})
-    prompt_set = prompt_sets.load_prompts(a.prompts)
+    run = eng.on_main(runlog.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,
+                      dataclasses.asdict(a) | {"batch_arithmetic": arith})  # a runlog.Claim
+    run_dir, prompt_set = run.run_dir, prompt_sets.load_prompts(a.prompts)
     trainset, evalset = prompt_set.train, [prompt_set.eval[i % len(prompt_set.eval)] for i in range(a.eval_images)]
     if rank == 0:
         print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
@@ -508,7 +514,7 @@ def main(a: Args) -> list[dict]:
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
     backend = rollout.make_backend(a.rollout, a.rollout_url, run_dir, engine)  # local, or vLLM-Omni servers
-    log = runlog.RunLog(run_dir, dataclasses.asdict(a), enabled=engine.is_main, use_wandb=a.wandb, wandb_id=wandb_id)
+    log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb)  # writes the run directory from here on
 
     bar = tqdm(range(start, a.iterations), desc="iterations", disable=not engine.is_main, initial=start,
                total=a.iterations)
@@ -542,6 +548,7 @@ def main(a: Args) -> list[dict]:
             scores, info, reward_wait = scorer.collect()
             gathered = engine.all_gather(scores)  # (P·G,) in assignment order
             r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image id
+            rewards.check_iteration(r_all, a.reward)  # a finite mean and spread, or the run stops naming the reward
 
             # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
             adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
@@ -574,9 +581,10 @@ def main(a: Args) -> list[dict]:
             # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration)
             if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):
                 loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
-                        "wandb_id": log.wandb_id}
+                        "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train)}
                 engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
-                                       {"run_id": run_id, "flags": fingerprint(a), "loop": loop}, a.keep_checkpoints)
+                                       {"run_id": run.run_id, "flags": fingerprint(a), "loop": loop},
+                                       a.keep_checkpoints)
     finally:  # an error or Ctrl-C too: stop scoring threads and remove exchange files; checkpoints stay as written
         scorer.close()
         backend.close()
@@ -590,6 +598,7 @@ def main(a: Args) -> list[dict]:
 if __name__ == "__main__":
     status = 0
     try:
+        eng.handle_signals()  # SIGTERM as Ctrl-C, on every rank; SIGUSR1 prints the stacks
         main(parse_args())
     except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
         status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"
@@ -599,4 +608,5 @@ if __name__ == "__main__":
         status = traceback.format_exc()
     finally:
         eng.shutdown()
+        runlog.release_run_dirs()  # a start that failed before training leaves no directory behind
     eng.exit_process(status)  # not through the interpreter's teardown, which a gloo thread can abort (see there)

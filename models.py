@@ -17,10 +17,17 @@ import functools
 import importlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+import checkpoint
+
+# diffusers' SD3 and FLUX pipelines import transformers' CLIP and Siglip image processors (for IP-adapters, unused
+# here); without torchvision, transformers warns that it falls back to their PIL versions: not the user's concern.
+logging.getLogger("transformers.utils.import_utils").addFilter(lambda r: "requires torchvision" not in r.getMessage())
 
 
 @dataclass(frozen=True)
@@ -536,18 +543,18 @@ TINY = tuple(m for m in MODELS if m.startswith("tiny"))
 
 def save_tiny_pipeline(directory: str, seed: int = 0, model: str = "tiny") -> str:
     """Write `--model MODEL --seed S`'s tiny pipeline (float32) as a diffusers directory: what vLLM-Omni serves
-    (`vllm serve DIR --omni --dtype float32`) and `--model MODEL --model-path DIR` loads. Built in DIR.tmp and
-    renamed, so a server never sees half a pipeline; an existing pipeline directory is replaced."""
+    (`vllm serve DIR --omni --dtype float32`) and `--model MODEL --model-path DIR` loads. Built under a temporary name
+    of its own and renamed, so a server never sees half a pipeline; an existing pipeline directory is replaced."""
     import shutil
     if model not in TINY:
         raise ValueError(f"--model must be one of {TINY}, got {model!r}")
     directory = os.path.abspath(directory)
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(f"{directory}/model_index.json"):
         raise FileExistsError(f"{directory} exists and is not a pipeline directory: choose an empty or new one")
-    shutil.rmtree(directory + ".tmp", ignore_errors=True)
-    adapter_class(model).build_tiny(seed).save_pretrained(directory + ".tmp")
+    tmp = checkpoint.temporary(directory)
+    adapter_class(model).build_tiny(seed).save_pretrained(tmp)
     shutil.rmtree(directory, ignore_errors=True)
-    os.rename(directory + ".tmp", directory)
+    os.rename(tmp, directory)
     return directory
 
 

@@ -89,8 +89,9 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
     path = Path(path)
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts: {path}: expected a .txt or .jsonl file or one of {sorted(BUILTIN)}")
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts: prompt file {path} {'is a directory' if path.is_dir() else 'does not exist'}")
+    if not path.is_file():  # a directory, a FIFO (whose read would block), a device: no prompt file
+        kind = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"--prompts: prompt file {path} {kind}")
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -107,9 +108,9 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
     for n, line in lines:
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}); each line must be an object "
-                             '{"prompt": "...", ...metadata}') from None
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep to parse
+            raise ValueError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', 'nested too deep')}); each line must be "
+                             'an object {"prompt": "...", ...metadata}') from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ValueError(f'{path}:{n}: each line must be a JSON object with a non-empty string "prompt"')
         out.append((row.pop("prompt").strip(), row))

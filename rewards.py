@@ -1,13 +1,13 @@
-"""Rewards by name, weighted multi-reward, asynchronous scoring; the HTTP side (remote rewards, the judge, the server
-behind `python rewards.py serve`) is in reward_http.py.
+"""Rewards by name, weighted multi-reward, asynchronous scoring, and the rewards over HTTP built on reward_http.py's
+transport: a remote reward (`remote=URL`), a vision-language judge (`judge:TASK=URL`), and `python rewards.py serve`.
 
 --reward SPEC:  SPEC = ITEM[,ITEM...]
                 ITEM = NAME[:ARG][=WEIGHT] | remote=URL[=WEIGHT] | judge:TASK=URL[+URL...][=WEIGHT]
   e.g. jpeg_compressibility | ocr=1.0,pickscore=0.5 | pickscore:/ckpt/pickscore | remote=http://host:8000
        | judge:ocr=http://h1:8000+http://h2:8000 | ocr=1,judge:match=http://h1:8000=0.5     (ARG: no "," or "=")
-A reward: fn(images (B,3,H,W) float in [0,1] on CPU, prompts, metadata) -> (scores (B,) float64, info), info =
-each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to uint8
-exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. Videos (B,F,3,H,W): an
+A reward: fn(images (B,3,H,W) float in [0,1] on CPU, or uint8 pixels, prompts, metadata) -> (scores (B,) float64,
+info), info = each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to
+uint8 exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. Videos (B,F,3,H,W): an
 image reward scores every FRAME_STRIDE-th frame (0, 4, 8, …) and averages; a VIDEO_REWARDS one sees whole videos.
 ARG of the CLIP rewards: a hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key
 of JUDGE_TASKS.
@@ -17,14 +17,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import json
 import math
 import os
-import queue
 import re
 import threading
 import time
 import urllib.parse
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 import nano
+import reward_http
 
 # ---------------------------------------------------------------- rewards without models (as ddpo-pytorch)
 def _encode(img, fmt, **kw) -> bytes:
@@ -79,7 +80,7 @@ def ocr_target(prompt: str) -> str:
     m = _QUOTED.search(prompt)
     if m is None or not m.group(1).strip():
         raise ValueError(f"ocr reward: prompt {prompt!r} has no text between double quotes; the target text "
-                         'must be quoted, e.g. \'a shop sign that says "OPEN"\'')
+                         'must be quoted, e.g. \'a shop sign that says "OPEN"\' (the prompts of --prompts ocr are)')
     return m.group(1)
 
 def ocr_score(recognised: str, target: str) -> float:
@@ -170,7 +171,7 @@ def aesthetic(model=None):
     return fn
 
 # ---------------------------------------------------------------- a vision-language judge: its questions and scores
-# The HTTP client is reward_http.judge; what is asked and how a reply becomes a score is here, beside `ocr`.
+# What is asked and how a reply becomes a score, beside `ocr`; the client, `judge`, is with `remote` below.
 YES_NO = {"Yes": 1.0, "No": 0.0}  # the match task's answers and their values
 READ_CHARS = 64  # the ocr task's longest reading (the ocr prompt set's targets have at most 14 characters)
 
@@ -191,6 +192,8 @@ def _score_yes_no(choice: dict, prompt: str) -> float:
     for top in choice["logprobs"]["content"][0]["top_logprobs"]:
         token = top["token"].strip()
         begun = [answer for answer in YES_NO if token and answer.startswith(token)]
+        if not top["logprob"] <= 0:  # a log-probability; exp(1000) would overflow
+            raise ValueError(f"logprob {top['logprob']!r} of token {token!r} is not a log-probability (<= 0)")
         if len(begun) == 1:
             mass[begun[0]] += math.exp(top["logprob"])
     total = sum(mass.values())
@@ -228,20 +231,86 @@ def digit_judge():
     nano.classifiers()
     return lambda images, prompts, metadata: nano.judge_scores(images, [nano.target_digit(p) for p in prompts])
 
-# ---------------------------------------------------------------- rewards over HTTP (reward_http.py; imported on use)
+# ---------------------------------------------------------------- rewards over HTTP (the transport: reward_http.py)
+JUDGE_CONCURRENCY = 8  # requests in flight per judge server, unless FLOWGRPO_JUDGE_CONCURRENCY says otherwise
+
+def _remote_knobs():
+    """(client, images per request) of `remote`, from FLOWGRPO_REMOTE_*: checked at start-up by _parse."""
+    return (reward_http.client_from_env("FLOWGRPO_REMOTE", "remote reward server",
+                                        "is `python rewards.py serve` running and reachable there?"),
+            reward_http.knob("FLOWGRPO_REMOTE_BATCH", 16, 1, 4096))
+
+def _judge_knobs(concurrency=None):
+    """(client, requests in flight per server) of `judge`, from FLOWGRPO_JUDGE_*: checked at start-up by _parse."""
+    return (reward_http.client_from_env("FLOWGRPO_JUDGE", "judge server",
+                                        "is the judge (e.g. `vllm serve`) running and reachable there?"),
+            concurrency or reward_http.knob("FLOWGRPO_JUDGE_CONCURRENCY", JUDGE_CONCURRENCY, 1, 256))
+
 def remote(url):
-    import reward_http
-    return reward_http.remote(url)
+    """--reward remote=URL: POST /score of a `python rewards.py serve`, FLOWGRPO_REMOTE_BATCH images a request."""
+    client, batch = _remote_knobs()
+    client.call(url, "/health")  # fail at start-up, not mid-run
 
-def judge(task, urls):
-    import reward_http
-    return reward_http.judge(task, urls)
+    def fn(images, prompts, metadata):
+        scores = []
+        for i in range(0, len(images), batch):
+            n = len(images[i:i + batch])
+            body = {"images": [reward_http.png_base64(a) for a in images[i:i + batch]], "prompts": prompts[i:i + batch],
+                    "metadata": metadata[i:i + batch]}
+            reply = client.call(url, "/score", body, f" for images {i}-{i + n - 1}")
+            got = reply.get("scores") if isinstance(reply, dict) else None
+            if not (isinstance(got, list) and len(got) == n
+                    and all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in got)):
+                raise ValueError(f"remote reward server {url}/score answered images {i}-{i + n - 1} with "
+                                 f"{json.dumps(reply)[:300]}; expected {{\"scores\": [{n} numbers]}}")
+            scores += got
+        return scores
+    return fn
 
-def _env(name, default):
-    try:
-        return type(default)(os.environ.get(name, default))
-    except ValueError:
-        raise ValueError(f"{name}={os.environ[name]!r} is not a valid {type(default).__name__}") from None
+def _judge_model(client, urls: list[str]) -> str:
+    """The served model: FLOWGRPO_JUDGE_MODEL, else the one model every server lists at GET /v1/models."""
+    want = os.environ.get("FLOWGRPO_JUDGE_MODEL")
+    for url in urls:
+        reply = client.call(url, "/v1/models")  # also: the server is up, at start-up
+        data = reply.get("data") if isinstance(reply, dict) else None
+        served = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        if want is None and len(served) == 1:
+            want = served[0]
+        if want not in served:
+            raise ValueError(f"judge server {url} serves {served}, not {want!r}: set FLOWGRPO_JUDGE_MODEL to the model "
+                             "to use, served by every judge server")
+    return want
+
+def judge(task: str, urls: list[str], concurrency: int | None = None):
+    """--reward judge:TASK=URL[+URL...]: each image, with JUDGE_TASKS[task]'s question, to POST /v1/chat/completions
+    of an OpenAI-compatible server (vLLM's `structured_outputs` constrain the answer), at temperature 0; `concurrency`
+    (FLOWGRPO_JUDGE_CONCURRENCY, JUDGE_CONCURRENCY) requests in flight per server, each to whichever server is free."""
+    spec = JUDGE_TASKS[task]
+    client, per_server = _judge_knobs(concurrency)
+    model = _judge_model(client, urls)
+    workers = reward_http.Workers(urls * per_server, "judge")
+
+    def ask(url, image, prompt):
+        url_of_image = "data:image/png;base64," + reward_http.png_base64(image)
+        content = [{"type": "image_url", "image_url": {"url": url_of_image}},
+                   {"type": "text", "text": spec.question.format(prompt=prompt)}]
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, **spec.request}
+        reply = client.call(url, "/v1/chat/completions", body, f" for prompt {prompt!r}")
+        try:
+            choice = reply["choices"][0]
+            if choice["finish_reason"] != "stop":
+                raise ValueError(f"finish_reason {choice['finish_reason']!r}: the answer is cut or refused")
+            return spec.score(choice, prompt)
+        except (LookupError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"judge server {url}: the reply for prompt {prompt!r} does not parse ({e}): "
+                             f"{json.dumps(reply)[:600]}") from None
+
+    def fn(images, prompts, metadata):
+        for prompt in prompts if spec.check else ():
+            spec.check(prompt)  # before any request
+        return reward_http.gather([workers.submit(ask, image, prompt) for image, prompt in zip(images, prompts)])
+    weakref.finalize(fn, workers.close)
+    return fn
 
 # ---------------------------------------------------------------- make_reward: parse, quantise, call, check
 def _weight(text, item):
@@ -272,6 +341,7 @@ def _remote_item(arg, text, item):
     url = _urls(text, item, "remote=http://HOST:PORT")
     if len(url) > 1:
         raise ValueError(f"--reward: remote takes one server, got {item!r}")
+    _remote_knobs()
     return f"remote@{urllib.parse.urlsplit(url[0]).netloc}", "remote", (url[0],)
 
 def _judge_item(task, text, item):
@@ -279,6 +349,7 @@ def _judge_item(task, text, item):
         raise ValueError(f"--reward: judge needs a task, one of {', '.join(JUDGE_TASKS)}, got {item!r}; write "
                          "judge:ocr=http://HOST:PORT[+http://HOST2:PORT]")
     urls = _urls(text, item, "judge:TASK=http://HOST:PORT[+http://HOST2:PORT...]")
+    _judge_knobs()
     netlocs = "+".join(urllib.parse.urlsplit(u).netloc for u in urls)
     return f"judge:{task}@{netlocs}", f"judge:{task}", (task, urls)
 
@@ -324,14 +395,19 @@ def check_prompts_for_reward(spec: str, prompts: list[str]) -> None:
             PROMPT_CHECKS[kind](prompt)
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) float in [0, 1] -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do; videos
-    (B, F, 3, H, W) -> (B, F, H, W, 3)."""
+    """(B, 3, H, W) float in [0, 1] (or uint8) -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do;
+    videos (B, F, 3, H, W) -> (B, F, H, W, 3)."""
     if not isinstance(images, torch.Tensor) or images.ndim not in (4, 5) or images.shape[-3] != 3:
         raise ValueError("rewards take a (B, 3, H, W) image or (B, F, 3, H, W) video tensor, got "
                          f"{getattr(images, 'shape', type(images))}")
-    if not torch.isfinite(images).all():
-        raise ValueError("rewards: the images contain NaN or infinity")
-    return (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).movedim(-3, -1).numpy()
+    if images.dtype == torch.uint8:  # the pixels themselves (the reward server's, read from PNGs)
+        return images.movedim(-3, -1).cpu().numpy()
+    out = torch.empty(images.movedim(-3, -1).shape, dtype=torch.uint8)
+    for i, image in enumerate(images.detach()):  # one image's temporaries at a time (the reward server's memory)
+        if not torch.isfinite(image).all():
+            raise ValueError("rewards: the images contain NaN or infinity")
+        out[i] = (image.float().cpu() * 255).round_().clamp_(0, 255).to(torch.uint8).movedim(-3, -1)
+    return out.numpy()
 
 def _per_frame(fn):
     """An image reward applied to videos (B, F, H, W, 3): frames 0, FRAME_STRIDE, … scored as images, averaged."""
@@ -380,51 +456,23 @@ def make_reward(spec: str):
         total, info = np.zeros(len(prompts)), {}
         for label, w, fn in parts:
             scores, _ = fn(images, prompts, metadata)
-            total, info[label] = total + w * scores, scores
+            with np.errstate(over="ignore"):  # an overflow is refused below, naming its terms
+                total, info[label] = total + w * scores, scores
+        if not np.isfinite(total).all():  # finite terms can overflow: 2 × 1e308
+            i = int(np.argmin(np.isfinite(total)))
+            raise ValueError(f"--reward {spec}: the weighted total of {({k: float(v[i]) for k, v in info.items()})} is "
+                             f"{total[i]}, for prompt {prompts[i]!r}: it must be finite")
         return total, info
     return weighted
 
 
-class Workers:
-    """Daemon threads taking jobs from one queue; thread i calls each of its jobs as fn(keys[i], *args) (a key is,
-    e.g., a server URL, listed once per request that server may have in flight). Unlike ThreadPoolExecutor's threads,
-    daemon threads are not joined at exit: a request stuck on a hung server cannot keep a stopped (Ctrl-C) run alive."""
-
-    def __init__(self, keys, name: str):
-        self.jobs, self.size = queue.SimpleQueue(), len(keys)
-        for i, key in enumerate(keys):
-            threading.Thread(target=self._work, args=(key,), name=f"{name}-{i}", daemon=True).start()
-
-    def submit(self, fn, *args) -> Future:
-        future = Future()
-        self.jobs.put((future, fn, args))
-        return future
-
-    def _work(self, key):
-        while (job := self.jobs.get()) is not None:
-            future, fn, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(key, *args))
-                except BaseException as e:  # handed to whoever waits on the future
-                    future.set_exception(e)
-            del job, future, fn, args  # hold no chunk of images while idle
-
-    def close(self):
-        for _ in range(self.size):
-            self.jobs.put(None)
-
-
-def gather(futures: list[Future]) -> list:
-    """The futures' results, in order. The first to fail raises at once, without waiting for the others (a chunk or
-    request stuck on a hung server); those not started yet are cancelled."""
-    wait(futures, return_when=FIRST_EXCEPTION)
-    failed = [f for f in futures if f.done() and f.exception() is not None]
-    if failed:
-        for f in futures:
-            f.cancel()
-        failed[0].result()  # raises its error
-    return [f.result() for f in futures]
+def check_iteration(total: torch.Tensor, spec: str) -> None:
+    """An iteration's total rewards (P·G,) need a finite mean and spread for their advantages: 1e308 is finite, twice
+    it is not. Otherwise the loss is NaN, every step is skipped and the run learns nothing, silently."""
+    r = total.double()
+    if not (torch.isfinite(r.mean()) and torch.isfinite(r.std(unbiased=False))):
+        raise ValueError(f"--reward {spec}: this iteration's rewards (largest |r| {r.abs().max().item():.3g}) have no "
+                         "finite mean and spread, so no advantages: a reward that large is broken")
 
 
 class AsyncRewards:
@@ -433,7 +481,7 @@ class AsyncRewards:
     collect() returns every chunk submitted since the last collect, in submission order."""
 
     def __init__(self, fn, workers: int = 1):
-        self.fn, self.workers, self.pending = fn, Workers([None] * workers, "reward"), []
+        self.fn, self.workers, self.pending = fn, reward_http.Workers([None] * workers, "reward"), []
 
     def _score(self, _key, images, prompts, metadata):
         return self.fn(images, prompts, metadata)
@@ -452,7 +500,7 @@ class AsyncRewards:
         if not pending:
             raise RuntimeError("AsyncRewards.collect(): nothing was submitted since the last collect")
         start = time.perf_counter()
-        results = gather(pending)
+        results = reward_http.gather(pending)
         waited = time.perf_counter() - start
         info = {k: np.concatenate([r[1][k] for r in results]) for k in results[0][1]}
         return np.concatenate([r[0] for r in results]), info, waited
@@ -469,6 +517,5 @@ VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B,
 PROMPT_CHECKS = {"ocr": ocr_target, "digit": nano.target_digit, "digit_judge": nano.target_digit,
                  **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 
-if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P (reward_http.main)
-    import reward_http
-    reward_http.main()
+if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P: reward_http's server of this reward
+    reward_http.serve_cli(make_reward, check_reward_spec)

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import stat
 import time
 import urllib.parse
 import uuid
@@ -26,8 +25,8 @@ import torch
 from safetensors.torch import load, save_file
 from tqdm import tqdm
 
+import checkpoint
 import reward_http
-import rewards
 import scheduler as sch
 
 
@@ -172,7 +171,12 @@ def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width:
 BACKENDS = ("local", "vllm-omni")
 KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v2"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
 MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
-OMNI_DEFAULTS = dict(dir="", timeout=600.0, retries=3, backoff=2.0, concurrency=2)  # FLOWGRPO_ROLLOUT_<NAME>
+# FLOWGRPO_ROLLOUT_<NAME>: (default, lowest, highest), checked at start-up; and FLOWGRPO_ROLLOUT_DIR (a path)
+OMNI_KNOBS = dict(timeout=(600.0, 1e-3, 86400.0), retries=(3, 0, 20), backoff=(2.0, 0.0, 3600.0),
+                  concurrency=(2, 1, 256))
+# |log p| of a trajectory's transition, a Gaussian log-density averaged over latent elements, is at most this: a float32
+# std is >= e^-104, and a state more than ~45 stds from its mean is no sample of the step.
+MAX_LOG_PROB = 1e3
 
 
 def check_backend(kind: str, urls: str | None) -> list[str]:
@@ -193,21 +197,27 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
             ok = False
         if not ok or url in given[:i]:
             raise ValueError(f"--rollout-url: {url!r} is not of the form http://HOST:PORT, or is listed twice")
+    if given:
+        omni_options()  # the knobs too, before anything is built
     return given
 
 
+def omni_options() -> dict:
+    """OmniBackend's keyword arguments from FLOWGRPO_ROLLOUT_* (OMNI_KNOBS; _DIR: the run directory if unset)."""
+    options = {k: reward_http.knob(f"FLOWGRPO_ROLLOUT_{k.upper()}", *v) for k, v in OMNI_KNOBS.items()}
+    exchange = os.environ.get("FLOWGRPO_ROLLOUT_DIR") or None
+    if exchange and os.path.exists(exchange) and not os.path.isdir(exchange):
+        raise ValueError(f"FLOWGRPO_ROLLOUT_DIR={exchange!r} is not a directory: give one beneath the servers' root")
+    return options | {"exchange_dir": exchange}
+
+
 def make_backend(kind: str, urls: str | None, run_dir: str, engine):
-    """The backend of `--rollout`. vllm-omni: a collective (every rank calls it); its knobs are OMNI_DEFAULTS,
-    overridden by FLOWGRPO_ROLLOUT_DIR (default: the run directory; the run's adapters and trajectories go to a
-    directory of its own beneath it, which must lie beneath the servers' trajectory_root), _TIMEOUT, ..."""
+    """The backend of `--rollout`. vllm-omni: a collective (every rank calls it), with `omni_options`; the run's
+    adapters and trajectories go to a directory of its own beneath FLOWGRPO_ROLLOUT_DIR (default: the run
+    directory), which must lie beneath the servers' trajectory_root."""
     if not check_backend(kind, urls):
         return LocalBackend()
-    opts = {k: os.environ.get(f"FLOWGRPO_ROLLOUT_{k.upper()}", v) for k, v in OMNI_DEFAULTS.items()}
-    try:
-        opts = {k: type(OMNI_DEFAULTS[k])(v) for k, v in opts.items()}
-    except ValueError as e:
-        raise ValueError(f"FLOWGRPO_ROLLOUT_{{DIR,TIMEOUT,RETRIES,BACKOFF,CONCURRENCY}}: {e}") from None
-    return OmniBackend(urls, run_dir, engine, exchange_dir=opts.pop("dir") or None, **opts)
+    return OmniBackend(urls, run_dir, engine, **omni_options())
 
 
 class LocalBackend:  # the trainer's own model samples (`sample`); nothing to synchronise or close
@@ -238,16 +248,17 @@ def build_requests(model, prompts, image_ids, *, steps, num_steps, height, width
 
 
 def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_max: float, latent_shape,
-                    image_shape, pipeline: str) -> dict:
+                    image_shape, pipeline: str, root: str | None = None) -> dict:
     """The tensors of a trajectory file written by omni_pipeline.py, checked against the request and against the
     trainer's σ, `sigmas` (W+1,) and `sigma_max`: the server's come from the same scheduler config and formula, so
-    they must be equal to the bit (tests/omni: they are); else it serves another model, or is not to be trusted."""
+    they must be equal to the bit (tests/omni: they are); else it serves another model, or is not to be trusted.
+    No symbolic link is followed beneath `root` (the run's exchange directory)."""
     n, states, W = len(seeds), len(sigmas), max(len(sigmas) - 1, 0)  # ODE only (W = 0): no states, as `sample`
     want = {"latents": (n, states, *latent_shape), "log_probs": (n, W), "sigmas": (states,), "sigma_max": (),
             "images": (n, *image_shape), "x0": (n, *latent_shape)}
     # float32 data, plus the header: 6 tensor entries, the seeds and the prompt (JSON-escaped: <= 6 bytes a byte)
     limit = 4 * sum(torch.Size(s).numel() for s in want.values()) + 8 + 4096 + 6 * len(prompt.encode())
-    data = _read_regular(path, limit, pipeline)
+    data = _read_regular(path, limit, pipeline, root)
     try:  # the safetensors layout: an 8-byte little-endian header size, the JSON header, then the data
         t = load(data)
         meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
@@ -256,6 +267,8 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_m
     bad = [f"{k} missing" if k not in t else f"{k} has shape {tuple(t[k].shape)} {t[k].dtype}, expected {s} float32"
            for k, s in want.items() if k not in t or tuple(t[k].shape) != s or t[k].dtype != torch.float32]
     bad += [f"{k} is not finite" for k in want if k in t and not bool(torch.isfinite(t[k]).all())]
+    if not bad and t["log_probs"].numel() and t["log_probs"].abs().max() > MAX_LOG_PROB:
+        bad.append(f"log_probs reach {t['log_probs'].abs().max().item():.3g}, beyond ±{MAX_LOG_PROB:g} (no sample)")
     if meta.get("format") != FORMAT:
         bad.append(f"format {meta.get('format')!r}, expected {FORMAT!r}")
     elif json.loads(meta.get("seeds", "null")) != list(seeds) or meta.get("prompt") != prompt:
@@ -269,23 +282,16 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_m
     return t
 
 
-def _read_regular(path: str, limit: int, pipeline: str) -> bytes:
-    """The bytes of `path`, which must be a regular file of at most `limit` bytes. Opened non-blocking and not
-    following a link, then checked on the descriptor: a plain open of a FIFO blocks until someone writes to it,
-    and a directory, a device or a link is no trajectory."""
+def _read_regular(path: str, limit: int, pipeline: str, root: str | None) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes reached without a link (checkpoint.open_regular)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        with checkpoint.open_regular(path, root) as f:
+            data = f.read(limit + 1)
     except FileNotFoundError:
         raise FileNotFoundError(f"no trajectory file {path}: the server must run {pipeline} (README) and see this "
                                 "path (the same machine, or a shared filesystem)") from None
-    except OSError as e:  # a symbolic link (ELOOP), no permission
-        raise ValueError(f"trajectory file {path} cannot be opened: {e}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise ValueError(f"trajectory file {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
-    with open(fd, "rb") as f:
-        data = f.read(limit + 1)
+    except ValueError as e:  # a FIFO, a directory, a device, a link on the way
+        raise ValueError(f"trajectory file {e}") from None
     if len(data) > limit:
         raise ValueError(f"trajectory file {path} has more than the {limit} bytes a trajectory of this request takes "
                          "(a server with another model, or a broken one?)")
@@ -340,11 +346,12 @@ class OmniBackend:
         so every rank has finished the previous rollout and no request uses an older version any more."""
         state = engine.lora_state_dict()
         path = os.path.join(self.policy_dir, f"v{iteration}")
-        if engine.is_main:  # PEFT's layout, which vLLM-Omni loads; built in v<k>.tmp, renamed when complete
-            engine.lora_config.save_pretrained(path + ".tmp")  # adapter_config.json: r, lora_alpha, targets
+        if engine.is_main:  # PEFT's layout, which vLLM-Omni loads; built under a temporary name, renamed when complete
+            tmp = checkpoint.temporary(path)
+            engine.lora_config.save_pretrained(tmp)  # adapter_config.json: r, lora_alpha, targets
             save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
-                      os.path.join(path + ".tmp", "adapter_model.safetensors"))
-            os.rename(path + ".tmp", path)
+                      os.path.join(tmp, "adapter_model.safetensors"))
+            os.rename(tmp, path)
             for old in set(glob.glob(os.path.join(self.policy_dir, "v*"))) - {path}:
                 shutil.rmtree(old, ignore_errors=True)
         engine.barrier()  # the adapter exists before any rank names it
@@ -367,17 +374,17 @@ class OmniBackend:
                                                                                   f"{uuid.uuid4().hex[:8]}"))
         sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
         expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=float(sigmas[1]),
-                      image_shape=model.sample_shape(height, width), pipeline=model.omni_pipeline_class,  # latents:
-                      latent_shape=tuple(model.noise([torch.Generator()], height, width).shape[1:]))  # one noise
-        # Each server `concurrency` times: a request goes to whichever slot is free. Daemon threads (rewards.Workers):
-        # a request stuck on a hung server cannot hold up a stopped (Ctrl-C) run.
-        workers = rewards.Workers(self.urls * self.concurrency, "rollout")
+                      image_shape=model.sample_shape(height, width), pipeline=model.omni_pipeline_class, root=self.root,
+                      latent_shape=tuple(model.noise([torch.Generator()], height, width).shape[1:]))  # one noise's
+        # Each server `concurrency` times: a request goes to whichever slot is free. Daemon threads (reward_http's
+        # Workers): a request stuck on a hung server cannot hold up a stopped (Ctrl-C) run.
+        workers = reward_http.Workers(self.urls * self.concurrency, "rollout")
         with tqdm(total=len(prompts), desc="rollout", unit="img", disable=not progress, leave=False) as bar:
             futures = [workers.submit(self._generate, body, expect) for _, body in jobs]
             for future, (_, body) in zip(futures, jobs):
                 future.add_done_callback(lambda _, n=body["n"]: bar.update(n))
             try:
-                parts = rewards.gather(futures)  # the first error ends the rollout; requests not yet sent are cancelled
+                parts = reward_http.gather(futures)  # the first error ends the rollout; requests not sent are cancelled
             finally:
                 workers.close()
         order = torch.tensor([i for pos, _ in jobs for i in pos]).argsort()  # requests' rows -> batch order

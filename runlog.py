@@ -1,14 +1,22 @@
-"""What a run leaves behind for people, written by rank 0 only: args.json, metrics.jsonl (one line per
-iteration, mirrored to wandb), reward_curve.png (redrawn every iteration) and captioned sample grids (for a video
-model the first frames' grid, and the grid animated as a GIF)."""
+"""What a run leaves behind for people, written by rank 0 only: its run directory (locked by the run), args.json,
+metrics.jsonl (one line per iteration, mirrored to wandb), reward_curve.png (redrawn every iteration), captioned
+sample grids (for a video model the first frames' grid, and the grid animated as a GIF), and what it tells its user
+(a warning when nothing can be learned, the closing summary)."""
+import contextlib
+import fcntl
 import json
 import os
+import socket
+import sys
 import time
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+import checkpoint
 
 
 def wrap(text: str, font, width: float, max_lines: int) -> list[str]:
@@ -81,35 +89,86 @@ def plot_curve(path: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-def claim_run_dir(run_dir: str | None, name: str, checkpoint: str | None, meta: dict, config: dict):
-    """(run directory, run id, wandb id to continue): the run directory made ready for this run, on rank 0, before
-    anything is built. A new run refuses a directory that holds a run; a resumed run continues in its checkpoint's
-    run directory (or a new one), its metrics cut back to the checkpoint's iteration. args.json is written here."""
-    if checkpoint is None:
-        run_dir = run_dir or _unused(os.path.join("runs", f"{name.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"))
-        if _holds_run(run_dir):
-            raise ValueError(f"--run-dir {run_dir} already holds a run: continue it with --resume auto --run-dir "
-                             f"{run_dir}, or give a new directory")
-        run_id, wandb_id, rows, history = uuid.uuid4().hex, None, [], []
-    else:
-        source = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))  # <run-dir>/checkpoints/iter_N
-        run_dir, run_id, previous = run_dir or source, meta["run_id"], _read_json(os.path.join(run_dir or source,
-                                                                                                "args.json"))
-        if _holds_run(run_dir) and previous.get("run_id") != run_id:
-            raise ValueError(f"--run-dir {run_dir} holds another run than the one {checkpoint} belongs to: resume in "
-                             f"{source} or in a new directory")
-        own = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
-        rows = metrics_until(os.path.join(run_dir if own else source, "metrics.jsonl"), meta["loop"]["iteration"])
-        wandb_id = meta["loop"]["wandb_id"] if own else None  # a new directory is a new wandb run
-        changed = {k: [v, config[k]] for k, v in meta["flags"].items() if json.loads(json.dumps(config[k])) != v}
-        history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(checkpoint), "changed": changed}]
+@dataclass
+class Claim:
+    """A run directory claimed by claim_run_dir on rank 0, and what RunLog writes into it once training starts."""
+    run_dir: str
+    run_id: str
+    wandb_id: str | None  # the wandb run to continue (a resume in place), else a new one
+    args: dict  # args.json: the flags, the batch arithmetic, the run id and its resumes
+    metrics: str | None = None  # a resumed run's metrics.jsonl: its rows up to `until` are continued
+    until: int = -1  # the iteration of the checkpoint resumed from
+
+
+def claim_run_dir(run_dir: str | None, name: str, resumed: str | None, meta: dict, config: dict) -> Claim:
+    """The run directory made this run's, on rank 0, before anything is built: locked for the life of the process
+    (lock_run_dir), and checked: a new run refuses a directory that holds a run; a run resumed from checkpoint
+    `resumed` continues in its run directory (or a new one). Nothing is written but the lock: RunLog writes when training starts."""
     try:
-        os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
-        _write(os.path.join(run_dir, "args.json"), json.dumps(config | {"run_id": run_id, "resumes": history}, indent=2))
-        _write(os.path.join(run_dir, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+        if resumed is None:
+            made, stamp = run_dir is None or not os.path.exists(run_dir), time.strftime("%Y%m%d-%H%M%S")
+            run_dir = run_dir or _new_dir(os.path.join("runs", f"{name.replace('/', '_')}-{stamp}"))
+            lock_run_dir(run_dir, made)
+            if _holds_run(run_dir):
+                raise ValueError(f"--run-dir {run_dir} already holds a run: continue it with --resume auto --run-dir "
+                                 f"{run_dir}, or give a new directory")
+            run_id = uuid.uuid4().hex
+            return Claim(run_dir, run_id, None, config | {"run_id": run_id, "resumes": []})
+        source = os.path.dirname(os.path.dirname(os.path.abspath(resumed)))  # <run-dir>/checkpoints/iter_N
+        run_dir = run_dir or source
+        lock_run_dir(run_dir, not os.path.exists(run_dir))
     except OSError as e:
         raise ValueError(f"--run-dir {run_dir}: cannot write there ({e.strerror}); give a writable directory") from e
-    return run_dir, run_id, wandb_id
+    previous = _read_json(os.path.join(run_dir, "args.json"))
+    if _holds_run(run_dir) and previous.get("run_id") != meta["run_id"]:
+        raise ValueError(f"--run-dir {run_dir} holds another run than the one {resumed} belongs to: resume in "
+                         f"{source} or in a new directory")
+    own = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    changed = {k: [v, config[k]] for k, v in meta["flags"].items() if json.loads(json.dumps(config[k])) != v}
+    history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(resumed), "changed": changed}]
+    return Claim(run_dir, meta["run_id"], meta["loop"]["wandb_id"] if own else None,
+                 config | {"run_id": meta["run_id"], "resumes": history},
+                 os.path.join(run_dir if own else source, "metrics.jsonl"), meta["loop"]["iteration"])
+
+
+_LOCKS = []  # (descriptor, run directory, whether this process made it) of the run directories this process holds
+
+
+def lock_run_dir(run_dir: str, made: bool) -> None:
+    """Hold an OS lock (flock) on <run_dir>/.lock for as long as this process lives, its host and PID written in it:
+    a second run into the directory is refused at once, naming them. The OS releases the lock of a process that
+    ended, however it ended, so a crashed run's directory resumes. `made`: this start makes the directory."""
+    path = os.path.join(run_dir, ".lock")
+    while True:
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 300).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(f"--run-dir {run_dir} is in use by {holder}: wait for that run to end, or give another "
+                             "directory") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a lock file its last holder removed meanwhile
+                break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"the run on host {socket.gethostname()}, PID {os.getpid()}, started {time.ctime()}\n".encode())
+    _LOCKS.append((fd, run_dir, made))
+
+
+def release_run_dirs() -> None:
+    """Let go of this process's run directories; one in which nothing was written (a start that failed while
+    loading weights) is removed with its lock if this process made it, so a failed start leaves nothing behind."""
+    while _LOCKS:
+        fd, run_dir, made = _LOCKS.pop()
+        with contextlib.suppress(OSError):
+            if os.listdir(run_dir) == [".lock"]:
+                os.unlink(os.path.join(run_dir, ".lock"))
+                if made:
+                    os.rmdir(run_dir)
+        os.close(fd)
 
 
 def metrics_until(path: str, last: int) -> list[dict]:
@@ -138,10 +197,13 @@ def _holds_run(run_dir: str) -> bool:
     return logged or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints)))
 
 
-def _unused(path: str) -> str:
-    """path, or path-1, path-2, ... (two runs started in the same second get different directories)."""
-    candidates = (path if i == 0 else f"{path}-{i}" for i in range(1000))
-    return next(p for p in candidates if not os.path.exists(p))
+def _new_dir(path: str) -> str:
+    """path, or path-1, path-2, ..., made here (two runs started in the same second get different directories)."""
+    for candidate in (path if i == 0 else f"{path}-{i}" for i in range(1000)):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(candidate)
+            return candidate
+    raise ValueError(f"{path}-*: a thousand run directories of this second already exist; give --run-dir")
 
 
 def _read_json(path: str) -> dict:
@@ -153,29 +215,39 @@ def _read_json(path: str) -> dict:
 
 
 def _write(path: str, text: str) -> None:
-    """Write text to path atomically (a temporary file, then a rename)."""
-    with open(path + ".tmp", "w") as f:
+    """Write text to path atomically (a temporary file of a unique name, then a rename)."""
+    tmp = checkpoint.temporary(path)
+    with open(tmp, "w") as f:
         f.write(text)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 class RunLog:
-    """The run directory's human-facing files, on rank 0 (elsewhere every method does nothing): metrics.jsonl (as
-    claim_run_dir left it, then one line per iteration), reward_curve.png, sample grids, wandb, a closing summary."""
+    """The run directory's human-facing files, on rank 0 (elsewhere every method does nothing): args.json,
+    metrics.jsonl (a resumed run's rows up to its checkpoint, then one line per iteration), reward_curve.png, sample
+    grids, wandb, a warning when nothing can be learned, a closing summary. Written from when training starts."""
+    FLAT = 3  # iterations in a row without any reward spread after which the run says it learns nothing
 
-    def __init__(self, run_dir: str, config: dict, *, enabled: bool, use_wandb: bool, wandb_id: str | None = None):
-        self.run_dir, self.enabled, self.rows, self.wandb = run_dir, enabled, [], None
-        self.metrics, self.started = os.path.join(run_dir, "metrics.jsonl"), time.time()
+    def __init__(self, claim: Claim, *, enabled: bool, use_wandb: bool):
+        self.run_dir, self.enabled, self.rows, self.wandb = claim.run_dir, enabled, [], None
+        self.metrics, self.started = os.path.join(claim.run_dir, "metrics.jsonl"), time.time()
+        self.args, self.flat = claim.args, 0  # flat: iterations in a row without any reward spread
         if not enabled:
             return
-        self.rows = [json.loads(line) for line in open(self.metrics)]
+        self.rows = metrics_until(claim.metrics, claim.until) if claim.metrics else []
         self.first_new = len(self.rows)
+        for moved in checkpoint.set_aside_after(os.path.join(self.run_dir, "checkpoints"), claim.until):
+            print(f"{moved}: set aside (kept, never resumed by --resume auto): it continued the run after iteration "
+                  f"{claim.until}, the branch this resume abandons")
+        os.makedirs(os.path.join(self.run_dir, "samples"), exist_ok=True)
+        _write(os.path.join(self.run_dir, "args.json"), json.dumps(claim.args, indent=2))
+        _write(self.metrics, "".join(json.dumps(r) + "\n" for r in self.rows))
         if use_wandb:  # offline unless the user configured wandb: no prompt, no network needed
             import wandb
             mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-            self.wandb = wandb.init(project="flowgrpo", dir=run_dir, mode=mode, config=config, id=wandb_id,
-                                    name=os.path.basename(os.path.abspath(run_dir)),
-                                    resume="allow" if wandb_id else None)
+            self.wandb = wandb.init(project="flowgrpo", dir=self.run_dir, mode=mode, config=claim.args,
+                                    id=claim.wandb_id, name=os.path.basename(os.path.abspath(self.run_dir)),
+                                    resume="allow" if claim.wandb_id else None)
 
     @property
     def wandb_id(self) -> str | None:
@@ -187,6 +259,12 @@ class RunLog:
         self.rows.append(row)
         with open(self.metrics, "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.flat = self.flat + 1 if row.get("reward/zero_std_ratio") == 1 else 0
+        if self.flat == self.FLAT:  # once a streak
+            print(f"warning: for {self.FLAT} iterations every group of {self.args['group_size']} images got equal "
+                  f"rewards (reward/zero_std_ratio 1): the advantages are 0, nothing is learned. --reward "
+                  f"{self.args['reward']} does not tell these images apart (ocr, say, on a model that draws no legible "
+                  "text yet): choose a reward they differ in", file=sys.stderr, flush=True)
         plot_curve(os.path.join(self.run_dir, "reward_curve.png"), self.rows)
         if self.wandb:
             self.wandb.log(row, step=row["iteration"])

@@ -36,9 +36,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir, *flags, ranks=1, env=None, wait=True):
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={ranks}"]
+# `python -c SLOW_CHECKPOINTS flowgrpo.py ...`: the script with each checkpoint write paused 3 s after its DCP shards, a
+# window for the crash test to kill it in.
+SLOW_CHECKPOINTS = """
+import runpy, sys, time
+import checkpoint
+save_rng_state = checkpoint.save_rng_state
+def slowly(path):
+    time.sleep(3)
+    save_rng_state(path)
+checkpoint.save_rng_state = slowly
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def launch(run_dir, *flags, ranks=1, env=None, wait=True, launcher=None):
+    launcher = (launcher or [sys.executable]) if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                                 "--standalone", f"--nproc_per_node={ranks}"]
     cmd = launcher + [os.path.join(ROOT, "flowgrpo.py"), *SMALL, "--run-dir", str(run_dir), *flags]
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -168,20 +183,20 @@ def test_two_nodes_on_one_machine_match_two_ranks(two_ranks, tmp_path):
 
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(straight, tmp_path):
     run, ckpts = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
-    env = ENV | {"FLOWGRPO_CHECKPOINT_DELAY": "3"}  # each checkpoint write pauses 3 s after its DCP shards
-    proc = launch(run, "--iterations", "4", "--checkpoint-every", "1", env=env, wait=False)
+    proc = launch(run, "--iterations", "4", "--checkpoint-every", "1", wait=False,
+                  launcher=[sys.executable, "-c", SLOW_CHECKPOINTS])
     deadline = time.time() + 300
-    while not (ckpts / "iter_000001.tmp").exists() and proc.poll() is None and time.time() < deadline:
+    while not list(ckpts.glob("iter_000001.tmp-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # mid-write of the second checkpoint
     proc.wait()
-    assert (ckpts / "iter_000001.tmp").exists() and not (ckpts / "iter_000001").exists()
+    assert list(ckpts.glob("iter_000001.tmp-*")) and not (ckpts / "iter_000001").exists()
     previous = str(ckpts / "iter_000000")
     assert checkpoint.resolve_resume("auto", str(run), flowgrpo.fingerprint(flowgrpo.parse_args(SMALL)))[0] == previous
     launch(run, "--iterations", "4", "--checkpoint-every", "1", "--resume", "auto")
     assert_same(lora(straight), lora(run), exact=True)
     assert [r["iteration"] for r in rows(run)] == [0, 1, 2, 3]
-    assert not (ckpts / "iter_000001.tmp").exists()
+    assert not list(ckpts.glob("*.tmp-*"))  # what the killed write left was removed: the directory is this run's
 
 
 def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):

@@ -179,6 +179,9 @@ def test_ocr_task_scores_the_judges_reading_with_the_ocr_formula(judges):
     (chat_reply("Ye", [("Yes", 1.0)], finish="length"), "finish_reason 'length': the answer is cut or refused"),
     ((200, {"choices": []}), "list index out of range"),
     ((200, {"error": "overloaded"}), "'choices'"),
+    # exp(1000) overflowed: an unnamed OverflowError
+    ((200, {"choices": [{"message": {"content": "Yes"}, "finish_reason": "stop", "logprobs": {"content": [
+        {"top_logprobs": [{"token": "Yes", "logprob": 1000}]}]}}]}), "logprob 1000 of token 'Yes' is not a log-prob"),
 ])
 def test_a_reply_that_does_not_parse_names_server_prompt_and_reply(judges, fast_retries, reply, problem):
     j = judges(lambda body: reply)
@@ -187,6 +190,14 @@ def test_a_reply_that_does_not_parse_names_server_prompt_and_reply(judges, fast_
                                          rf"\(.*{problem}.*\): \{{"):
         fn(torch.rand(1, 3, 8, 8), ["image 3"])
     assert fast_retries == []  # a well-formed wrong answer is not retried
+
+
+def test_a_huge_reply_is_refused_unread(judges, fast_retries):
+    """A 60 MB reply added 3.5 GB to the trainer's peak memory (parsed in full); replies are read up to 1 MiB."""
+    padding = " " * 2**21  # 2 MiB of valid JSON whitespace in an otherwise well-formed answer
+    j = judges(lambda body: (200, (json.dumps(distribution(body)[1])[:-1] + padding + "}").encode()))
+    with pytest.raises(RuntimeError, match=r"failed 3 times .*HTTPException: a reply of more than 1048576 bytes"):
+        rewards.make_reward(f"judge:match={j.url}")(torch.rand(1, 3, 8, 8), ["image 0"])
 
 
 def test_a_reply_that_is_not_json_names_the_server(judges, fast_retries):

@@ -165,7 +165,8 @@ def test_cli_rejects_bad_input_before_building_anything(flags, needle):
 
 def test_unreachable_weights_fail_in_one_line_and_leave_the_directory_reusable(tmp_path):
     """`--model qwen-image` with no weights on this machine: one line naming --model-path and HF_HUB_OFFLINE (no
-    traceback, no deprecation warning); the run directory it claimed holds no run, so the next start may use it."""
+    traceback, no deprecation warning); the run directory it claimed is gone (it left args.json, an empty
+    metrics.jsonl and samples/ before), and the next start may use it."""
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), "--model", "qwen-image", "--run-dir",
                           str(run), "--no-wandb"], capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -174,6 +175,7 @@ def test_unreachable_weights_fail_in_one_line_and_leave_the_directory_reusable(t
     error = [line for line in out.stderr.splitlines() if line.startswith("flowgrpo.py: error:")]
     assert len(error) == 1 and "--model-path" in error[0] and "HF_HUB_OFFLINE" in error[0], out.stderr[-3000:]
     assert "torch_dtype" not in out.stderr and "local_files_only" not in out.stderr
+    assert not run.exists(), sorted(os.listdir(run))
     out = _cli("--model", "tiny", "--run-dir", str(run), "--iterations", "1", "--eval-every", "0", "--no-wandb")
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -224,6 +226,7 @@ def test_tiny_family_recipes_learn_exactly_on_policy(model, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/logp_gap"] == 0 for r in rows) and all(r["train/approx_kl"] > 0 for r in rows)
+    assert "torchvision" not in out.stderr  # transformers' fallback notice for processors the pipelines never use
     first, last = (sum(r["reward/mean"] for r in part) / 3 for part in (rows[:3], rows[-3:]))
     assert last - first > 3 * rows[0]["reward/std"], (first, last, rows[0]["reward/std"])
 

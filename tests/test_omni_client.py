@@ -249,6 +249,11 @@ def test_read_trajectory_checks_everything(tmp_path):
                                                                "seeds": "[11, 12]"})
     with pytest.raises(ValueError, match="log_probs is not finite"):
         read()
+    bad["log_probs"][0, 0] = -1e30  # finite, and no log-density of a sample (accepted before)
+    save_file(bad, str(tmp_path / "t.safetensors"), metadata={"format": rollout.FORMAT, "prompt": "p",
+                                                               "seeds": "[11, 12]"})
+    with pytest.raises(ValueError, match=r"log_probs reach 1e\+30, beyond ±1000"):
+        read()
     for mode, needle in [("truncated", "malformed"), ("wrong_shape", "latents has shape")]:
         write_fake_trajectory(body, 16, 16, mode)
         with pytest.raises(ValueError, match=needle):
@@ -383,6 +388,18 @@ def test_a_fifo_at_the_trajectory_path_is_an_error_not_a_hang(tmp_path, standin,
     assert not released, f"the rollout was blocked on the FIFO for {HANG_S} s: {released}"
     assert re.search(f"{standin.url}.*'a cat'.*not a regular file \\(mode p", str(err.value)), err.value
     assert os.listdir(backend.traj_dir) == []
+
+
+def test_a_trajectories_directory_swapped_for_a_link_is_refused(tmp_path, standin, model):
+    """A server (or anyone) that replaces the run's trajectories/ by a symbolic link to elsewhere: the files were
+    read through it. No link is followed beneath the run's exchange directory now."""
+    backend = make(standin.url, tmp_path)
+    backend.sync(fake_engine(), 0)
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(backend.traj_dir, elsewhere)
+    os.symlink(elsewhere, backend.traj_dir)
+    with pytest.raises(RuntimeError, match=f"{standin.url}.*'a cat'.*trajectories/.*cannot be opened"):
+        backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
 
 
 def test_runs_sharing_a_rollout_dir_never_touch_each_others_files(tmp_path, standin, model, monkeypatch):

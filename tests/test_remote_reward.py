@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import checkpoint  # noqa: E402
 import reward_http  # noqa: E402
 import rewards  # noqa: E402
+from tiny_setup import stop  # noqa: E402
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -44,11 +45,12 @@ def png_b64(width, height, mode="RGB"):
 
 @pytest.fixture
 def serve():
-    """Start reward_http.make_server(spec) in a thread on a free port; yields a starter returning the base URL."""
+    """Start reward_http's server of rewards.make_reward(spec) in a thread on a free port; yields a starter returning
+    the base URL."""
     servers = []
 
     def start(spec, **limits):
-        server = reward_http.make_server(spec, limits=reward_http.Limits(**limits))
+        server = reward_http.make_server(rewards.make_reward(spec), spec, limits=reward_http.Limits(**limits))
         threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(server)
         host, port = server.server_address[:2]
@@ -377,8 +379,13 @@ def test_proxy_variables_are_ignored(serve, fake, fast_retries, monkeypatch):
 
 # ---------------------------------------------------------------- the training loop against a dead or hung server
 
-def start_trainer(port, run, env):
-    return subprocess.Popen([sys.executable, str(ROOT / "flowgrpo.py"), "--model", "tiny", "--reward",
+# A shell without job control starts a background job with SIGINT ignored, and its children inherit that: a trainer
+# relying on Python's default handler then ignores Ctrl-C for good. `trap "" INT` reproduces that inheritance.
+IGNORING_SIGINT = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]
+
+
+def start_trainer(port, run, env, launcher=()):
+    return subprocess.Popen([*launcher, sys.executable, str(ROOT / "flowgrpo.py"), "--model", "tiny", "--reward",
                              f"remote=http://127.0.0.1:{port}", "--iterations", "30", "--checkpoint-every", "1",
                              "--group-size", "2", "--prompts-per-iteration", "2", "--micro-batch", "2",  # 2 chunks
                              "--eval-every", "0", "--no-wandb", "--run-dir", str(run)], cwd=ROOT, env=env,
@@ -423,9 +430,13 @@ def test_training_run_whose_reward_server_dies_fails_clearly_and_keeps_its_check
     assert last_checkpoint_iteration(run) >= 1
 
 
-def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path, fake):
+@pytest.mark.parametrize("launcher", [(), IGNORING_SIGINT], ids=["sigint-default", "sigint-inherited-ignored"])
+def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path, fake, launcher):
     """SIGINT to a run whose reward server accepted a request and never answers (deadline 600 s): the run stops
-    at once, its last checkpoint complete. Before, a non-daemon reward thread held the process until the deadline."""
+    at once, its last checkpoint complete. Before, a non-daemon reward thread held the process until the deadline;
+    and a trainer started with SIGINT ignored (a background job's inheritance, IGNORING_SIGINT) ran on for good, the
+    cause of the lost Ctrl-C the second review saw (README, "Reliability"): the trainer now sets its own handler. If
+    it does not stop, the test fails with where it was (tiny_setup.stop)."""
     hung, answered = threading.Event(), []
 
     def handler(h):
@@ -442,15 +453,14 @@ def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path, fake):
     port = int(fake(handler).rsplit(":", 1)[1])
     run = tmp_path / "run"
     env = {**os.environ, "FLOWGRPO_REMOTE_TIMEOUT": "600", "WANDB_MODE": "offline"}
-    trainer = start_trainer(port, run, env)
+    trainer = start_trainer(port, run, env, launcher)
     try:
         wait_for_checkpoint(trainer, run, 0)
         assert hung.wait(300), "the trainer never reached the hung request"
-        trainer.send_signal(signal.SIGINT)
-        _, err = trainer.communicate(timeout=60)  # ~600 s before the fix
+        _, err = stop(trainer, signal.SIGINT)  # ~600 s before the fix
     finally:
         if trainer.poll() is None:
             trainer.kill()
     assert trainer.returncode != 0 and "interrupt" in err.lower(), err[-2000:]
     assert last_checkpoint_iteration(run) >= 0
-    assert not list((run / "checkpoints").glob("*.tmp")), "a checkpoint was left half-written"
+    assert not list((run / "checkpoints").glob("*.tmp-*")), "a checkpoint was left half-written"

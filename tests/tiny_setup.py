@@ -1,4 +1,10 @@
-"""A shared starting point for in-process loop and engine tests (not a conftest: tests/omni has its own)."""
+"""A shared starting point for in-process loop and engine tests, and a way to stop a trainer that says where it was
+(not a conftest: tests/omni has its own)."""
+import signal
+import subprocess
+import time
+
+import psutil
 import torch
 
 import engine as eng
@@ -60,3 +66,19 @@ def check_ode_path_against_the_pipeline(model, prompts: list[str], cfg: float, h
             x, *_ = sch.step(v, x, sig[i], sig[i + 1], sigma_max=sig[1], noise_level=0)
     assert torch.equal(x, ref_latents), (x - ref_latents).abs().max()  # bit for bit
     return (batch.images - ref_samples).abs().max().item()
+def stop(proc, sig, seconds: float = 60) -> tuple[str, str]:
+    """(stdout, stderr) of `proc` once `sig` ended it, which must be within `seconds`; else the test fails saying where
+    the trainer was: every thread's stack, which it prints on SIGUSR1 (engine.handle_signals), for it and its
+    children (a torchrun launcher's workers)."""
+    proc.send_signal(sig)
+    try:
+        return proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        for p in children or [psutil.Process(proc.pid)]:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        for p in children + [psutil.Process(proc.pid)]:
+            p.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"still running {seconds} s after {signal.Signals(sig).name}; its threads:\n{err[-8000:]}")

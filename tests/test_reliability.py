@@ -1,0 +1,296 @@
+"""The trainer under a second attack review: a run directory locked by its run, checkpoints that are only regular
+files with a checked meta.json, resume branches and prompt sets, flag and knob bounds, SIGTERM and a full disk,
+and what a run says when it cannot learn. Through the real CLI where the promise is the CLI's."""
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+import checkpoint
+import flowgrpo
+import rewards
+import runlog
+from tiny_setup import stop, tiny_setup
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")} | {
+    "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+TINY = ["--model", "tiny", "--group-size", "2", "--prompts-per-iteration", "2", "--micro-batch", "2",
+        "--eval-every", "0", "--no-wandb", "--seed", "5"]
+
+
+def cli(*flags, wait=True, launcher=(sys.executable,), env=None):
+    cmd = [*launcher, str(ROOT / "flowgrpo.py"), *TINY, *map(str, flags)]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=600)
+
+
+def iterations(run) -> list[int]:
+    return [json.loads(line)["iteration"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---- 1. a run directory is locked by its run --------------------------------------------------------------
+def test_two_runs_started_at_once_into_one_new_run_dir_exactly_one_proceeds(tmp_path):
+    """Before, both exited 0 and metrics.jsonl read iterations [0, 0, 1, 1]: a directory held a run only once an
+    iteration was logged. The first to start claims it with an OS lock; the other is refused (naming the holder, or,
+    if it starts after the first ended, the run the directory holds)."""
+    run = tmp_path / "run"
+    procs = [cli("--run-dir", run, "--iterations", 2, wait=False) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 1], [err[-2000:] for _, err in outs]
+    refused = next(err for p, (_, err) in zip(procs, outs) if p.returncode)
+    assert "is in use by the run on host" in refused or "already holds a run" in refused, refused[-2000:]
+    assert iterations(run) == [0, 1]
+
+
+def test_a_held_run_dir_is_refused_at_once_naming_the_holder_and_freed_when_it_dies(tmp_path):
+    run = tmp_path / "run"
+    code = ("import sys, time, runlog\nrunlog.lock_run_dir(sys.argv[1], True)\nprint('held', flush=True)\n"
+            "time.sleep(900)")  # killed below
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        out = cli("--run-dir", run, "--iterations", 1)
+        named = f"host {socket.gethostname()}, PID {holder.pid}"
+        assert out.returncode == 1 and named in out.stderr, out.stderr[-2000:]
+        assert "batch arithmetic" not in out.stdout  # refused before anything was built
+    finally:
+        holder.kill()  # a lock left by a dead process: released by the OS
+        holder.wait()
+    assert cli("--run-dir", run, "--iterations", 1).returncode == 0
+
+
+def test_temporary_names_are_unique_to_their_writer(tmp_path):
+    """Two writers of one file used to share `<name>.tmp`; another writer's temporary is left alone now."""
+    (tmp_path / "args.json.tmp").mkdir()  # another writer's temporary under the old shared name
+    runlog._write(str(tmp_path / "args.json"), "{}")
+    assert json.loads((tmp_path / "args.json").read_text()) == {} and (tmp_path / "args.json.tmp").is_dir()
+    names = {checkpoint.temporary(str(tmp_path / "x")) for _ in range(100)}
+    assert len(names) == 100 and all(f".tmp-{os.getpid()}-" in n for n in names)
+
+
+# ---- 3-5. checkpoints: regular files only, meta.json checked, resume branches, prompt sets ------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """3 iterations with a checkpoint after each, on a prompt file of its own."""
+    root = tmp_path_factory.mktemp("trained")
+    (root / "prompts.txt").write_text("".join(f"a photo of thing {i}\n" for i in range(6)))
+    flags = ["--prompts", root / "prompts.txt", "--checkpoint-every", 1, "--keep-checkpoints", 3]
+    out = cli("--run-dir", root / "run", "--iterations", 3, *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return root / "run", [str(f) for f in flags]
+
+
+def copy_checkpoint(trained, tmp_path, name="iter_000001") -> Path:
+    copy = tmp_path / name
+    shutil.copytree(trained[0] / "checkpoints" / "iter_000001", copy)
+    return copy
+
+
+@pytest.mark.parametrize("victim, plant, needle", [
+    ("rng_rank0.safetensors", os.mkfifo, "rng_rank0.safetensors is not a regular file (mode p"),
+    ("dcp/.metadata", lambda p: os.symlink("/dev/zero", p), "dcp/.metadata cannot be opened"),
+    ("meta.json", os.mkfifo, "meta.json is corrupt"),
+])
+def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(trained, tmp_path, victim, plant, needle):
+    """The manifest check and meta.json read every file with a plain open(): a FIFO hung --resume (45 s and
+    counting), a link to /dev/zero spun on it (30 CPU-s). Now only regular files are opened, without blocking."""
+    bad = copy_checkpoint(trained, tmp_path)
+    os.remove(bad / victim)
+    plant(str(bad / victim))
+    out = cli("--resume", bad, "--run-dir", tmp_path / "r", "--iterations", 4, *trained[1])  # 600 s: a hang fails
+    assert out.returncode == 1 and f"{bad}/{needle}" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def edit(directory: Path, change) -> None:
+    meta = json.loads((directory / "meta.json").read_text())
+    change(meta)
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda m: m["loop"].update(iteration=2), "loop.iteration is 2, but the directory is named for iteration 1"),
+    (lambda m: m["flags"].update(lr=0.5), "was edited after it was written"),  # would have bypassed --allow-change
+    (lambda m: m.update(world_size=2), r"world_size is 2, but its manifest lists \['rng_rank0.safetensors'\]"),
+    (lambda m: m["loop"].update(iteration="1"), "loop.iteration is '1': the wrong type or out of range"),
+    (lambda m: m["loop"].update(skipped_steps=-1), "loop.skipped_steps is -1: the wrong type or out of range"),
+    (lambda m: m.update(manifest=[]), r"manifest is \[\]: the wrong type or out of range"),
+    (lambda m: m["loop"]["sampler"].pop("n"), "lacks loop.sampler.n"),
+])
+def test_meta_json_is_checked_field_by_field(trained, tmp_path, change, needle):
+    """meta.json is outside the manifest: an iteration moved forward retrained later weights, a changed flags.lr
+    bypassed --allow-change, a world size changed skipped the RNG restore, wrong types gave tracebacks. Each is
+    refused now, in one line naming the field (or, for any other edit, meta.json's own SHA-256)."""
+    bad = copy_checkpoint(trained, tmp_path)
+    edit(bad, change)
+    with pytest.raises(ValueError, match=rf"--resume: {bad}/meta.json.*{needle}"):
+        checkpoint.resolve_resume(str(bad), None, {})
+
+
+def test_resuming_an_older_checkpoint_in_place_sets_its_successors_aside(trained, tmp_path):
+    """Resuming iteration 0's checkpoint in place, then `--resume auto`, used to continue the abandoned branch
+    (iter_000002: metrics [0, 1, 3]). Its successors are moved aside now, kept, and said so."""
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    out = cli("--run-dir", run, "--resume", run / "checkpoints" / "iter_000000", "--iterations", 2, *trained[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "iter_000001" in out.stdout and "iter_000002" in out.stdout and "set aside" in out.stdout, out.stdout
+    aside = sorted(p.name.split(".")[0] for p in (run / "checkpoints").glob("*.abandoned-*"))
+    assert aside == ["iter_000001", "iter_000002"]
+    out = cli("--run-dir", run, "--resume", "auto", "--iterations", 4, *trained[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert iterations(run) == [0, 1, 2, 3]
+
+
+def test_a_changed_prompt_file_is_named_on_resume(trained):
+    """Same path, same count, other prompts: resumed without notice before. The checkpoint keeps their SHA-256."""
+    run, flags = trained
+    prompts = Path(flags[1])
+    original = prompts.read_text()
+    args = flowgrpo.parse_args([*TINY, *flags, "--resume", str(run / "checkpoints" / "iter_000001"),
+                                "--iterations", "4"])
+    try:
+        prompts.write_text(original.replace("thing 3", "thing 33"))
+        with pytest.raises(ValueError, match=r"--prompts .*prompts.txt: its training prompts differ from those of "):
+            flowgrpo.check_args(args)
+        assert flowgrpo.check_args(dataclasses.replace(args, allow_change=("prompts",)))  # named: allowed
+    finally:
+        prompts.write_text(original)
+    assert flowgrpo.check_args(args)
+
+
+# ---- 6. flags and prompt files ------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, needle", [
+    (dict(eval_steps=1), r"--eval-steps must be in \[2, 1000\]"), (dict(lora_targets=()), "--lora-targets must name"),
+    (dict(eval_images=1_000_000), r"--eval-images must be in \[0, 1024\]"), (dict(eval_steps=10**9), "--eval-steps"),
+    (dict(lr=1e308), r"--lr must be in \[0, 1\]"), (dict(num_steps=10**9), "--num-steps"),
+    (dict(model="tiny-flux", guidance=-1000.0, lora_targets=flowgrpo.RECIPES["tiny-flux"].lora_targets),
+     r"--guidance must be in \[0, 100\]"),
+])
+def test_flags_out_of_any_sensible_range_are_refused_naming_them(change, needle):
+    with pytest.raises(ValueError, match=needle):
+        flowgrpo.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], **change))
+
+
+def test_a_deeply_nested_jsonl_and_a_fifo_prompt_file_are_named(tmp_path):
+    (tmp_path / "deep.jsonl").write_text('{"prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    out = cli("--prompts", tmp_path / "deep.jsonl", "--run-dir", tmp_path / "r")
+    assert out.returncode == 1 and "deep.jsonl:1: not valid JSON (nested too deep)" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    os.mkfifo(tmp_path / "fifo.txt")
+    with pytest.raises(FileNotFoundError, match="fifo.txt is not a regular file"):
+        flowgrpo.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts=str(tmp_path / "fifo.txt")))
+
+
+# ---- 9. SIGTERM on every rank, and a full disk --------------------------------------------------------------
+class HungRollout(BaseHTTPRequestHandler):
+    """A vLLM-Omni server that is up (GET /health) and never answers a rollout request."""
+    posted = threading.Event()
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_POST(self):
+        self.posted.set()
+        threading.Event().wait(120)  # bounded: the daemon thread ends by itself after the test
+
+    def log_message(self, *args):
+        pass
+
+
+def test_sigterm_stops_every_rank_like_ctrl_c_and_removes_the_exchange_directory(tmp_path):
+    """torchrun sends SIGTERM to every worker when one fails, and schedulers send it before a kill. There was no
+    handler: the workers died where they stood and the `rollout-*` exchange directory (RAM, on /dev/shm) leaked."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HungRollout)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    exchange = tmp_path / "shm"
+    exchange.mkdir()
+    trainer = cli("--run-dir", tmp_path / "run", "--optimizer-steps", 1, "--rollout", "vllm-omni", "--rollout-url",
+                  f"http://127.0.0.1:{server.server_address[1]}", wait=False,
+                  launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+                  env=ENV | {"FLOWGRPO_ROLLOUT_DIR": str(exchange), "FLOWGRPO_ROLLOUT_TIMEOUT": "600"})
+    try:
+        for _ in range(3000):  # 300 s
+            if HungRollout.posted.wait(0.1) or trainer.poll() is not None:
+                break
+        assert HungRollout.posted.is_set(), trainer.communicate()[1][-3000:] if trainer.poll() is not None else "slow"
+        assert [p.name for p in exchange.iterdir()][0].startswith("rollout-")
+        _, err = stop(trainer, signal.SIGTERM)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        server.shutdown()
+        server.server_close()
+    assert err.count("flowgrpo.py: interrupted") == 2, err[-3000:]  # each rank, through the Ctrl-C path
+    assert list(exchange.iterdir()) == [], "the exchange directory was left behind"
+
+
+def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """In a private tmpfs of 4 MiB: the first checkpoint fits, the second does not. DCP raises CheckpointException,
+    a BaseException, which escaped every handler into the interpreter's teardown; now one line names the disk."""
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("no private mount namespace here (unshare -m); the injected test below covers the path")
+    disk, out_dir = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    script = ('mount -t tmpfs -o size=4m tmpfs "$1" || exit 99; shift; "$@"; status=$?; '
+              f'cp -r {disk}/run {out_dir}; exit $status')
+    out = cli("--run-dir", disk / "run", "--iterations", 20, "--checkpoint-every", 1, "--keep-checkpoints", 20,
+              launcher=["unshare", "-m", "sh", "-c", script, "sh", str(disk), sys.executable])
+    if out.returncode == 99:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr[-300:]}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and "No space left on device" in lines[-1], out.stderr[-3000:]
+    assert lines[-1].startswith("flowgrpo.py: error: checkpoint ") and f"the disk holding {disk}/run" in lines[-1]
+    assert "Traceback" not in out.stderr
+    done = checkpoint.list_checkpoints(str(out_dir / "checkpoints"))
+    assert done and checkpoint.verify_checkpoint(done[-1])  # the previous one is intact
+    assert not list((out_dir / "checkpoints").glob("*.tmp-*"))
+
+
+def test_checkpoint_exceptions_become_a_line_or_an_interrupt(tmp_path, monkeypatch):
+    """The same path without a tmpfs: DCP's CheckpointException wrapping a full disk, then wrapping Ctrl-C."""
+    import engine as eng
+    _, engine, _ = tiny_setup()
+    meta = {"run_id": "r", "flags": {}, "loop": {"iteration": 0, "sampler": {"n": 1, "seed": 0}, "skipped_steps": 0,
+                                                  "wandb_id": None, "prompts_sha256": ""}}
+    root = tmp_path / "checkpoints"
+    engine.save_checkpoint(str(root / "iter_000000"), meta, keep=2)
+    for error, raised, needle in [(OSError(errno.ENOSPC, "No space left on device"), ValueError, "the disk holding"),
+                                  (KeyboardInterrupt(), KeyboardInterrupt, None)]:
+        def full(*args, error=error, **kwargs):
+            raise CheckpointException("save failed", {0: (error, None)})
+        monkeypatch.setattr(eng.dcp, "save", full)
+        with pytest.raises(raised, match=needle):
+            engine.save_checkpoint(str(root / "iter_000001"), meta | {"loop": meta["loop"] | {"iteration": 1}}, keep=2)
+        assert [p.name for p in root.iterdir()] == ["iter_000000"]  # intact, and no temporary left
+    assert checkpoint.verify_checkpoint(str(root / "iter_000000"))["loop"]["iteration"] == 0
+
+
+# ---- 11. what a run says when it cannot learn ---------------------------------------------------------------
+def test_a_run_without_reward_spread_says_so_once(tmp_path, capsys):
+    claim = runlog.Claim(str(tmp_path), "id", None, {"group_size": 8, "reward": "ocr"})
+    log = runlog.RunLog(claim, enabled=True, use_wandb=False)
+    for it in range(6):
+        log.log({"iteration": it, "reward/mean": 0.0, "reward/std": 0.0, "reward/zero_std_ratio": 1.0})
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "for 3 iterations every group of 8 images got equal rewards" in err, err
+    assert "--reward ocr does not tell these images apart" in err
+    with pytest.raises(ValueError, match="the prompts of --prompts ocr are"):
+        rewards.check_prompts_for_reward("ocr", ["a cat"])

@@ -1,0 +1,250 @@
+"""What one request may cost `python rewards.py serve`, measured (the server's own memory, in its own process), and
+the client's bounds: hostile requests and replies on 127.0.0.1, bounded loops; the start-up check of every knob."""
+import base64
+import io
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import reward_http
+import rewards
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_PROXY = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")}
+
+
+def png(width, height, noise=False) -> str:
+    pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8) if noise else \
+        np.zeros((height, width, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def png_with_text(chunks: int, text_bytes: int) -> str:
+    """A 1×1 PNG with `chunks` zTXt chunks of `text_bytes` each once decompressed (about 1 kB each on the wire)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    text = zlib.compress(b"a" * text_bytes, 9)
+    texts = b"".join(chunk(b"zTXt", b"key%d\0\0" % k + text) for k in range(chunks))  # each kept: keywords differ
+    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)) + texts + \
+        chunk(b"IDAT", zlib.compress(b"\0\0\0\0")) + chunk(b"IEND", b"")
+    return base64.b64encode(raw).decode()
+
+
+def body(images: list[str]) -> bytes:
+    return json.dumps({"images": images, "prompts": ["p"] * len(images)}).encode()
+
+
+def post(port: int, raw: bytes, headers: bytes = b"") -> tuple[int, str]:
+    """(status, body) of a raw POST /score, on a socket (no urllib: the test controls every byte)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n" + (headers or b"Content-Length: %d\r\n" % len(raw)) +
+                  b"\r\n" + raw)
+        answer = s.makefile("rb").read().decode(errors="replace")
+    head, _, text = answer.partition("\r\n\r\n")
+    return int(head.split()[1]) if head.startswith("HTTP/") else 0, text
+
+
+class Server:
+    """`python rewards.py serve --reward brightness` in its own process, with its memory from /proc."""
+
+    def __init__(self, *flags):
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "rewards.py"), "serve", "--reward", "brightness",
+                                      "--port", "0", *flags], cwd=ROOT, stdout=subprocess.PIPE, text=True, env=NO_PROXY)
+        self.port = int(self.proc.stdout.readline().split(" on ")[-1].split()[0].rsplit(":", 1)[1])
+        assert post(self.port, body([png(8, 8)]))[0] == 200  # warmed up: imports and first allocations done
+
+    def memory(self) -> dict[str, int]:
+        """VmRSS (now) and VmHWM (the peak so far), bytes."""
+        lines = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+        fields = dict(line.split(":", 1) for line in lines)
+        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def server():
+    started = []
+
+    def start(*flags):
+        started.append(Server(*flags))
+        return started[-1]
+    yield start
+    for s in started:
+        s.close()
+
+
+def test_text_chunks_and_flat_json_cost_the_server_little(server):
+    """16 one-pixel PNGs with 64 zTXt chunks of 1 MiB each (1.4 MB on the wire): Pillow kept up to 64 MiB of text per
+    image and every image was held, +945 MB measured before. A flat 24 MiB body of `{},` made ~8 M dicts, +578 MB.
+    Both are refused now, for what the body itself costs."""
+    s = server()
+    hostile = body([png_with_text(64, 2**20)] * 16)
+    assert len(hostile) < 1.5e6
+    before = s.memory()["VmRSS"]
+    status, text = post(s.port, hostile)
+    assert status == 400 and "text chunks" in text, text
+    flat = b"[" + b"{}," * (8 * 2**20) + b"{}]"
+    status, text = post(s.port, flat)
+    assert status == 413 and "--max-json-values" in text, text
+    grown = (s.memory()["VmHWM"] - before) / 2**20
+    assert grown < 100, f"the server's peak memory grew by {grown:.0f} MiB for a 1.4 MB and a 24 MiB request"
+    assert post(s.port, body([png(8, 8)]))[0] == 200
+
+
+def test_memory_per_pixel_at_the_limit_is_what_the_readme_says(server):
+    """4 noise images of 1024² (4.2 M pixels, a 17 MB body) scored by brightness: the server's peak memory grows by
+    at most the README's 24 bytes per pixel (measured ~20 here; 31–35 before: every decoded image held twice over,
+    two float copies of the batch)."""
+    s = server("--max-request-pixels", str(4 * 1024**2))
+    request = body([png(1024, 1024, noise=True)] * 4)
+    before = s.memory()["VmRSS"]
+    assert post(s.port, request)[0] == 200
+    per_pixel = (s.memory()["VmHWM"] - before) / (4 * 1024**2)
+    print(f"server memory at the pixel limit: {per_pixel:.1f} bytes per pixel ({len(request) / 2**20:.0f} MiB body)")
+    assert per_pixel <= 16, f"{per_pixel:.1f} bytes per pixel, the README says at most 16"
+
+
+# ---------------------------------------------------------------- in-process servers: refusals, slots, headers
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(spec="brightness", **limits):
+        server = reward_http.make_server(rewards.make_reward(spec), spec, limits=reward_http.Limits(**limits))
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(server)
+        return server.server_address[1]
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_images_per_request_and_an_odd_content_length_are_refused_with_a_message(serve, capfd):
+    port = serve(max_request_images=4)
+    status, text = post(port, body([png(2, 2)] * 5))
+    assert status == 413 and "5 images" in text and "--max-request-images" in text, text
+    assert post(port, body([png(2, 2)] * 4))[0] == 200
+    # '²'.isdigit() is True but int('²') raises: the old server answered nothing and logged a traceback.
+    status, text = post(port, b"{}", "Content-Length: ²\r\n".encode())
+    assert status == 400 and "is not a number of bytes" in text, text
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_idle_connections_hold_a_slot_only_for_the_header_deadline_and_the_client_outlasts_the_worst_hold(
+        serve, monkeypatch):
+    """Eight silent sockets held all eight slots for the whole request timeout (60 s) while the client gave up after
+    15 s of 503s: a run stopped. Headers now have a deadline of their own, and the client's default retries wait
+    longer than the server's longest hold of a slot (a client that sends headers, then trickles its body)."""
+    client = reward_http.client_from_env("FLOWGRPO_REMOTE", "remote reward server", "")
+    budget = sum(client.backoff * 2**i for i in range(client.retries))
+    assert budget > reward_http.Limits().request_timeout, (budget, reward_http.Limits().request_timeout)
+    port = serve(max_connections=2, header_timeout=0.5)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
+    monkeypatch.setenv("FLOWGRPO_REMOTE_BACKOFF", "0.05")  # the default 6 retries, 20× faster: 3.15 s > 0.5 s
+    scores, _ = rewards.make_reward(f"remote=http://127.0.0.1:{port}")(torch.zeros(1, 3, 8, 8), ["p"])
+    assert scores.tolist() == [0.0]
+    for s in idle:
+        assert s.recv(1) == b"", "the server still holds a silent connection"  # closed by the server, not the 30 s
+        s.close()
+
+
+# ---------------------------------------------------------------- the client: huge scores, the knobs
+class Fixed(BaseHTTPRequestHandler):
+    """A remote reward server answering every image with SCORE."""
+    SCORE = 1e308
+
+    def do_GET(self):
+        self.reply(b'{"status": "ok"}')
+
+    def do_POST(self):
+        n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"])
+        self.reply(json.dumps({"scores": [self.SCORE] * n}).encode())
+
+    def reply(self, raw):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def huge():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Fixed)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_total_reward_that_overflows_stops_with_the_reward_named(huge):
+    scores, _ = rewards.make_reward(f"remote={huge}")(torch.zeros(2, 3, 8, 8), ["a", "b"])  # 1e308 is finite ...
+    with pytest.raises(ValueError, match=r"--reward remote=.*rewards \(largest \|r\| 1e\+308\) have no finite mean"):
+        rewards.check_iteration(torch.as_tensor(scores), f"remote={huge}")  # ... twice it is not
+    with pytest.raises(ValueError, match=r"--reward brightness,remote=.*=2: the weighted total of .* is inf"):
+        rewards.make_reward(f"brightness,remote={huge}=2")(torch.zeros(1, 3, 8, 8), ["a"])
+
+
+def test_a_run_whose_rewards_overflow_stops_naming_the_reward(huge, tmp_path):
+    """Before: reward/mean inf, the loss NaN, every optimizer step skipped, and the run exited 0."""
+    flags = ["--model", "tiny", "--reward", f"remote={huge}", "--iterations", "2", "--group-size", "2",
+             "--prompts-per-iteration", "2", "--micro-batch", "2", "--eval-every", "0", "--no-wandb"]
+    out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), *flags, "--run-dir", str(tmp_path / "run")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=NO_PROXY)
+    assert out.returncode == 1, out.stderr[-3000:]
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"flowgrpo.py: error: --reward remote={huge}: this iteration's rewards"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name, value", [("FLOWGRPO_REMOTE_TIMEOUT", "inf"), ("FLOWGRPO_REMOTE_RETRIES", "1e999"),
+                                         ("FLOWGRPO_REMOTE_BACKOFF", "nan"), ("FLOWGRPO_REMOTE_BATCH", "0"),
+                                         ("FLOWGRPO_JUDGE_CONCURRENCY", "many"), ("FLOWGRPO_JUDGE_TIMEOUT", "-1")])
+def test_every_knob_is_checked_at_start_up_like_a_flag(monkeypatch, name, value):
+    """FLOWGRPO_REMOTE_TIMEOUT=inf raised an OverflowError once the model was built; now the start-up check of
+    --reward names the variable, before any connection."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"{name}='{value}': must be a"):
+        rewards.check_reward_spec("brightness,remote=http://192.0.2.1:8000,judge:match=http://192.0.2.1:8001")
+
+
+def test_knobs_are_refused_by_the_cli_before_anything_is_built(tmp_path):
+    omni = ["--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9"]
+    for env, flags, needle in [({"FLOWGRPO_REMOTE_TIMEOUT": "inf"}, ["--reward", "remote=http://127.0.0.1:9"],
+                                "FLOWGRPO_REMOTE_TIMEOUT='inf'"),
+                               ({"FLOWGRPO_ROLLOUT_TIMEOUT": "inf"}, omni, "FLOWGRPO_ROLLOUT_TIMEOUT")]:
+        out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), *flags, "--run-dir", str(tmp_path / "r")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=NO_PROXY | env)
+        assert out.returncode == 1 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "batch arithmetic" not in out.stdout and not (tmp_path / "r").exists()
+
+
+def test_the_soak_loses_nothing():
+    """`python bench.py soak` at its smallest, every request followed by a hostile one: it exits 0 only if every valid
+    request was answered once, correctly, and the server's threads and memory came back (BENCHMARKS.md: the full one)."""
+    out = subprocess.run([sys.executable, "bench.py", "soak", "--clients", "2", "--requests", "5", "--hostile", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=NO_PROXY)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "| valid: answered, correct | 10 |" in out.stdout and "| server threads, start → end |" in out.stdout
+    assert "hostile, " in out.stdout and "lost" not in out.stdout, out.stdout
