@@ -1,0 +1,105 @@
+"""The front page and the manual hold together: every relative link of README.md and docs/*.md reaches a file of the
+repository and every `#anchor` a heading (GitHub's slugs), the README stays a front page (≤ 150 lines), each page
+opens with a sentence saying what it is for, and CI runs the README's own set-up and test commands."""
+import glob
+import os
+import re
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README_LINES = 150  # a front page read in two minutes; the rest is docs/
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")  # [text](target) and ![alt](target)
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+
+
+def pages(root: str = ROOT) -> list[str]:
+    return ["README.md"] + sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "docs", "*.md")))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its text as rendered (no code ticks, emphasis or link targets), lowercase,
+    every character but letters, digits, '_', '-' and spaces dropped, spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("**", "").strip().lower()
+    return "".join(c for c in text if c.isalnum() or c in "_- ").replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    """Every heading's slug in one .md file; a repeated slug gets -1, -2, … as on GitHub."""
+    seen, out = {}, set()
+    for line in FENCE.sub("", open(path, encoding="utf-8").read()).splitlines():
+        if m := re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line):
+            s = slug(m.group(1))
+            out.add(f"{s}-{seen[s]}" if s in seen else s)
+            seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def tracked(root: str) -> set[str]:
+    """The repository's files, committed or about to be (git's list; every file on disk in a copy without git)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, text=True)
+    files = listed.stdout.split()
+    return set(files) or {os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names}
+
+
+def broken_links(root: str = ROOT) -> list[str]:
+    """'file: target (why)' for each relative link that reaches no file of the repository or no heading there."""
+    files, broken = tracked(root), []
+    dirs = {os.path.dirname(f) for f in files} | {os.path.dirname(os.path.dirname(f)) for f in files}
+    for page in pages(root):
+        text = re.sub(r"`[^`]*`", "", FENCE.sub("", open(os.path.join(root, page), encoding="utf-8").read()))
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto: — not the repository's
+                continue
+            path, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if dest.startswith("..") or (dest not in files and dest.rstrip("/") not in dirs):
+                broken.append(f"{page}: {target} (no file {dest} in the repository)")
+            elif anchor and not dest.endswith(".md"):
+                broken.append(f"{page}: {target} (an anchor into {dest}, which has no headings)")
+            elif anchor and anchor not in (found := anchors(os.path.join(root, dest))):
+                near = sorted(a for a in found if a[:6] == anchor[:6]) or sorted(found)[:5]
+                broken.append(f"{page}: {target} (no heading #{anchor} in {dest}; it has e.g. {near})")
+    return broken
+
+
+def test_slugs_follow_github():
+    assert slug("§12 Forward-process algorithms") == "12-forward-process-algorithms"
+    assert slug("A reward on another machine (`remote=URL`)") == "a-reward-on-another-machine-remoteurl"
+    assert slug("The reward server under load and attack: `python bench.py soak` (2026-12-01)") == \
+        "the-reward-server-under-load-and-attack-python-benchpy-soak-2026-12-01"
+    assert slug("**Run directories**") == "run-directories"
+
+
+def test_every_link_and_anchor_resolves():
+    broken = broken_links()
+    assert not broken, f"{len(broken)} broken links:\n" + "\n".join(broken)
+
+
+def test_the_readme_is_a_front_page_and_every_page_opens_with_a_sentence():
+    n = sum(1 for _ in open(os.path.join(ROOT, "README.md"), encoding="utf-8"))
+    assert n <= README_LINES, f"README.md has {n} lines, {n - README_LINES} over {README_LINES}: move detail to docs/"
+    bad = []
+    for page in pages():
+        lines = open(os.path.join(ROOT, page), encoding="utf-8").read().split("\n")
+        assert lines[0].startswith("# "), f"{page} does not start with a '# ' title: {lines[0]!r}"
+        body = "\n".join(lines[1:]).strip()
+        first = body.split("\n\n")[0]  # the first paragraph after the title
+        prose = first and not re.match(r"(#|\||```|    |[-*>] |!\[|\d+\. )", first)
+        if not (prose and len(first.split()) >= 8 and re.search(r"[.:]( |\n|$)", first)):
+            bad.append(f"{page}: {first[:80]!r}")
+    assert not bad, "pages that do not open with a sentence saying what they are for:\n" + "\n".join(bad)
+
+
+def test_ci_runs_the_readmes_set_up_and_test_commands():
+    """`.ci/run` is the README's promise kept on a fresh machine: its set-up steps are the README's set-up line's and
+    its test command is the README's test block, character for character."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    blocks = [b.strip("`").split("\n", 1)[1].strip() for b in FENCE.findall(readme) if b.startswith("```bash")]
+    readme_steps = {s.split("#")[0].strip() for b in blocks for line in b.splitlines() for s in line.split("&&")}
+    ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run")) if line.strip()[:1] not in ("", "#")]
+    tests = [line for line in ci if "pytest" in line]
+    assert tests and tests[-1] in blocks, f"CI's test command {tests} is not a README block of its own: {blocks}"
+    steps = [re.sub(r"^quiet_pip |\s-q\b", "", line) for line in ci if re.match(r"(quiet_pip pip|python3 -m venv|\. )",
+                                                                             line)]
+    assert steps and set(steps) <= readme_steps, f"CI set-up steps missing from the README: {set(steps) - readme_steps}"
