@@ -11,7 +11,7 @@ torch's checkpoint format unpickles `dcp/.metadata` and non-tensor values, so a 
 run code: `resolve_resume` checks every file against the manifest before anything reads it, reading only regular
 files (never a FIFO, a device or a link). The manifest and meta.json's own SHA-256 guard against damaged, swapped
 or hand-edited files, not against whoever rewrites them all consistently: a checkpoint from someone else is code,
-to be trusted as such (README, "Reliability").
+to be trusted as such (docs/reliability.md).
 """
 import errno
 import glob

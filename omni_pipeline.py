@@ -71,7 +71,8 @@ def place(path, root: str | None, pipeline: str) -> tuple[str, str]:
     if root is None:
         raise ValueError("this server has no trajectory_root, so it writes no trajectory files: start it with "
                          f"--custom-pipeline-args '{{\"pipeline_class\": \"{pipeline}\", "
-                         "\"trajectory_root\": \"/DIR\"}', /DIR holding the trainers' FLOWGRPO_ROLLOUT_DIR (README)")
+                         "\"trajectory_root\": \"/DIR\"}', /DIR holding the trainers' FLOWGRPO_ROLLOUT_DIR "
+                         "(docs/vllm-omni.md)")
     if not (isinstance(path, str) and os.path.isabs(path) and path.endswith(".safetensors")):
         raise ValueError(f"extra_params.{KEY}.trajectory must be an absolute *.safetensors path, got {path!r}")
     folder, name = os.path.split(path)

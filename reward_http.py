@@ -199,7 +199,7 @@ def gather(futures: list[Future]) -> list:
 class Limits:
     """What one request may cost the server (each is a `serve` flag). Memory: at most max_connections requests are held
     at once, each about 3× its body while it is parsed, then its images' pixels (3 bytes each) and what the reward
-    itself takes: at most 16 bytes per pixel at the limit, 12 measured (README, "Reliability")."""
+    itself takes: at most 16 bytes per pixel at the limit, 12 measured (docs/rewards.md)."""
     max_request_mb: float = 256.0  # request body
     max_json_values: int = 2**16  # JSON values in the body, counted before it is parsed (each costs up to ~72 bytes)
     max_request_images: int = 64  # images in one request

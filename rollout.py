@@ -188,7 +188,8 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
         raise ValueError("--rollout-url is only used with --rollout vllm-omni")
     if kind == "vllm-omni" and not given:
         raise ValueError("--rollout vllm-omni needs --rollout-url http://HOST:PORT[,http://HOST:PORT...]: vLLM-Omni "
-                         "servers running the model's pipeline of omni_pipeline.py with a trajectory_root (see README)")
+                         "servers running the model's pipeline of omni_pipeline.py with a trajectory_root "
+                         "(docs/vllm-omni.md)")
     for i, url in enumerate(given):
         p = urllib.parse.urlsplit(url)
         try:
@@ -288,8 +289,8 @@ def _read_regular(path: str, limit: int, pipeline: str, root: str | None) -> byt
         with checkpoint.open_regular(path, root) as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
-        raise FileNotFoundError(f"no trajectory file {path}: the server must run {pipeline} (README) and see this "
-                                "path (the same machine, or a shared filesystem)") from None
+        raise FileNotFoundError(f"no trajectory file {path}: the server must run {pipeline} (docs/vllm-omni.md) and "
+                                "see this path (the same machine, or a shared filesystem)") from None
     except ValueError as e:  # a FIFO, a directory, a device, a link on the way
         raise ValueError(f"trajectory file {e}") from None
     if len(data) > limit:
@@ -440,4 +441,4 @@ class OmniBackend:
                 raise RuntimeError(f"vLLM-Omni server {url} answered HTTP {status} to {what}: {detail[:2000]}")
             last = f"HTTP {status}: {detail[:2000]}"
         raise RuntimeError(f"vLLM-Omni server {url} stayed down for {what}: {self.retries + 1} attempts failed "
-                           f"(last: {last}); is it running and reachable from this node (README)?")
+                           f"(last: {last}); is it running and reachable from this node (docs/vllm-omni.md)?")

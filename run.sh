@@ -10,7 +10,7 @@ CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_co
 # Append --sp 2 for the 14B (--model-path Wan-AI/Wan2.1-T2V-14B-Diffusers) at 480 × 832 × 81, --sp 4 for it at 720p
 # (memory estimated, not measured: docs/algorithm.md §14)
 omni() {  # --model $1 trained here (4 GPUs), sampled by vLLM-Omni servers at $SERVERS running its pipeline_class
-  # (README); the run's exchange directory must lie beneath their trajectory_root, on a filesystem both sides see
+  # (docs/vllm-omni.md); the run's exchange directory must lie beneath their trajectory_root, on a filesystem both sides see
   FLOWGRPO_ROLLOUT_DIR="${FLOWGRPO_ROLLOUT_DIR:?set it to a directory beneath the trajectory_root of the servers}" \
     torchrun --standalone --nproc_per_node=4 flowgrpo.py --model "$1" --rollout vllm-omni \
     --rollout-url "${SERVERS:?set SERVERS=http://host:port,...}" "${@:2}"
@@ -34,7 +34,7 @@ case $recipe in
   qwen-2k-sp-8gpu) torchrun --standalone --nproc_per_node=8 flowgrpo.py --model qwen-image --height 2048 --width 2048 \
                      --sp 2 "$@" ;;  # 16 k image tokens an image, each split over a pair of GPUs (docs/algorithm.md §14)
   qwen-ocr-vllm)   omni qwen-image "$@" ;;                                                  # rollout on vLLM-Omni
-  sd3-ocr-vllm)    omni sd3.5-medium "$@" ;;                                                # servers (README)
+  sd3-ocr-vllm)    omni sd3.5-medium "$@" ;;                                                # servers (docs/vllm-omni.md)
   flux-pick-vllm)  omni flux.1-dev "$@" ;;
   # The GPU benchmark on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves, into .whl/, the
   # pinned packages such a machine's PyTorch image lacks, for its Python 3.12; `bench-gpu` there installs them and runs.

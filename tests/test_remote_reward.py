@@ -435,7 +435,7 @@ def test_ctrl_c_stops_a_run_waiting_on_a_hung_server(tmp_path, fake, launcher):
     """SIGINT to a run whose reward server accepted a request and never answers (deadline 600 s): the run stops
     at once, its last checkpoint complete. Before, a non-daemon reward thread held the process until the deadline;
     and a trainer started with SIGINT ignored (a background job's inheritance, IGNORING_SIGINT) ran on for good, the
-    cause of the lost Ctrl-C the second review saw (README, "Reliability"): the trainer now sets its own handler. If
+    cause of the lost Ctrl-C the second review saw (docs/reliability.md): the trainer now sets its own handler. If
     it does not stop, the test fails with where it was (tiny_setup.stop)."""
     hung, answered = threading.Event(), []
 

@@ -111,15 +111,15 @@ def test_text_chunks_and_flat_json_cost_the_server_little(server):
 
 def test_memory_per_pixel_at_the_limit_is_what_the_readme_says(server):
     """4 noise images of 1024² (4.2 M pixels, a 17 MB body) scored by brightness: the server's peak memory grows by
-    at most the README's 24 bytes per pixel (measured ~20 here; 31–35 before: every decoded image held twice over,
-    two float copies of the batch)."""
+    at most the 16 bytes per pixel docs/rewards.md states (12 measured there; 31–35 before: every decoded image held
+    twice over, two float copies of the batch)."""
     s = server("--max-request-pixels", str(4 * 1024**2))
     request = body([png(1024, 1024, noise=True)] * 4)
     before = s.memory()["VmRSS"]
     assert post(s.port, request)[0] == 200
     per_pixel = (s.memory()["VmHWM"] - before) / (4 * 1024**2)
     print(f"server memory at the pixel limit: {per_pixel:.1f} bytes per pixel ({len(request) / 2**20:.0f} MiB body)")
-    assert per_pixel <= 16, f"{per_pixel:.1f} bytes per pixel, the README says at most 16"
+    assert per_pixel <= 16, f"{per_pixel:.1f} bytes per pixel, docs/rewards.md says at most 16"
 
 
 # ---------------------------------------------------------------- in-process servers: refusals, slots, headers
