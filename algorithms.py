@@ -1,12 +1,13 @@
-"""The update rules `--algorithm` chooses (docs/algorithm.md §12): Flow-GRPO (`grpo`: SDE rollouts with log-probs and
-the PPO-clip loss of flowgrpo.py) and the forward-process algorithms DiffusionNFT (`nft`) and Advantage Weighted
-Matching (`awm`), which train on the rollout's final clean latents re-noised: any ODE sampler, no log-probs, no
-trajectory.
+"""The update rules `--algorithm` chooses (docs/algorithm.md §12): Flow-GRPO (`grpo`: SDE rollouts with log-probs, and
+the PPO-clip loss with its variants' tables, docs/algorithm.md §6, §10) and the forward-process algorithms
+DiffusionNFT (`nft`) and Advantage Weighted Matching (`awm`), which train on the rollout's final clean latents
+re-noised: any ODE sampler, no log-probs, no trajectory. All share the group-relative advantages.
 
 An algorithm is a row of small named pieces (`Algorithm`): the flags it uses, what the rollout records, which weights
 sample, how advantages become the update's weights, the update itself and its start-up checks. The loop calls them
 the same way for every algorithm. Nothing here knows a model family: the model is reached through its adapter's
 `velocity` and scheduler, the data through the latents the rollout returned, so any adapter trains unchanged.
+`a` is the run's flags (flowgrpo.Args), read by name: this file imports nothing of the loop.
 """
 import contextlib
 import functools
@@ -59,7 +60,39 @@ def old_weights(engine):
     return engine.old_weights()
 
 
-# ---- how advantages become weights -------------------------------------------------------------------
+# ---- advantages, and how they become weights (tests/test_loop.py checks them by hand) ----------------------------
+
+def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: float) -> tuple[torch.Tensor, float]:
+    """A_i = (r_i − mean of i's group) / (σ + 1e-4), clipped; σ = std of the whole batch or of i's group.
+    r, group: (N,) over the whole iteration (all ranks). Returns (A (N,), fraction of zero-std groups)."""
+    r = r.double()
+    adv, zero = torch.zeros_like(r), 0
+    for g in group.unique():
+        idx = group == g
+        sigma = r.std(unbiased=False) if std == "global" else r[idx].std(unbiased=False)
+        adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4)
+        zero += int(r[idx].std(unbiased=False) == 0)
+    return adv.clamp(-clip, clip).float(), zero / len(group.unique())
+
+
+def keep_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_steps: int) -> torch.Tensor:
+    """Every image weighs 1 in its optimizer step's loss mean, A = 0 or not. (N,) by image id."""
+    return torch.ones_like(adv)
+
+
+def drop_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_steps: int) -> torch.Tensor:
+    """Flow-GRPO's SD3 scripts drop every image whose A is exactly 0 before training. Here they stay in their chunks
+    (the first update stays the rollout's computation) with weight 0, and the others of optimizer step k weigh
+    n_k/kept_k, so that step's loss is the mean over its kept images of all ranks (docs/algorithm.md §6). (N,) by id."""
+    steps = assignment.view(assignment.shape[0], optimizer_steps, -1).transpose(0, 1).flatten(1)  # (K, n_k) image ids
+    kept = (adv[steps] != 0).float()
+    weights = torch.zeros_like(adv)
+    weights[steps] = kept * steps.shape[1] / kept.sum(1, keepdim=True).clamp(min=1)
+    return weights
+
+
+ZERO_ADVANTAGE = {"drop": drop_zero_advantage, "keep": keep_zero_advantage}  # --zero-advantage
+
 
 def as_advantages(adv: torch.Tensor, a) -> torch.Tensor:
     return adv
@@ -73,6 +106,82 @@ def nft_weights(adv: torch.Tensor, a) -> torch.Tensor:
 def awm_weights(adv: torch.Tensor, a) -> torch.Tensor:
     """AWM's weight: the advantage clipped to ±c and divided by c (its advantage_max 1), in [−1, 1]."""
     return adv.clamp(-a.adv_clip, a.adv_clip) / a.adv_clip
+
+
+# ---- Flow-GRPO's PPO-clip loss and its update (tests/test_loop.py, tests/test_parity.py check them) ---------------
+
+def log_ratio(logp, mean, std, mb: rollout.Batch, j: int, a) -> torch.Tensor:
+    """log(π_θ/π_old) of trained transition j, (b,), of the densities --cps-density names."""
+    return CPS_DENSITIES[a.cps_density](logp - mb.log_probs[:, j], std, a.sde_type)
+
+
+def guard_log_ratio(logp, mean, std, mb: rollout.Batch, j: int, a) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio (docs/algorithm.md §10), (b,): needs the behaviour means."""
+    return sch.guard_log_ratio(logp, mb.log_probs[:, j], mean, mb.means[:, j], std)
+
+
+# The loss's choices, each a table of small functions (the step math lives in scheduler.py; docs/algorithm.md §6, §10).
+CPS_DENSITIES = {"public": sch.public_log_ratio, "exact": sch.exact_log_ratio}  # --cps-density
+# --guard: the log-ratio, and the divisor of each step's policy loss
+LOG_RATIOS = {"none": log_ratio, "full": guard_log_ratio, "ratio-norm": guard_log_ratio, "reweight": log_ratio}
+REWEIGHTS = {"none": sch.no_reweight, "full": sch.guard_reweight, "ratio-norm": sch.no_reweight,
+             "reweight": sch.guard_reweight}
+NEEDS_MEANS = {g for g, f in LOG_RATIOS.items() if f is guard_log_ratio}  # --guard values that need Batch.means
+KL_FORMS = {"public": sch.kl_public, "exact": sch.kl_exact}  # --kl-form
+
+
+def policy_loss(model, engine, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, dict]:
+    """PPO-clip loss (and optional KL) of trained transition j for a micro-batch of b images, image i weighted by
+    mb.weights[i] (none: 1; --zero-advantage drop gives A = 0 images weight 0)."""
+    x, x_next, sigma, sigma_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
+    kw = dict(sigma_max=mb.sigma_max, noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
+    v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
+    _, logp, mean, std = sch.step(v, x, sigma, sigma_next, **kw)  # logp: (b,)
+    delta = logp - mb.log_probs[:, j]
+    ratio = torch.exp(LOG_RATIOS[a.guard](logp, mean, std, mb, j, a))
+    adv = mb.advantages
+    w = torch.ones_like(adv) if mb.weights is None else mb.weights
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range))  # (b,)
+    loss = (w * surrogate).mean() / REWEIGHTS[a.guard](sigma, sigma_next)
+    # detached tensors, read once per iteration: an .item() here would sync the GPU every step
+    stats = {"gap": delta.detach().abs().mean(), "clipfrac": ((ratio - 1).abs() > a.clip_range).float().mean(),
+             "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(())}
+    if a.kl_beta > 0:
+        with torch.no_grad(), engine.reference():
+            v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
+            _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, **kw)
+        kl = KL_FORMS[a.kl_form](mean, mean_ref, std, sigma_next - sigma, a.sde_type)  # (b,)
+        loss = loss + a.kl_beta * (w * kl).mean()
+        stats["kl"] = kl.mean().detach()
+    return loss, stats
+
+
+def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool) -> dict:
+    """PPO-clip updates over this rank's images: `optimizer_steps` steps, each accumulating gradients over
+    its micro-batches × trained steps. Micro-batches are the rollout's chunks, in order (the images were
+    shuffled when they were assigned), so the first one is exactly what the rollout computed."""
+    n_micro, per_step = arith["micro_batches_per_rank"], arith["micro_batches_per_optimizer_step"]
+    W = len(batch.sigmas) - 1  # trained steps per image
+    logs, gap = [], None
+    bar = tqdm(total=n_micro * W, desc="train", unit="step", disable=not progress, leave=False)
+    for k in range(a.optimizer_steps):
+        for m in range(k * per_step, (k + 1) * per_step):
+            mb = batch.chunk(m * a.micro_batch, (m + 1) * a.micro_batch)
+            for j in range(W):
+                loss, stats = policy_loss(model, engine, mb, j, a)
+                (loss / (W * per_step)).backward()  # mean over trained steps and micro-batches
+                logs.append(stats)
+                bar.update()
+            gap = float(sum(s["gap"] for s in logs[-W:]) / W) if gap is None else gap  # first micro-batch: on-policy
+        grad_norm, skipped = engine.step()
+        logs[-1] |= {"grad_norm": grad_norm, "skipped": float(skipped)}
+    bar.close()
+
+    def mean(key):
+        return float(np.mean([float(s[key]) for s in logs if key in s]))
+    return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
+            "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
+            "train/skipped_steps": engine.skipped_steps}
 
 
 # ---- the forward-process losses on given tensors (tests/test_nft_awm.py re-types the public code) ----------------
@@ -225,7 +334,7 @@ def move_old(engine, a, iteration: int) -> None:
 
 def train_forward(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool, *, loss, timesteps) -> dict:
     """`optimizer_steps` steps, each accumulating gradients over its micro-batches × the T timesteps drawn for each
-    image (one backward per timestep, as flowgrpo.train_on per trained step), then the old policy's move."""
+    image (one backward per timestep, as train_on per trained step), then the old policy's move."""
     per_step, T = arith["micro_batches_per_optimizer_step"], a.train_timesteps
     schedule = sch.sigma_schedule(model.scheduler, a.num_steps, model.image_seq_len(a.height, a.width))
     logs = []
@@ -284,14 +393,14 @@ def check_awm(a) -> None:
     need(a.old_kl >= 0, f"--old-kl must be >= 0, got {a.old_kl}")
 
 
-def check_flags(a, recipe, algorithms: dict) -> None:
+def check_flags(a, recipe) -> None:
     """Refuse, naming them, the flags that mean nothing for --algorithm: those another algorithm uses and this one
     does not, set to a value other than the recipe's (that is, given on the command line)."""
-    need(a.algorithm in algorithms, f"--algorithm must be one of {tuple(algorithms)}, got {a.algorithm!r}")
-    others = set().union(*(x.flags for x in algorithms.values())) - algorithms[a.algorithm].flags
+    need(a.algorithm in ALGORITHMS, f"--algorithm must be one of {tuple(ALGORITHMS)}, got {a.algorithm!r}")
+    others = set().union(*(x.flags for x in ALGORITHMS.values())) - ALGORITHMS[a.algorithm].flags
     given = sorted(f for f in others if getattr(a, f) != getattr(recipe, f))
     need(not given, f"{', '.join('--' + f.replace('_', '-') for f in given)}: not used by --algorithm {a.algorithm} "
-         f"(it uses {', '.join(sorted('--' + f.replace('_', '-') for f in algorithms[a.algorithm].flags))}): "
+         f"(it uses {', '.join(sorted('--' + f.replace('_', '-') for f in ALGORITHMS[a.algorithm].flags))}): "
          "drop the flag or choose the algorithm that uses it")
 
 
@@ -302,13 +411,10 @@ SDE_FLAGS = frozenset({"sde_type", "noise_level", "window", "window_range", "win
 FORWARD_FLAGS = frozenset({"old_decay", "old_every", "train_timesteps", "train_timestep_range"})
 
 
-def grpo(update: Callable) -> Algorithm:
-    """Flow-GRPO's row; its update (flowgrpo.train_on) lives with its loss in the loop's file."""
-    return Algorithm(SDE_FLAGS, sde_steps, current_weights, as_advantages, update, keeps_old=False,
-                     watch="train/logp_gap", check=check_sde)
-
-
-FORWARD = {  # DiffusionNFT samples with its old policy; AWM with the trained one, its old policy a regulariser
+ALGORITHMS = {  # --algorithm: Flow-GRPO and AWM sample with the trained weights (AWM's old policy is a regulariser),
+    # DiffusionNFT with its old policy
+    "grpo": Algorithm(SDE_FLAGS, sde_steps, current_weights, as_advantages, train_on, keeps_old=False,
+                      watch="train/logp_gap", check=check_sde),
     "nft": Algorithm(FORWARD_FLAGS | {"nft_beta"}, no_steps, old_weights, nft_weights,
                      functools.partial(train_forward, loss=nft_loss, timesteps=nft_timesteps), keeps_old=True,
                      watch="train/policy_loss", check=check_nft),

@@ -27,6 +27,7 @@ import psutil
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
@@ -91,7 +92,7 @@ def diffusers_call(model, a, cfg, prompts):
 def train(model, engine, batch, a):  # one update as the loop takes it (every micro-batch × trained step), a.algorithm's
     a = dataclasses.replace(a, optimizer_steps=1, prompts_per_iteration=1, group_size=len(batch.prompts))
     model.transformer.train()
-    flowgrpo.ALGORITHMS[a.algorithm].update(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
+    algorithms.ALGORITHMS[a.algorithm].update(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
 
 def bare_fwd_bwd(model, engine, batch, a):
     """`train`'s floor: the adapter's velocity alone (its transformer calls and the pipeline's own CFG arithmetic)
@@ -228,7 +229,7 @@ def forward_rows(t: list, o, a: flowgrpo.Args):
     engine, batches, calls = make_engine(a, model, old_policy=True), {}, {}
     for k, (ak, steps) in kinds.items():
         batches[k] = sample(model, ak, steps)
-        batches[k].advantages = flowgrpo.ALGORITHMS[ak.algorithm].weights(batches[k].advantages, ak)
+        batches[k].advantages = algorithms.ALGORITHMS[ak.algorithm].weights(batches[k].advantages, ak)
         rows.clear()
         train(model, engine, batches[k], ak)
         calls[k] = sum(rows) / n
@@ -324,7 +325,7 @@ def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (second
         start = time.perf_counter()
         b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]))
         rolled, scores = time.perf_counter(), torch.as_tensor(pool.collect()[0]).float()
-        b.advantages = flowgrpo.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
+        b.advantages = algorithms.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
         scored = time.perf_counter()
         train(model, engine, b, a)
         sync()

@@ -3,7 +3,8 @@
 Each iteration samples G images for each of P prompts with a stochastic (SDE) sampler that records
 the log-probability of every trained transition, scores the images, turns rewards into group-relative
 advantages, and takes PPO-clip steps on the policy (a LoRA on the transformer). Math, recipes and
-their sources: docs/algorithm.md.
+their sources: docs/algorithm.md. The flags are checked in startup.py before anything is built; the
+update rules, Flow-GRPO's loss among them, are in algorithms.py.
 
 Launch (the same file everywhere; parallelism lives in engine.py only):
     python flowgrpo.py                                           # = --model tiny: random weights, 1 CPU, ~1 min
@@ -43,11 +44,10 @@ Variants, each one flag chosen by name from its table (docs/algorithm.md §10); 
     --window-schedule sliding    MixGRPO: the window slides later every --slide-every        scheduler.py
     --ode-solver dpm2            MixGRPO-Flash: ODE after the window on 0.4 of its points    scheduler.py
     --branch                     Flow-GRPO-Fast: a group shares its prefix, branches at s     rollout.py
-    --guard full                 GRPO-Guard: normalised log-ratio and 1/|dt| step reweight   flowgrpo.py
+    --guard full                 GRPO-Guard: normalised log-ratio and 1/|dt| step reweight   algorithms.py
     --ema-decay D --ema-every K  EMA weights for evaluation and the exported LoRA             engine.py
 """
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -58,7 +58,6 @@ from typing import Literal
 import numpy as np
 import psutil
 import torch
-import tyro
 from tqdm import tqdm
 
 import algorithms
@@ -70,7 +69,7 @@ import recipes
 import rewards
 import rollout
 import runlog
-import scheduler as sch
+import startup
 
 
 @dataclass(frozen=True)
@@ -221,102 +220,7 @@ class Args:
     """log to wandb on rank 0 (offline unless WANDB_MODE or WANDB_API_KEY says otherwise)"""
 
 
-RECIPES = {name: Args(**values, recipe=name) for name, values in recipes.RECIPES.items()}  # recipes.py
-# Flags that say only how the work is done or recorded: they may change on --resume without breaking exactness
-# (micro-batches and ranks change float reduction order only). Every other flag decides the result.
-HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images",
-             "eval_steps", "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
-             "activation_checkpointing", "compile", "shard_text_encoder", "sp"}
-SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
-
-
-def parse_args(argv: list[str] | None = None) -> Args:
-    """`--recipe` (or else `--model`; the last one given, as for every flag) picks the recipe whose values become the
-    defaults; the other flags override them."""
-    argv = sys.argv[1:] if argv is None else argv
-    name = _last_value(argv, "--recipe") or _last_value(argv, "--model") or "tiny"
-    return tyro.cli(Args, default=RECIPES.get(name, RECIPES["tiny"]), args=argv)
-
-
-def _last_value(argv: list[str], flag: str) -> str | None:
-    """The value of the last `flag VALUE` or `flag=VALUE` in argv."""
-    values = [a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
-              if a.split("=")[0] == flag and ("=" in a or i + 1 < len(argv))]
-    return values[-1] if values else None
-
-
-def check_args(a: Args) -> tuple[str, dict] | None:
-    """Reject impossible configurations before anything is built; each message names the flag. Returns the
-    checkpoint to resume from and its meta.json, if any."""
-    def need(ok, msg):
-        if not ok:
-            raise ValueError(msg)
-    for f in dataclasses.fields(a):  # inf or nan in any float flag
-        need(not isinstance(getattr(a, f.name), float) or math.isfinite(getattr(a, f.name)),
-             f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(a, f.name)}")
-    need(a.recipe in RECIPES, f"--recipe must be one of {tuple(RECIPES)}, got {a.recipe!r}")
-    need(a.group_size >= 2, f"--group-size must be >= 2 (advantages compare images of a prompt), got {a.group_size}")
-    for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
-                    ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations),
-                    ("--keep-checkpoints", a.keep_checkpoints), ("--slide-every", a.slide_every),
-                    ("--ema-repeat", a.ema_repeat), ("--sp", a.sp)):
-        need(v >= 1, f"{flag} must be >= 1, got {v}")
-    for flag, v in (("--lr", a.lr), ("--noise-level", a.noise_level), ("--clip-range", a.clip_range),
-                    ("--lora-rank", a.lora_rank), ("--lora-alpha", a.lora_alpha), ("--max-grad-norm", a.max_grad_norm),
-                    ("--adv-clip", a.adv_clip)):
-        need(v > 0, f"{flag} must be > 0, got {v}")
-    for flag, v in (("--kl-beta", a.kl_beta), ("--weight-decay", a.weight_decay),
-                    ("--checkpoint-every", a.checkpoint_every), ("--eval-every", a.eval_every)):
-        need(v >= 0, f"{flag} must be >= 0, got {v}")
-    for flag, v, lo, hi in (("--lr", a.lr, 0, 1), ("--num-steps", a.num_steps, 2, 1000),  # beyond: typos, not runs
-                            ("--cfg-scale", a.cfg_scale, 1, 100), ("--eval-steps", a.eval_steps, 2, 1000),
-                            ("--eval-images", a.eval_images, 0, 1024), ("--guidance", a.guidance or 0.0, 0, 100)):
-        need(lo <= v <= hi, f"{flag} must be in [{lo}, {hi}], got {v}")
-    need(0 <= a.seed < 2**32, f"--seed must be in [0, 2**32), got {a.seed}")
-    need(a.eval_images >= 1 or not a.eval_every, f"--eval-images must be >= 1 with --eval-every > 0, got {a.eval_images}")
-    need(not (a.full_finetune and a.kl_beta > 0), "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
-    need(not a.branch or a.window > 0, "--branch needs a window (--window > 0): the group branches at its start")
-    need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
-         f"got {a.ema_decay}, {a.ema_every}")
-    need(a.rollout == "local" or not (a.branch or a.guard in NEEDS_MEANS or a.ode_solver != "euler"),
-         "--branch, --ode-solver dpm2 or dpm2-full and --guard full/ratio-norm need --rollout local (the vLLM-Omni "
-         "pipeline has none yet)")
-    need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
-         "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
-    unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
-    need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
-    need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
-         "checkpoint's tensor shapes and cannot change on --resume")
-    algorithms.check_flags(a, RECIPES[a.recipe], ALGORITHMS)  # e.g. --clip-range with nft: refused, named
-    ALGORITHMS[a.algorithm].check(a)
-    models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
-                            model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)
-    if not a.full_finetune:
-        need(a.lora_targets, "--lora-targets must name at least one module of the transformer (or --full-finetune)")
-        models.check_lora_targets(a.model, a.model_path, a.lora_targets)
-    rewards.check_reward_spec(a.reward, video=a.num_frames > 1)
-    prompts = prompt_sets.load_prompts(a.prompts)
-    rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
-    rollout.check_backend(a.rollout, a.rollout_url)
-    if not a.resume:
-        return None
-    ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
-    need(meta["loop"]["iteration"] + 1 < a.iterations, f"--iterations {a.iterations} leaves nothing to train after "
-         f"{ckpt}, which ends iteration {meta['loop']['iteration']}: --iterations is the total, pass more")
-    need(meta["loop"]["prompts_sha256"] == checkpoint.json_sha256(prompts.train) or "prompts" in allowed(a),
-         f"--prompts {a.prompts}: its training prompts differ from those of {ckpt} (their SHA-256): resume with "
-         "those, or name prompts in --allow-change")
-    return ckpt, meta
-
-
-def allowed(a: Args) -> list[str]:
-    return [f.replace("-", "_").removeprefix("__") for f in a.allow_change]
-
-
-def fingerprint(a: Args) -> dict:
-    """The flags that decide a run's result, as JSON stores them: a checkpoint resumes only under the same."""
-    flags = dataclasses.asdict(a)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in flags.items() if k not in HOW_FLAGS}
+RECIPES = {name: startup.recipe_args(Args, name) for name in recipes.RECIPES}  # recipes.py
 
 
 def batch_arithmetic(a: Args, world_size: int) -> dict:
@@ -343,116 +247,6 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
                 micro_batches_per_optimizer_step=per_rank // a.micro_batch // k)
 
 
-# ---- advantages and the policy loss (tests/test_loop.py checks them by hand) ------------------------
-
-def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: float) -> tuple[torch.Tensor, float]:
-    """A_i = (r_i − mean of i's group) / (σ + 1e-4), clipped; σ = std of the whole batch or of i's group.
-    r, group: (N,) over the whole iteration (all ranks). Returns (A (N,), fraction of zero-std groups)."""
-    r = r.double()
-    adv, zero = torch.zeros_like(r), 0
-    for g in group.unique():
-        idx = group == g
-        sigma = r.std(unbiased=False) if std == "global" else r[idx].std(unbiased=False)
-        adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4)
-        zero += int(r[idx].std(unbiased=False) == 0)
-    return adv.clamp(-clip, clip).float(), zero / len(group.unique())
-
-
-def keep_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_steps: int) -> torch.Tensor:
-    """Every image weighs 1 in its optimizer step's loss mean, A = 0 or not. (N,) by image id."""
-    return torch.ones_like(adv)
-
-
-def drop_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_steps: int) -> torch.Tensor:
-    """Flow-GRPO's SD3 scripts drop every image whose A is exactly 0 before training. Here they stay in their chunks
-    (the first update stays the rollout's computation) with weight 0, and the others of optimizer step k weigh
-    n_k/kept_k, so that step's loss is the mean over its kept images of all ranks (docs/algorithm.md §6). (N,) by id."""
-    steps = assignment.view(assignment.shape[0], optimizer_steps, -1).transpose(0, 1).flatten(1)  # (K, n_k) image ids
-    kept = (adv[steps] != 0).float()
-    weights = torch.zeros_like(adv)
-    weights[steps] = kept * steps.shape[1] / kept.sum(1, keepdim=True).clamp(min=1)
-    return weights
-
-
-ZERO_ADVANTAGE = {"drop": drop_zero_advantage, "keep": keep_zero_advantage}  # --zero-advantage
-
-
-def log_ratio(logp, mean, std, mb: rollout.Batch, j: int, a: Args) -> torch.Tensor:
-    """log(π_θ/π_old) of trained transition j, (b,), of the densities --cps-density names."""
-    return CPS_DENSITIES[a.cps_density](logp - mb.log_probs[:, j], std, a.sde_type)
-
-
-def guard_log_ratio(logp, mean, std, mb: rollout.Batch, j: int, a: Args) -> torch.Tensor:
-    """GRPO-Guard's normalised log-ratio (docs/algorithm.md §10), (b,): needs the behaviour means."""
-    return sch.guard_log_ratio(logp, mb.log_probs[:, j], mean, mb.means[:, j], std)
-
-
-# The loss's choices, each a table of small functions (the step math lives in scheduler.py; docs/algorithm.md §6, §10).
-CPS_DENSITIES = {"public": sch.public_log_ratio, "exact": sch.exact_log_ratio}  # --cps-density
-# --guard: the log-ratio, and the divisor of each step's policy loss
-LOG_RATIOS = {"none": log_ratio, "full": guard_log_ratio, "ratio-norm": guard_log_ratio, "reweight": log_ratio}
-REWEIGHTS = {"none": sch.no_reweight, "full": sch.guard_reweight, "ratio-norm": sch.no_reweight,
-             "reweight": sch.guard_reweight}
-NEEDS_MEANS = {g for g, f in LOG_RATIOS.items() if f is guard_log_ratio}  # --guard values that need Batch.means
-KL_FORMS = {"public": sch.kl_public, "exact": sch.kl_exact}  # --kl-form
-
-
-def policy_loss(model, engine, mb: rollout.Batch, j: int, a: Args) -> tuple[torch.Tensor, dict]:
-    """PPO-clip loss (and optional KL) of trained transition j for a micro-batch of b images, image i weighted by
-    mb.weights[i] (none: 1; --zero-advantage drop gives A = 0 images weight 0)."""
-    x, x_next, sigma, sigma_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
-    kw = dict(sigma_max=mb.sigma_max, noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
-    v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
-    _, logp, mean, std = sch.step(v, x, sigma, sigma_next, **kw)  # logp: (b,)
-    delta = logp - mb.log_probs[:, j]
-    ratio = torch.exp(LOG_RATIOS[a.guard](logp, mean, std, mb, j, a))
-    adv = mb.advantages
-    w = torch.ones_like(adv) if mb.weights is None else mb.weights
-    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range))  # (b,)
-    loss = (w * surrogate).mean() / REWEIGHTS[a.guard](sigma, sigma_next)
-    # detached tensors, read once per iteration: an .item() here would sync the GPU every step
-    stats = {"gap": delta.detach().abs().mean(), "clipfrac": ((ratio - 1).abs() > a.clip_range).float().mean(),
-             "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(())}
-    if a.kl_beta > 0:
-        with torch.no_grad(), engine.reference():
-            v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
-            _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, **kw)
-        kl = KL_FORMS[a.kl_form](mean, mean_ref, std, sigma_next - sigma, a.sde_type)  # (b,)
-        loss = loss + a.kl_beta * (w * kl).mean()
-        stats["kl"] = kl.mean().detach()
-    return loss, stats
-
-
-def train_on(model, engine, batch: rollout.Batch, a: Args, arith: dict, progress: bool) -> dict:
-    """PPO-clip updates over this rank's images: `optimizer_steps` steps, each accumulating gradients over
-    its micro-batches × trained steps. Micro-batches are the rollout's chunks, in order (the images were
-    shuffled when they were assigned), so the first one is exactly what the rollout computed."""
-    n_micro, per_step, W = arith["micro_batches_per_rank"], arith["micro_batches_per_optimizer_step"], len(batch.sigmas) - 1
-    logs, gap = [], None
-    bar = tqdm(total=n_micro * W, desc="train", unit="step", disable=not progress, leave=False)
-    for k in range(a.optimizer_steps):
-        for m in range(k * per_step, (k + 1) * per_step):
-            mb = batch.chunk(m * a.micro_batch, (m + 1) * a.micro_batch)
-            for j in range(W):
-                loss, stats = policy_loss(model, engine, mb, j, a)
-                (loss / (W * per_step)).backward()  # mean over trained steps and micro-batches
-                logs.append(stats)
-                bar.update()
-            gap = float(sum(s["gap"] for s in logs[-W:]) / W) if gap is None else gap  # first micro-batch: on-policy
-        grad_norm, skipped = engine.step()
-        logs[-1] |= {"grad_norm": grad_norm, "skipped": float(skipped)}
-    bar.close()
-
-    def mean(key):
-        return float(np.mean([float(s[key]) for s in logs if key in s]))
-    return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
-            "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
-            "train/skipped_steps": engine.skipped_steps}
-
-
-ALGORITHMS = {"grpo": algorithms.grpo(train_on), **algorithms.FORWARD}  # --algorithm (docs/algorithm.md §12)
-
-
 # ---- evaluation ------------------------------------------------------------------------------------
 
 def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.RunLog) -> dict:
@@ -474,8 +268,8 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 # ---- the loop --------------------------------------------------------------------------------------
 
 def main(a: Args) -> list[dict]:
-    resume = check_args(a)  # before any model is built or process group joined
-    algo = ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update (algorithms.py)
+    resume = startup.check_args(a)  # before any model is built or process group joined
+    algo = algorithms.ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update
     rank, world, device = eng.init_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # it wins when set (torchrun: 1 per rank)
         # one thread per physical core it may use, split among the node's ranks; more wait on each other (BENCHMARKS.md)
@@ -551,10 +345,11 @@ def main(a: Args) -> list[dict]:
             rewards.check_iteration(r_all, a.reward)  # a finite mean and spread, or the run stops naming the reward
 
             # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
-            adv, zero_std = group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
-                                             clip=a.adv_clip)
+            adv, zero_std = algorithms.group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
+                                                        clip=a.adv_clip)
             batch.advantages = algo.weights(adv[mine], a).to(engine.device)  # grpo: A; nft: r ∈ [0, 1]; awm: A/c
-            batch.weights = ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)[mine].to(engine.device)
+            weights = algorithms.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)  # (P·G,) by id
+            batch.weights = weights[mine].to(engine.device)
 
             # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
@@ -583,7 +378,7 @@ def main(a: Args) -> list[dict]:
                 loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
                         "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train)}
                 engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
-                                       {"run_id": run.run_id, "flags": fingerprint(a), "loop": loop},
+                                       {"run_id": run.run_id, "flags": startup.fingerprint(a), "loop": loop},
                                        a.keep_checkpoints)
     finally:  # an error or Ctrl-C too: stop scoring threads and remove exchange files; checkpoints stay as written
         scorer.close()
@@ -599,7 +394,7 @@ if __name__ == "__main__":
     status = 0
     try:
         eng.handle_signals()  # SIGTERM as Ctrl-C, on every rank; SIGUSR1 prints the stacks
-        main(parse_args())
+        main(startup.parse_args(Args))
     except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
         status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"
     except KeyboardInterrupt:

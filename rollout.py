@@ -363,7 +363,7 @@ class OmniBackend:
                branch=False, ode_solver="euler") -> Batch:
         """`sample`'s contract; `chunk` is unused (a request is one prompt's run of at most MAX_N images);
         `on_images` gets the whole batch at the end (the servers already overlap with each other)."""
-        if branch or ode_solver != "euler":  # flowgrpo.check_args refuses them before anything is built
+        if branch or ode_solver != "euler":  # startup.check_args refuses them before anything is built
             raise ValueError("the vLLM-Omni pipeline samples independent images with Euler ODE steps: no --branch, "
                              "no --ode-solver but euler")
         if self.lora is None:

@@ -18,9 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import algorithms
 import checkpoint
 import flowgrpo
 import models
+import startup
 from tiny_setup import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,7 +194,8 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(straight, tmp
     proc.wait()
     assert list(ckpts.glob("iter_000001.tmp-*")) and not (ckpts / "iter_000001").exists()
     previous = str(ckpts / "iter_000000")
-    assert checkpoint.resolve_resume("auto", str(run), flowgrpo.fingerprint(flowgrpo.parse_args(SMALL)))[0] == previous
+    fp = startup.fingerprint(startup.parse_args(flowgrpo.Args, SMALL))
+    assert checkpoint.resolve_resume("auto", str(run), fp)[0] == previous
     launch(run, "--iterations", "4", "--checkpoint-every", "1", "--resume", "auto")
     assert_same(lora(straight), lora(run), exact=True)
     assert [r["iteration"] for r in rows(run)] == [0, 1, 2, 3]
@@ -204,7 +207,7 @@ def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):
     args = dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts_per_iteration=1, group_size=4, micro_batch=4,
                                optimizer_steps=1)
     model, engine, batch = tiny_setup(lora_alpha=16)
-    flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
+    algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
     engine.export_lora(str(tmp_path / "lora"))
     with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
         assert json.loads(f.metadata()["lora_adapter_metadata"])["transformer.lora_alpha"] == 16
@@ -223,7 +226,7 @@ def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):
 # ---- bad --resume input fails at start-up, naming the file and the mismatch -------------------------
 def test_bad_resume_input(straight, tmp_path):
     good = os.path.join(straight, "checkpoints", "iter_000003")
-    fp = flowgrpo.fingerprint(flowgrpo.parse_args(SMALL))
+    fp = startup.fingerprint(startup.parse_args(flowgrpo.Args, SMALL))
     assert checkpoint.resolve_resume("auto", str(straight), fp)[0] == good
     with pytest.raises(FileNotFoundError, match="no checkpoint directory /no/such"):
         checkpoint.resolve_resume("/no/such", None, fp)

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
@@ -46,10 +47,10 @@ def test_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device):
                            negative_prompt=" ", noise_level=a.noise_level, sde_type="sde", seed=0, iteration=0, chunk=4)
     batch.advantages = torch.linspace(-1, 1, 8, device=model.device)
     model.transformer.train()
-    stats = flowgrpo.train_on(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), progress=False)
+    stats = algorithms.train_on(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), progress=False)
     assert stats["train/logp_gap"] == 0.0
     assert stats["train/grad_norm"] > 0
-    _, after = flowgrpo.policy_loss(model, engine, batch.chunk(0, 4), 0, a)  # the check can fail: the policy moved
+    _, after = algorithms.policy_loss(model, engine, batch.chunk(0, 4), 0, a)  # the check can fail: the policy moved
     assert float(after["gap"]) > 0
 
 
@@ -119,7 +120,7 @@ def wan_first_update(model, a: flowgrpo.Args, prompts: list[str], trained: int) 
     batch.advantages = torch.linspace(-1, 1, n, device=model.device)
     model.transformer.train()
     one = dataclasses.replace(a, group_size=n, prompts_per_iteration=1, micro_batch=n, optimizer_steps=1)
-    stats = flowgrpo.train_on(model, engine, batch, one, flowgrpo.batch_arithmetic(one, 1), progress=False)
+    stats = algorithms.train_on(model, engine, batch, one, flowgrpo.batch_arithmetic(one, 1), progress=False)
     sync()
     return stats, dict(rollout_s=rolled - start, train_s=time.perf_counter() - rolled, rollout_peak=peak,
                        train_peak=torch.cuda.max_memory_allocated() if cuda else 0)

@@ -9,11 +9,13 @@ import sys
 import pytest
 import torch
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
 import rollout
 import scheduler as sch
+import startup
 from tiny_setup import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,15 +26,16 @@ TINY = flowgrpo.RECIPES["tiny"]
 def test_group_advantages_by_hand():
     r = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 4.0])
     g = torch.tensor([0, 0, 1, 1, 2, 2])
-    adv, zero = flowgrpo.group_advantages(r, g, std="group", clip=5.0)
+    adv, zero = algorithms.group_advantages(r, g, std="group", clip=5.0)
     # group 0: mean 2, std 1 → ∓1; group 1: all equal → 0; group 2: mean 2, std 2 → ∓1
     expected = [-1 / (1 + 1e-4), 1 / (1 + 1e-4), 0, 0, -2 / (2 + 1e-4), 2 / (2 + 1e-4)]
     torch.testing.assert_close(adv, torch.tensor(expected))
     assert zero == pytest.approx(1 / 3)
-    adv, _ = flowgrpo.group_advantages(r, g, std="global", clip=5.0)
+    adv, _ = algorithms.group_advantages(r, g, std="global", clip=5.0)
     sigma = r.std(unbiased=False).item()  # sqrt(4/3)
     torch.testing.assert_close(adv, torch.tensor([-1, 1, 0, 0, -2, 2]) / (sigma + 1e-4))
-    adv, _ = flowgrpo.group_advantages(torch.tensor([0.0, 0, 0, 100]), torch.tensor([0, 0, 0, 0]), std="group", clip=1.5)
+    adv, _ = algorithms.group_advantages(torch.tensor([0.0, 0, 0, 100]), torch.tensor([0, 0, 0, 0]), std="group",
+                                         clip=1.5)
     assert adv.tolist() == pytest.approx([-0.57735, -0.57735, -0.57735, 1.5], abs=1e-4)  # clipped at 1.5
 
 
@@ -40,7 +43,7 @@ def test_ppo_clip_objective_by_hand():
     """At ratio 1 the loss is −mean(A); beyond the clip the gradient vanishes on the advantageous side."""
     model, engine, batch = tiny_setup(advantages=(1.0, -1.0, 2.0, 0.5))
     args = dataclasses.replace(TINY, clip_range=0.2)
-    loss, stats = flowgrpo.policy_loss(model, engine, batch, 0, args)
+    loss, stats = algorithms.policy_loss(model, engine, batch, 0, args)
     assert float(stats["gap"]) == 0 and float(stats["clipfrac"]) == 0
     assert loss.item() == pytest.approx(-batch.advantages.mean().item(), abs=1e-6)
 
@@ -62,13 +65,13 @@ def test_first_update_is_exactly_on_policy_and_the_second_is_clipped(window, cfg
     assert batch.log_probs.shape == (8, len(steps))
     batch.advantages = torch.linspace(-1, 1, 8)
     arith = flowgrpo.batch_arithmetic(args, 1)
-    stats = flowgrpo.train_on(model, engine, batch, args, arith, progress=False)
+    stats = algorithms.train_on(model, engine, batch, args, arith, progress=False)
     assert stats["train/logp_gap"] == 0.0  # bitwise: same weights, shapes and kernels as the rollout
     assert stats["train/grad_norm"] > 0
     # Step 1's micro-batch has ratio 1 exactly (clipfrac 0, approx_kl 0), so these means come from step 2 alone.
     assert stats["train/approx_kl"] > 0 and stats["train/clipfrac"] > 0, stats
     # the check can fail: after the two optimizer steps the policy has moved
-    _, after = flowgrpo.policy_loss(model, engine, batch.chunk(0, 4), 0, args)
+    _, after = algorithms.policy_loss(model, engine, batch.chunk(0, 4), 0, args)
     assert float(after["gap"]) > 0
 
 
@@ -76,7 +79,7 @@ def test_recipes_take_two_optimizer_steps_and_help_shows_the_defaults_it_uses():
     """The public recipes update twice per rollout batch; with one update the clip would never act. `--help` shows
     the recipe that `--model` names (tiny when absent), each default once."""
     assert flowgrpo.RECIPES["qwen-image"].optimizer_steps == flowgrpo.RECIPES["tiny"].optimizer_steps == 2
-    assert flowgrpo.Args() == flowgrpo.RECIPES["tiny"] == flowgrpo.parse_args([])  # a bare run is the tiny recipe
+    assert flowgrpo.Args() == flowgrpo.RECIPES["tiny"] == startup.parse_args(flowgrpo.Args, [])  # a bare run: tiny
     env = os.environ | {"COLUMNS": "200"}
     bare, qwen = (subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), *flags, "--help"], env=env,
                                  capture_output=True, text=True, timeout=120).stdout
@@ -116,7 +119,7 @@ def option_help(text: str, flag: str) -> str:
 ])
 def test_impossible_configurations_fail_with_the_flag_named(change, flag):
     with pytest.raises((ValueError, FileNotFoundError), match=flag):
-        flowgrpo.check_args(dataclasses.replace(TINY, **change))
+        startup.check_args(dataclasses.replace(TINY, **change))
 
 
 def test_batch_arithmetic_is_derived_and_checked():
@@ -238,9 +241,9 @@ def test_reference_is_the_base_model_and_the_kl_forms():
     model, engine, batch = tiny_setup()
     args = dataclasses.replace(TINY, kl_beta=0.1, micro_batch=4, prompts_per_iteration=1, group_size=4,
                                optimizer_steps=1, kl_form="exact")
-    _, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
+    _, stats = algorithms.policy_loss(model, engine, batch, 1, args)
     assert float(stats["kl"]) == 0.0  # LoRA B starts at 0: the policy is the reference
-    flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
+    algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
     x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
     base = models.load_model("tiny", None, "cpu", seed=0)
     with torch.no_grad():
@@ -250,14 +253,14 @@ def test_reference_is_the_base_model_and_the_kl_forms():
         v_base = base.velocity(x, sigma, batch.cond, 1.0, 32, 32)
     torch.testing.assert_close(v_ref, v_base, rtol=0, atol=1e-6)  # adapter off == the untouched base model
     assert (v_pol - v_base).abs().max() > 1e-4
-    loss, stats = flowgrpo.policy_loss(model, engine, batch, 1, args)
-    _, _, mean_p, std = flowgrpo.sch.step(v_pol, x, batch.sigmas[1], batch.sigmas[2], sigma_max=batch.sigma_max,
-                                          noise_level=args.noise_level, x_next=batch.latents[:, 2])
-    _, _, mean_r, _ = flowgrpo.sch.step(v_ref, x, batch.sigmas[1], batch.sigmas[2], sigma_max=batch.sigma_max,
-                                        noise_level=args.noise_level, x_next=batch.latents[:, 2])
+    loss, stats = algorithms.policy_loss(model, engine, batch, 1, args)
+    _, _, mean_p, std = sch.step(v_pol, x, batch.sigmas[1], batch.sigmas[2], sigma_max=batch.sigma_max,
+                                 noise_level=args.noise_level, x_next=batch.latents[:, 2])
+    _, _, mean_r, _ = sch.step(v_ref, x, batch.sigmas[1], batch.sigmas[2], sigma_max=batch.sigma_max,
+                               noise_level=args.noise_level, x_next=batch.latents[:, 2])
     expected = (((mean_p - mean_r) ** 2).mean(dim=(1, 2)) / (2 * std**2)).mean().item()
     assert float(stats["kl"]) == pytest.approx(expected, rel=1e-4) and expected > 0
-    _, public = flowgrpo.policy_loss(model, engine, batch, 1, dataclasses.replace(args, kl_form="public"))
+    _, public = algorithms.policy_loss(model, engine, batch, 1, dataclasses.replace(args, kl_form="public"))
     assert float(public["kl"]) == pytest.approx(expected * float(batch.sigmas[1] - batch.sigmas[2]), rel=1e-4)
 
 

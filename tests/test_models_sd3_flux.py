@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
@@ -107,9 +108,9 @@ def test_first_update_is_exactly_on_policy(name, guide, window):
                            steps=steps, num_steps=args.num_steps, height=H, width=W, cfg_scale=cfg, negative_prompt="",
                            noise_level=0.7, sde_type="sde", seed=0, iteration=0, chunk=4)
     batch.advantages = torch.linspace(-1, 1, 8)
-    stats = flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), progress=False)
+    stats = algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), progress=False)
     assert stats["train/logp_gap"] == 0.0  # bitwise: same weights, shapes and kernels as the rollout
-    _, after = flowgrpo.policy_loss(model, engine, batch.chunk(0, 4), 0, args)
+    _, after = algorithms.policy_loss(model, engine, batch.chunk(0, 4), 0, args)
     assert float(after["gap"]) > 0  # the check can fail: after two optimizer steps the policy has moved
 
 
@@ -126,7 +127,7 @@ def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(name, tmp_path):
                            width=W, cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0,
                            iteration=0, chunk=4)
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
+    algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
     engine.export_lora(str(tmp_path / "lora"))
     family = models.adapter_class(name)
     fresh = family.build_tiny(0)

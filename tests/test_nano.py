@@ -17,6 +17,7 @@ import models
 import nano
 import rewards
 import rollout
+import startup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NANO = flowgrpo.RECIPES["nano"]
@@ -68,7 +69,7 @@ def test_pretraining_on_a_few_steps_lowers_its_losses_and_loads_as_nano(tmp_path
     assert vae["last_mse"] < 0.8 * vae["first_mse"], vae  # measured: 0.39 -> ~0.26
     assert transformer["last_loss"] < transformer["first_loss"], transformer
     assert "vae: steps 30" in run.stdout and "transformer: steps 20" in run.stdout and "base model:" in run.stdout
-    flowgrpo.check_args(dataclasses.replace(NANO, model_path=str(out)))  # --model nano --model-path OUT starts
+    startup.check_args(dataclasses.replace(NANO, model_path=str(out)))  # --model nano --model-path OUT starts
     model = models.load_model("nano", str(out), "cpu")
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")  # what loads is what was written
     assert all(torch.equal(v.float(), model.transformer.state_dict()[k]) for k, v in saved.items())
@@ -85,9 +86,9 @@ def test_pretraining_on_a_few_steps_lowers_its_losses_and_loads_as_nano(tmp_path
     (dict(model_path="/no/such/nano"), "--model-path /no/such/nano: no vae/, transformer/"),
 ])
 def test_nano_start_up_checks_name_the_problem(change, needle):
-    flowgrpo.check_args(NANO)  # the recipe itself starts (the shipped weights are found)
+    startup.check_args(NANO)  # the recipe itself starts (the shipped weights are found)
     with pytest.raises(ValueError, match=needle):
-        flowgrpo.check_args(dataclasses.replace(NANO, **change))
+        startup.check_args(dataclasses.replace(NANO, **change))
 
 
 def test_evaluation_seeds_are_never_rollout_seeds():

@@ -15,6 +15,7 @@ Public code (re-typed, not copied):
        verl_omni/trainer/diffusion/direct_preference_handlers.py (post_actor_update: the old policy every
        old_policy_update_interval steps, decayed at the step count)
 """
+import dataclasses
 import math
 import os
 import subprocess
@@ -30,6 +31,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
+import startup
 from test_engine import ENV, ROOT, SMALL, flat, launch, relative_difference, rows, train_state, without_perf
 from test_variants import random_walk, toy_velocity
 
@@ -96,7 +98,7 @@ def test_advantages_are_the_public_per_prompt_tracker_with_global_std():
     prompts = torch.arange(24) // 4  # group 0: all rewards equal (0), its advantages 0
     std = rewards.numpy().std() + 1e-4
     theirs = torch.tensor([(rewards[i] - rewards[prompts == prompts[i]].mean()).item() / std for i in range(24)])
-    ours, zero = flowgrpo.group_advantages(rewards.float(), prompts, std="global", clip=5.0)
+    ours, zero = algorithms.group_advantages(rewards.float(), prompts, std="global", clip=5.0)
     assert worst(ours, theirs.clamp(-5, 5)) < 1e-6 and zero == 1 / 6
 
 
@@ -405,13 +407,13 @@ def test_tiny_run_learns(algorithm, flags, tmp_path):
     (dict(algorithm="awm", old_every=0), "--old-every must be >= 1")])
 def test_flags_an_algorithm_does_not_use_are_refused(change, needle):
     with pytest.raises(ValueError, match=needle):
-        flowgrpo.check_args(flowgrpo.dataclasses.replace(TINY, **change))
+        startup.check_args(dataclasses.replace(TINY, **change))
 
 
 def test_the_public_recipes_pass_their_checks_and_the_cli_names_refused_flags():
     for name in ("sd3.5-medium-nft-ocr", "sd3.5-medium-nft-pickscore", "qwen-image-nft-ocr", "sd3.5-medium-awm-ocr",
                  "sd3.5-medium-awm-pickscore"):
-        flowgrpo.check_args(flowgrpo.RECIPES[name])
+        startup.check_args(flowgrpo.RECIPES[name])
     out = cli(*SMALL, "--algorithm", "nft", "--window", "2", "--clip-range", "0.5")
     assert out.returncode != 0 and "batch arithmetic" not in out.stdout
     assert out.stderr.strip().splitlines() == ["flowgrpo.py: error: --clip-range, --window: not used by --algorithm "

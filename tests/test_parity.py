@@ -19,6 +19,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
@@ -237,10 +238,10 @@ def test_public_recipe_computes_the_public_scripts_loss(recipe):
     r_all = torch.cat([torch.full((6,), 0.5), torch.rand(18, generator=g)])  # by image id; group 0 all equal
 
     # advantages and zero-advantage weights (loop phase 4), against the stat tracker and the filter
-    adv, _ = flowgrpo.group_advantages(r_all, torch.arange(n) // 6, std=a.std, clip=a.adv_clip)
+    adv, _ = algorithms.group_advantages(r_all, torch.arange(n) // 6, std=a.std, clip=a.adv_clip)
     theirs = fg_advantages([f"prompt {i // 6}" for i in range(n)], r_all.numpy(), global_std=a.std == "global")
     close(recipe, "advantage", adv, theirs.clamp(-a.adv_clip, a.adv_clip))
-    weights = flowgrpo.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, 2)
+    weights = algorithms.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, 2)
     kept = fg_kept(theirs) if pub["drops"] else torch.ones(n, dtype=torch.bool)
     assert torch.equal(weights > 0, kept), f"{recipe}: the zero-advantage mask differs from the public script's"
     assert (~kept).sum() == (6 if pub["drops"] else 0)
@@ -262,7 +263,7 @@ def test_public_recipe_computes_the_public_scripts_loss(recipe):
 
     # ours: train_on itself (the real loop's update), one gradient per optimizer step
     engine = StubEngine(stub)
-    flowgrpo.train_on(stub, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), progress=False)
+    algorithms.train_on(stub, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), progress=False)
 
     # theirs, term by term on each optimizer step's images, then its accumulated gradient
     clipped = []
@@ -294,13 +295,14 @@ def test_public_recipe_computes_the_public_scripts_loss(recipe):
                     v = stub.velocity(x, sigmas[i].expand(len(part)), mb.cond, 1, 0, 0)
                     _, logp, mu, std = sch.step(v, x, sigmas[i], sigmas[i + 1], sigma_max=mb.sigma_max,
                                                 noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
-                    ours = torch.exp(flowgrpo.LOG_RATIOS[a.guard](logp, mu, std, mb, j, a))
+                    ours = torch.exp(algorithms.LOG_RATIOS[a.guard](logp, mu, std, mb, j, a))
                     close(recipe, "ratio", ours, ratio, rtol=0, atol=1e-6)
                     close(recipe, "policy-loss divisor (GRPO-Guard reweight)",
-                          flowgrpo.REWEIGHTS[a.guard](sigmas[i], sigmas[i + 1]), divisor)
+                          algorithms.REWEIGHTS[a.guard](sigmas[i], sigmas[i + 1]), divisor)
                     if kl is not None:
-                        close(recipe, "KL", flowgrpo.KL_FORMS[a.kl_form](mu, mean_ref, std, sigmas[i + 1] - sigmas[i],
-                                                                         a.sde_type), kl, rtol=1e-4)
+                        close(recipe, "KL", algorithms.KL_FORMS[a.kl_form](mu, mean_ref, std,
+                                                                           sigmas[i + 1] - sigmas[i], a.sde_type),
+                              kl, rtol=1e-4)
                     clipped.append(((ratio - 1).abs() > a.clip_range).float())
                     assert torch.equal((ours - 1).abs() > a.clip_range, clipped[-1] > 0), \
                         f"{recipe}: a clip decision differs from the public script's (a ratio at the edge)"
@@ -328,7 +330,7 @@ def test_keep_recipes_take_the_public_loss_on_the_very_same_micro_batch():
         with torch.no_grad():
             stub.B.add_(1e-3)
         for j, i in enumerate(steps):
-            ours, _ = flowgrpo.policy_loss(stub, StubEngine(stub), batch, j, a)
+            ours, _ = algorithms.policy_loss(stub, StubEngine(stub), batch, j, a)
             x = batch.latents[:, j]
             lp, mean, s_t, sqrt_dt = fg_sde_step(stub.velocity(x, sigmas[i].expand(4), batch.cond, 1, 0, 0), x,
                                                  sigmas[i], sigmas[i + 1], float(sigmas[1]), a.noise_level,
@@ -378,8 +380,8 @@ def test_dropping_zero_advantages_is_the_mean_over_each_steps_kept_images_on_any
     losses = torch.linspace(-1, 2, 16) ** 2  # any per-image loss
     for world in (1, 2, 4):
         assignment = eng.assign_images(16, 2, world, seed=3)
-        w = flowgrpo.drop_zero_advantage(adv, assignment, 2)
-        assert torch.equal(w, flowgrpo.drop_zero_advantage(adv, eng.assign_images(16, 2, 1, seed=3), 2))
+        w = algorithms.drop_zero_advantage(adv, assignment, 2)
+        assert torch.equal(w, algorithms.drop_zero_advantage(adv, eng.assign_images(16, 2, 1, seed=3), 2))
         for k in range(2):
             ids = assignment.view(world, 2, -1)[:, k]  # (ranks, images of step k on each)
             ours = (w[ids] * losses[ids]).mean()  # each rank's mean of w·loss, averaged over ranks (= over the step)
@@ -389,7 +391,7 @@ def test_dropping_zero_advantages_is_the_mean_over_each_steps_kept_images_on_any
             counts = [int((adv[r] != 0).sum()) for r in ids]
             public = torch.stack(per_rank).mean().item()
             assert (public == pytest.approx(ours.item(), rel=1e-6)) == (len(set(counts)) == 1), (world, k, counts)
-    assert torch.equal(flowgrpo.keep_zero_advantage(adv, assignment, 2), torch.ones(16))
+    assert torch.equal(algorithms.keep_zero_advantage(adv, assignment, 2), torch.ones(16))
 
 
 # ---- GRPO-Guard: the script as shipped averages its bias over the batch ----------------------------------------------

@@ -21,6 +21,7 @@ import checkpoint
 import flowgrpo
 import rewards
 import runlog
+import startup
 from tiny_setup import stop, tiny_setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,16 +161,16 @@ def test_a_changed_prompt_file_is_named_on_resume(trained):
     run, flags = trained
     prompts = Path(flags[1])
     original = prompts.read_text()
-    args = flowgrpo.parse_args([*TINY, *flags, "--resume", str(run / "checkpoints" / "iter_000001"),
-                                "--iterations", "4"])
+    args = startup.parse_args(flowgrpo.Args, [*TINY, *flags, "--resume", str(run / "checkpoints" / "iter_000001"),
+                                              "--iterations", "4"])
     try:
         prompts.write_text(original.replace("thing 3", "thing 33"))
         with pytest.raises(ValueError, match=r"--prompts .*prompts.txt: its training prompts differ from those of "):
-            flowgrpo.check_args(args)
-        assert flowgrpo.check_args(dataclasses.replace(args, allow_change=("prompts",)))  # named: allowed
+            startup.check_args(args)
+        assert startup.check_args(dataclasses.replace(args, allow_change=("prompts",)))  # named: allowed
     finally:
         prompts.write_text(original)
-    assert flowgrpo.check_args(args)
+    assert startup.check_args(args)
 
 
 # ---- 6. flags and prompt files ------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def test_a_changed_prompt_file_is_named_on_resume(trained):
 ])
 def test_flags_out_of_any_sensible_range_are_refused_naming_them(change, needle):
     with pytest.raises(ValueError, match=needle):
-        flowgrpo.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], **change))
+        startup.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], **change))
 
 
 def test_a_deeply_nested_jsonl_and_a_fifo_prompt_file_are_named(tmp_path):
@@ -192,7 +193,7 @@ def test_a_deeply_nested_jsonl_and_a_fifo_prompt_file_are_named(tmp_path):
     assert "Traceback" not in out.stderr
     os.mkfifo(tmp_path / "fifo.txt")
     with pytest.raises(FileNotFoundError, match="fifo.txt is not a regular file"):
-        flowgrpo.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts=str(tmp_path / "fifo.txt")))
+        startup.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts=str(tmp_path / "fifo.txt")))
 
 
 # ---- 9. SIGTERM on every rank, and a full disk --------------------------------------------------------------

@@ -18,10 +18,12 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import distribute_tensor
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
 import rollout
+import startup
 from test_engine import (ENV, ROOT, SMALL, assert_same, flat, free_port, lora, relative_difference, rows,
                          train_state, without_perf)
 
@@ -97,9 +99,9 @@ def rollout_and_gradients(family: Family, sp: int, inputs=None, **engine_kw) -> 
     batch.advantages = torch.linspace(-1, 1, len(ids), device=model.device)
     a = dataclasses.replace(flowgrpo.RECIPES["tiny"], cfg_scale=cfg, kl_beta=0.1)  # the reference pass too
     model.transformer.train()
-    _, own = flowgrpo.policy_loss(model, engine, batch, 0, a)  # the rollout's own first transition: on-policy?
+    _, own = algorithms.policy_loss(model, engine, batch, 0, a)  # the rollout's own first transition: on-policy?
     given = dataclasses.replace(inputs or batch, cond=batch.cond)  # the split model keeps its own (padded) text
-    loss, _ = flowgrpo.policy_loss(model, engine, given, 1, a)
+    loss, _ = algorithms.policy_loss(model, engine, given, 1, a)
     engine.optimizer.zero_grad(set_to_none=False)
     loss.backward()
     with torch.no_grad():
@@ -286,7 +288,7 @@ def test_impossible_sp_is_refused_naming_the_numbers(pipeline, flags, message):
     flags = {k: str(pipeline) if v == "PIPELINE" else v for k, v in flags.items()}
     a = dataclasses.replace(flowgrpo.RECIPES[flags["model"]], **(dict(sp=2) | flags))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        flowgrpo.check_args(a)
+        startup.check_args(a)
 
 
 @pytest.mark.parametrize("heads,sp,refused", [(12, 8, True), (12, 4, False), (40, 8, False)])
@@ -302,9 +304,9 @@ def test_wan_checkpoints_heads_are_read_from_their_config(tmp_path, heads, sp, r
                             width=832, num_frames=81)
     if refused:
         with pytest.raises(ValueError, match=rf"--num-frames 81 has {heads} attention heads \(WanTransformer3DModel\)"):
-            flowgrpo.check_args(a)
+            startup.check_args(a)
     else:
-        flowgrpo.check_args(a)
+        startup.check_args(a)
 
 
 def test_sp_must_divide_the_world_and_is_refused_before_anything_is_built(pipeline, tmp_path):

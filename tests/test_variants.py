@@ -11,6 +11,7 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
@@ -298,7 +299,7 @@ def test_branched_first_update_is_exactly_on_policy(tiny):
     batch = rollout.sample(model, PROMPTS, [{}] * 8, [0] * 4 + [1] * 4, range(8), steps=[2, 3], chunk=4, branch=True,
                            **(KW | dict(noise_level=args.noise_level)))
     batch.advantages = torch.linspace(-1, 1, 8)
-    stats = flowgrpo.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), progress=False)
+    stats = algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), progress=False)
     assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0
 
 

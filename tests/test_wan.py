@@ -16,6 +16,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image, ImageSequence
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
@@ -24,6 +25,7 @@ import rewards
 import rollout
 import runlog
 import scheduler as sch
+import startup
 from tiny_setup import check_ode_path_against_the_pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,9 +130,9 @@ def test_first_update_is_exactly_on_policy_on_video_latents(change, options):
         assert all(torch.equal(batch.latents[0, 0], batch.latents[i, 0]) for i in range(4))
         assert not torch.equal(batch.latents[0, 1], batch.latents[1, 1])
     batch.advantages = torch.linspace(-1, 1, 8)
-    stats = flowgrpo.train_on(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), progress=False)
+    stats = algorithms.train_on(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), progress=False)
     assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0
-    _, after = flowgrpo.policy_loss(model, engine, batch.chunk(0, 4), 0, a)
+    _, after = algorithms.policy_loss(model, engine, batch.chunk(0, 4), 0, a)
     assert float(after["gap"]) > 0
     if engine.ema is not None:  # evaluation under the EMA weights samples videos that differ from the trained ones
         ode = eval_videos(model, a)
@@ -187,7 +189,7 @@ def test_video_samples_are_an_animated_gif_and_a_first_frame_grid(tmp_path):
 ])
 def test_video_flags_are_refused_before_anything_is_built(flags, needle):
     with pytest.raises(ValueError, match=needle):
-        flowgrpo.check_args(flowgrpo.parse_args(flags))
+        startup.check_args(startup.parse_args(flowgrpo.Args, flags))
 
 
 def test_tiny_wan_learns_motion_exactly_on_policy_and_leaves_videos(tmp_path):

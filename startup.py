@@ -1,0 +1,121 @@
+"""What a run checks before anything expensive starts: its flags read over a recipe's values, every impossible value
+or combination refused in one line naming the flag and the fix, and on `--resume` the checkpoint whose result-deciding
+flags (its fingerprint) match. `flowgrpo.main` calls `check_args` before it builds a model or joins a process group.
+
+The loop's `Args` is passed in (the class to `parse_args`, an instance `a` elsewhere) and read by field name, so that
+this file imports nothing of the loop.
+"""
+import dataclasses
+import math
+import sys
+
+import tyro
+
+import algorithms
+import checkpoint
+import models
+import prompts as prompt_sets
+import recipes
+import rewards
+import rollout
+from algorithms import need
+
+# Flags that say only how the work is done or recorded: they may change on --resume without breaking exactness
+# (micro-batches and ranks change float reduction order only). Every other flag decides the result.
+HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images",
+             "eval_steps", "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
+             "activation_checkpointing", "compile", "shard_text_encoder", "sp"}
+SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
+
+
+def recipe_args(cls, name: str):
+    """Recipe `name` as an instance of `cls` (flowgrpo.Args): its values (recipes.py) over the class's defaults."""
+    return cls(**recipes.RECIPES[name], recipe=name)
+
+
+def parse_args(cls, argv: list[str] | None = None):
+    """The command line as an instance of `cls` (flowgrpo.Args). `--recipe` (or else `--model`; the last one given, as
+    for every flag) picks the recipe whose values become the defaults; the other flags override them."""
+    argv = sys.argv[1:] if argv is None else argv
+    name = _last_value(argv, "--recipe") or _last_value(argv, "--model") or "tiny"
+    return tyro.cli(cls, default=recipe_args(cls, name if name in recipes.RECIPES else "tiny"), args=argv)
+
+
+def _last_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last `flag VALUE` or `flag=VALUE` in argv."""
+    values = [a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+              if a.split("=")[0] == flag and ("=" in a or i + 1 < len(argv))]
+    return values[-1] if values else None
+
+
+def check_args(a) -> tuple[str, dict] | None:
+    """Reject impossible configurations before anything is built; each message names the flag. Returns the
+    checkpoint to resume from and its meta.json, if any."""
+    for f in dataclasses.fields(a):  # inf or nan in any float flag
+        need(not isinstance(getattr(a, f.name), float) or math.isfinite(getattr(a, f.name)),
+             f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(a, f.name)}")
+    need(a.recipe in recipes.RECIPES, f"--recipe must be one of {tuple(recipes.RECIPES)}, got {a.recipe!r}")
+    need(a.group_size >= 2, f"--group-size must be >= 2 (advantages compare images of a prompt), got {a.group_size}")
+    for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
+                    ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations),
+                    ("--keep-checkpoints", a.keep_checkpoints), ("--slide-every", a.slide_every),
+                    ("--ema-repeat", a.ema_repeat), ("--sp", a.sp)):
+        need(v >= 1, f"{flag} must be >= 1, got {v}")
+    for flag, v in (("--lr", a.lr), ("--noise-level", a.noise_level), ("--clip-range", a.clip_range),
+                    ("--lora-rank", a.lora_rank), ("--lora-alpha", a.lora_alpha), ("--max-grad-norm", a.max_grad_norm),
+                    ("--adv-clip", a.adv_clip)):
+        need(v > 0, f"{flag} must be > 0, got {v}")
+    for flag, v in (("--kl-beta", a.kl_beta), ("--weight-decay", a.weight_decay),
+                    ("--checkpoint-every", a.checkpoint_every), ("--eval-every", a.eval_every)):
+        need(v >= 0, f"{flag} must be >= 0, got {v}")
+    for flag, v, lo, hi in (("--lr", a.lr, 0, 1), ("--num-steps", a.num_steps, 2, 1000),  # beyond: typos, not runs
+                            ("--cfg-scale", a.cfg_scale, 1, 100), ("--eval-steps", a.eval_steps, 2, 1000),
+                            ("--eval-images", a.eval_images, 0, 1024), ("--guidance", a.guidance or 0.0, 0, 100)):
+        need(lo <= v <= hi, f"{flag} must be in [{lo}, {hi}], got {v}")
+    need(0 <= a.seed < 2**32, f"--seed must be in [0, 2**32), got {a.seed}")
+    need(a.eval_images >= 1 or not a.eval_every,
+         f"--eval-images must be >= 1 with --eval-every > 0, got {a.eval_images}")
+    need(not (a.full_finetune and a.kl_beta > 0), "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
+    need(not a.branch or a.window > 0, "--branch needs a window (--window > 0): the group branches at its start")
+    need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
+         f"got {a.ema_decay}, {a.ema_every}")
+    need(a.rollout == "local" or not (a.branch or a.guard in algorithms.NEEDS_MEANS or a.ode_solver != "euler"),
+         "--branch, --ode-solver dpm2 or dpm2-full and --guard full/ratio-norm need --rollout local (the vLLM-Omni "
+         "pipeline has none yet)")
+    need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
+         "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
+    unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
+    need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
+    need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
+         "checkpoint's tensor shapes and cannot change on --resume")
+    algorithms.check_flags(a, recipe_args(type(a), a.recipe))  # e.g. --clip-range with nft: refused, named
+    algorithms.ALGORITHMS[a.algorithm].check(a)
+    models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
+                            model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)
+    if not a.full_finetune:
+        need(a.lora_targets, "--lora-targets must name at least one module of the transformer (or --full-finetune)")
+        models.check_lora_targets(a.model, a.model_path, a.lora_targets)
+    rewards.check_reward_spec(a.reward, video=a.num_frames > 1)
+    prompts = prompt_sets.load_prompts(a.prompts)
+    rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
+    rollout.check_backend(a.rollout, a.rollout_url)
+    if not a.resume:
+        return None
+    ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
+    need(meta["loop"]["iteration"] + 1 < a.iterations, f"--iterations {a.iterations} leaves nothing to train after "
+         f"{ckpt}, which ends iteration {meta['loop']['iteration']}: --iterations is the total, pass more")
+    need(meta["loop"]["prompts_sha256"] == checkpoint.json_sha256(prompts.train) or "prompts" in allowed(a),
+         f"--prompts {a.prompts}: its training prompts differ from those of {ckpt} (their SHA-256): resume with "
+         "those, or name prompts in --allow-change")
+    return ckpt, meta
+
+
+def allowed(a) -> list[str]:
+    return [f.replace("-", "_").removeprefix("__") for f in a.allow_change]
+
+
+def fingerprint(a) -> dict:
+    """The flags that decide a run's result, as JSON stores them: a checkpoint resumes only under the same."""
+    flags = dataclasses.asdict(a)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in flags.items() if k not in HOW_FLAGS}
+
