@@ -154,8 +154,8 @@ class Args:
     """M: the update applied M times in a row where it fires (Flow-GRPO: once per micro-batch, M per optimizer step)"""
     ema_form: Literal["flow-grpo", "dance"] = "flow-grpo"
     """Flow-GRPO's EMA (a warm-up, when n + 1 is a multiple of K) or DanceGRPO's (constant decay, when K divides n)"""
-    clip_range: float = 0.2
-    """PPO clip ε on the probability ratio"""
+    clip_range: float = 1e-3
+    """PPO clip ε on the probability ratio (`tiny`'s: the scale of its second step's ratios, docs/algorithm.md §7)"""
     adv_clip: float = 5.0
     """advantages are clipped to [−adv_clip, adv_clip] (> 0)"""
     std: Literal["global", "group"] = "global"
