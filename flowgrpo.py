@@ -31,8 +31,8 @@ are named options, off in the public recipes:
    built-in `general` prompts (the public PickScore prompt file is not shipped).
 9. GRPO-Guard's bias term per image, as its author confirmed (the script averages it over the batch); MixGRPO-Flash
    takes at least one ODE call after the window (it decodes a noisy state where its count leaves none).
-10. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, large clip range and learning rate)
-   chosen so that learning is visible on a CPU within a minute or two.
+10. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, a large learning rate, a clip range
+   measured so that the clip acts in their second step) chosen so that learning is visible on a CPU in a minute or two.
 
 Algorithms (`--algorithm`, docs/algorithm.md §12, algorithms.py): `grpo`, the above with its variants below, or the
 forward-process `nft` (DiffusionNFT) and `awm` (Advantage Weighted Matching): an ODE rollout of any solver, and a
