@@ -21,6 +21,7 @@ from torch.distributed.tensor import distribute_tensor
 import engine as eng
 import flowgrpo
 import models
+import models_qwen
 import rollout
 from test_engine import (ENV, ROOT, SMALL, assert_same, flat, free_port, lora, relative_difference, rows,
                          train_state, without_perf)
@@ -30,7 +31,7 @@ PROMPTS = ["a cat", "a cat", "a photo of a red bicycle", "a photo of a red bicyc
 
 
 def tiny_qwen4(device):
-    return models.QwenImage(models.build_tiny_qwen_pipeline(0, heads=4), device, torch.float32)
+    return models_qwen.QwenImage(models_qwen.build_tiny_qwen_pipeline(0, heads=4), device, torch.float32)
 
 
 def tiny_flux78(device):
@@ -212,7 +213,7 @@ def launch(run_dir, pipeline, *flags, ranks=1):
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny4") / "pipeline"
-    models.build_tiny_qwen_pipeline(0, heads=4).save_pretrained(str(path))
+    models_qwen.build_tiny_qwen_pipeline(0, heads=4).save_pretrained(str(path))
     return path
 
 
