@@ -31,6 +31,7 @@ import algorithms
 import engine as eng
 import flowgrpo
 import models
+import models_qwen
 import prompts as prompt_sets
 import reward_http
 import rewards
@@ -282,7 +283,7 @@ def rank_rows(t: list, o):  # 1-rank and 2-rank launches alternate, as the load 
         "≈ 1 at tiny size", f"VmHWM, last pair: {mib(runs[-1][0][1][0])} vs "
         f"{', '.join(mib(v) for v in runs[-1][1][1].values())}")
 
-class RandomText(models.QwenImage):  # no 7B text encoder: real token counts and masks (tiny encoder), random values
+class RandomText(models_qwen.QwenImage):  # no 7B text encoder: the tiny one's token counts and masks, random values
     @torch.no_grad()
     def encode(self, prompts):
         mask = super().encode(prompts)["mask"]
@@ -290,7 +291,7 @@ class RandomText(models.QwenImage):  # no 7B text encoder: real token counts and
         return {"embeds": (e * mask.cpu()[..., None]).to(self.device, self.dtype), "mask": mask}
 
 def random_model(kind: str, device: str, heads: int = 3) -> RandomText:  # diffusers' defaults = the published configs
-    pipe, dtype = models.build_tiny_qwen_pipeline(0, heads), torch.bfloat16 if device != "cpu" else torch.float32
+    pipe, dtype = models_qwen.build_tiny_qwen_pipeline(0, heads), torch.bfloat16 if device != "cpu" else torch.float32
     if kind != "tiny":
         default, _ = torch.get_default_dtype(), torch.set_default_dtype(dtype)
         with torch.device(device):

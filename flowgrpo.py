@@ -323,7 +323,7 @@ def main(a: Args) -> list[dict]:
             steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
 
             # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
-            t0, cpu0, passes = time.perf_counter(), time.process_time(), model.passes  # passes: models.Adapter counts
+            t0, cpu0, passes = time.perf_counter(), time.process_time(), model.passes  # passes: models_base.Adapter counts
             model.transformer.eval()
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
             def score_chunk(c, x):  # each decoded chunk is scored while the next one samples

@@ -3,8 +3,8 @@ pooled + T5's embeddings, the distilled guidance embedding (one transformer pass
 sigma shift from the image token count (scheduler.sigma_schedule computes it as the pipeline does)."""
 import torch
 
-from models import (RESOLUTION_MULTIPLE, TINY_MAX_LENGTH, Adapter, tiny_clip, tiny_clip_tokenizer, tiny_t5,
-                    tiny_t5_tokenizer, tiny_vae)
+from models_base import (TINY_MAX_LENGTH, Adapter, Spec, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer,
+                         tiny_vae)
 
 # black-forest-labs/FLUX.1-dev's scheduler config
 FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
@@ -16,7 +16,7 @@ T5_LENGTH = 128  # Flow-GRPO encodes with T5 length 128 (the pipeline's default 
 def build_tiny_flux_pipeline(seed: int = 0):
     """A random-weight FluxPipeline with FLUX.1-dev's structure at toy size (double- and single-stream blocks,
     a guidance embedding, CLIP + T5, its scheduler and VAE factors), sharing the tiny CLIP/T5/VAE of
-    models.py. Deterministic given `seed`; leaves the global RNG untouched."""
+    models_base.py. Deterministic given `seed`; leaves the global RNG untouched."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     with torch.random.fork_rng(devices=[]):
@@ -54,11 +54,10 @@ class Flux(Adapter):
         self.max_sequence_length = min(T5_LENGTH, pipe.tokenizer_2.model_max_length)
 
     @classmethod
-    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
         """Image tokens and T5's text tokens, whose length is fixed: FLUX attends to T5's padding too (no mask), so the
         text cannot be padded further without changing the result (tiny-flux's 77 tokens: no --sp 2)."""
-        side = RESOLUTION_MULTIPLE[model]
-        return {"image tokens": (height // side) * (width // side),
+        return {"image tokens": (height // spec.multiple) * (width // spec.multiple),
                 "T5 text tokens": min(T5_LENGTH, TINY_MAX_LENGTH) if model.startswith("tiny") else T5_LENGTH}
 
     def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:

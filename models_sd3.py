@@ -1,8 +1,8 @@
 """Stable Diffusion 3.5 (`sd3.5-medium`, `tiny-sd3`) around diffusers' StableDiffusion3Pipeline; its tiny variant is
-built from the tiny CLIP/T5 text encoders, tokenizers and VAE that models.py shares among the families."""
+built from the tiny CLIP/T5 text encoders, tokenizers and VAE that models_base.py shares among the families."""
 import torch
 
-from models import Adapter, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer, tiny_vae
+from models_base import Adapter, Spec, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer, tiny_vae
 
 SD3_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)  # stabilityai/stable-diffusion-3.5-medium's scheduler
 def build_tiny_sd3_pipeline(seed: int = 0):
@@ -43,7 +43,7 @@ class SD3(Adapter):
     build_tiny = staticmethod(build_tiny_sd3_pipeline)
 
     @classmethod
-    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
         raise ValueError(f"--sp: --model {model} has no sequence parallelism: diffusers 0.42.1 has no context-parallel "
                          "plan for SD3Transformer2DModel, and its JointAttnProcessor2_0 calls SDPA itself, outside the "
                          "dispatcher that does the all-to-alls. Use --sp 1 (FSDP2 alone: SD3.5 at 512² has 1024 image "

@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from models import SPECS, Adapter, tiny_t5, tiny_t5_tokenizer
+from models_base import Adapter, Spec, tiny_t5, tiny_t5_tokenizer
 
 # FlowMatchEulerDiscreteScheduler's config: Wan's shift 3.0 (diffusers' Wan default for 480p, the `flow_shift` of the
 # 1.3B checkpoint's UniPC config, DanceGRPO's --shift 3), σ·1000 as the timestep.
@@ -38,7 +38,7 @@ def wan_scheduler_class() -> type:
 
 def build_tiny_wan_pipeline(seed: int = 0):
     """A random-weight WanPipeline with Wan2.1's structure at toy size: a UMT5 text encoder and the tiny T5 tokenizer
-    of models.py, a 2-block WanTransformer3DModel (RMS q/k norm across heads, 3-D rope, cross-attention to the text;
+    (models_base.py), a 2-block WanTransformer3DModel (RMS q/k norm across heads, 3-D rope, cross-attention to the text;
     the sizes of diffusers' own Wan test dummies), a 2-level AutoencoderKLWan (4× in space, 4× in time, Wan's latent
     mean/std), diffusers' Euler scheduler (saved as such; the adapter sets its table). Deterministic given `seed`;
     leaves the global RNG untouched."""
@@ -99,11 +99,10 @@ class Wan(Adapter):
         return (self.num_frames, 3, height, width)
 
     @classmethod
-    def sp_sequences(cls, model: str, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
         """The video tokens, F'·(H/p)·(W/p) (`image_seq_len`'s count, from the model's name: p the VAE's spatial factor
         × the 2×2 patch): WanTransformer3DModel's context-parallel plan splits them and their rope at the first block
         and gathers them at `proj_out`; the text enters by cross-attention and is not split (docs/algorithm.md §14)."""
-        spec = SPECS[model]
         frames = (num_frames - 1) // spec.frame_multiple + 1
         return {"video tokens": frames * (height // spec.multiple) * (width // spec.multiple)}
 

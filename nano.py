@@ -10,8 +10,9 @@ Data: scikit-learn's `load_digits` (1,797 real 8×8 digits inside the wheel: not
 stratified, seeded; an image is a digit upscaled bilinearly to 16×16, white on black, 3 channels. Both classifiers
 are fitted on the train split only, on 8-bit images as every reward sees them: the reward (`--reward digit`), a
 logistic regression's p(prompted digit) from the image averaged back to 8×8, and the judge (`digit_judge`), an RBF
-SVM on all 16×16 pixels, which sees the detail the reward averages away. The base model (models.build_nano_pipeline)
-is pretrained here with a fixed seed and step count, short of convergence so that RL has room (docs/algorithm.md §15).
+SVM on all 16×16 pixels, which sees the detail the reward averages away. The base model
+(models_qwen.build_nano_pipeline) is pretrained here with a fixed seed and step count, short of convergence so that RL
+has room (docs/algorithm.md §15).
 """
 import functools
 import json
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import models
+import models_qwen
 import prompts as prompt_sets
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -167,8 +168,8 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
 
     # 2. Transformer: rectified flow on the normalised, packed latents, x_σ = (1 − σ)·x0 + σ·ε, target ε − x0,
     #    σ logit-normal and shifted as the scheduler shifts it at this image size, conditioned on the frozen encoder
-    pipe = models.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
-    model = models.QwenImage(pipe, "cpu", torch.float32)
+    pipe = models_qwen.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
+    model = models_qwen.QwenImage(pipe, "cpu", torch.float32)
     net = model.transformer.requires_grad_(True).train()
     with torch.no_grad():
         posterior = vae.encode(train_images[:, :, None]).latent_dist  # (N, 4, 1, 4, 4)
@@ -234,7 +235,7 @@ def prompt_texts() -> list[str]:
 
 def load(path: str | None = None, lora: str | None = None):
     """The nano pipeline (the shipped weights, or `path`), with a run's exported LoRA directory loaded if given."""
-    pipe = models.build_nano_pipeline(path or models.NANO_DIR)
+    pipe = models_qwen.build_nano_pipeline(path or models_qwen.NANO_DIR)
     if lora:
         pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
@@ -423,7 +424,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pretrain", help="train the base model (defaults: the shipped budget) and write it to --out")
-    p.add_argument("--out", default=models.NANO_DIR, help="directory for vae/, transformer/, pretrain.json")
+    p.add_argument("--out", default=models_qwen.NANO_DIR, help="directory for vae/, transformer/, pretrain.json")
     for key, value in PRETRAIN.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     sub.add_parser("classifiers", help="the reward's and the judge's accuracy on the held-out real digits")

@@ -33,7 +33,7 @@ def build(out_dir: str, seed: int = 0) -> str:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     sys.path.insert(0, ROOT)
-    import models
+    import models_qwen
     # vLLM's CPU attention needs head_dim >= 32 (hidden 64, 2 heads); mrope sections sum to head_dim / 2.
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -47,7 +47,7 @@ def build(out_dir: str, seed: int = 0) -> str:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out_dir)
-    tokenizer_dir = models.qwen_tokenizer_dir()
+    tokenizer_dir = models_qwen.qwen_tokenizer_dir()
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
     path = os.path.join(out_dir, "tokenizer_config.json")

@@ -22,6 +22,7 @@ import algorithms
 import checkpoint
 import flowgrpo
 import models
+import models_qwen
 import startup
 from tiny_setup import tiny_setup
 
@@ -211,14 +212,14 @@ def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):
     engine.export_lora(str(tmp_path / "lora"))
     with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
         assert json.loads(f.metadata()["lora_adapter_metadata"])["transformer.lora_alpha"] == 16
-    fresh = models.build_tiny_qwen_pipeline(seed=0)
+    fresh = models_qwen.build_tiny_qwen_pipeline(seed=0)
     fresh.load_lora_weights(str(tmp_path / "lora"))
     x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
     with torch.no_grad():
         trained = model.velocity(x, sigma, batch.cond, 1.0, 32, 32)
-        base = models.QwenImage(models.build_tiny_qwen_pipeline(seed=0), "cpu", torch.float32).velocity(
+        base = models_qwen.QwenImage(models_qwen.build_tiny_qwen_pipeline(seed=0), "cpu", torch.float32).velocity(
             x, sigma, batch.cond, 1.0, 32, 32)
-        loaded = models.QwenImage(fresh, "cpu", torch.float32).velocity(x, sigma, batch.cond, 1.0, 32, 32)
+        loaded = models_qwen.QwenImage(fresh, "cpu", torch.float32).velocity(x, sigma, batch.cond, 1.0, 32, 32)
     assert (trained - base).abs().max() > 1e-4  # the adapter changed the output ...
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)  # ... and the export carries it, alpha included
 

@@ -12,7 +12,7 @@ import torch
 import algorithms
 import engine as eng
 import flowgrpo
-import models
+import models_qwen
 import models_wan
 import rollout
 import scheduler as sch
@@ -22,11 +22,11 @@ from test_bench import run_bench, table_rows
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def bf16_tiny(device: str) -> models.QwenImage:
+def bf16_tiny(device: str) -> models_qwen.QwenImage:
     """The tiny model as the real one is loaded on a GPU (from_pretrained with torch_dtype=bf16)."""
-    pipe = models.build_tiny_qwen_pipeline(0)
+    pipe = models_qwen.build_tiny_qwen_pipeline(0)
     pipe.transformer.to(torch.bfloat16), pipe.vae.to(torch.bfloat16)
-    return models.QwenImage(pipe, device, torch.bfloat16)
+    return models_qwen.QwenImage(pipe, device, torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])

@@ -27,6 +27,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import models
+import models_qwen
 import rollout
 import scheduler as sch
 
@@ -55,7 +56,7 @@ def seed_rows(seeds, shape):
 
 
 def trainer_sigmas(num_steps, seq_len):
-    return sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), num_steps, seq_len)
+    return sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models_qwen.QWEN_SCHEDULER), num_steps, seq_len)
 
 
 def write_fake_trajectory(body, seq_len, channels, mode):

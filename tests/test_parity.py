@@ -22,15 +22,15 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 import algorithms
 import engine as eng
 import flowgrpo
-import models
 import models_flux
+import models_qwen
 import models_sd3
 import rollout
 import scheduler as sch
 from tiny_setup import random_walk
 
 PUBLIC_RECIPES = ["qwen-image", "sd3.5-medium", "flux.1-dev", "sd3.5-medium-guard"]
-SCHEDULERS = {"qwen-image": models.QWEN_SCHEDULER, "sd3.5-medium": models_sd3.SD3_SCHEDULER,
+SCHEDULERS = {"qwen-image": models_qwen.QWEN_SCHEDULER, "sd3.5-medium": models_sd3.SD3_SCHEDULER,
               "flux.1-dev": models_flux.FLUX_SCHEDULER}
 LATENT = {"qwen-image": (16, 8), "sd3.5-medium": (4, 4, 4), "flux.1-dev": (16, 8)}  # packed tokens or (C, h, w)
 # What each public script does that a recipe must reproduce: the script, whether it drops A = 0 samples, how many

@@ -8,7 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-import models
+import models_qwen
 import scheduler as sch
 
 
@@ -53,7 +53,7 @@ def test_noise_level_zero_is_the_euler_step_of_diffusers():
 
 
 def test_schedule_is_the_qwen_image_pipelines():
-    s = FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER)
+    s = FlowMatchEulerDiscreteScheduler(**models_qwen.QWEN_SCHEDULER)
     sig = sch.sigma_schedule(s, 10, 1024)
     mu = calculate_shift(1024, 256, 8192, 0.5, 0.9)
     timesteps, _ = retrieve_timesteps(s, 10, "cpu", sigmas=np.linspace(1.0, 0.1, 10), mu=mu)

@@ -22,6 +22,7 @@ import algorithms
 import engine as eng
 import flowgrpo
 import models
+import models_qwen
 import rollout
 import startup
 from test_engine import (ENV, ROOT, SMALL, assert_same, flat, free_port, lora, relative_difference, rows,
@@ -32,7 +33,7 @@ PROMPTS = ["a cat", "a cat", "a photo of a red bicycle", "a photo of a red bicyc
 
 
 def tiny_qwen4(device):
-    return models.QwenImage(models.build_tiny_qwen_pipeline(0, heads=4), device, torch.float32)
+    return models_qwen.QwenImage(models_qwen.build_tiny_qwen_pipeline(0, heads=4), device, torch.float32)
 
 
 def tiny_flux78(device):
@@ -214,7 +215,7 @@ def launch(run_dir, pipeline, *flags, ranks=1):
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny4") / "pipeline"
-    models.build_tiny_qwen_pipeline(0, heads=4).save_pretrained(str(path))
+    models_qwen.build_tiny_qwen_pipeline(0, heads=4).save_pretrained(str(path))
     return path
 
 

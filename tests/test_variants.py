@@ -15,6 +15,7 @@ import algorithms
 import engine as eng
 import flowgrpo
 import models
+import models_qwen
 import rollout
 import scheduler as sch
 from tiny_setup import random_walk
@@ -141,7 +142,7 @@ def test_dpm2_takes_flashs_calls_and_is_more_accurate_than_euler():
     walks 8 of the schedule's own sigmas (Flash's int(0.4·22) points, 7 calls) and lands nearer the exact ODE solution
     than Euler with all 21 calls, and much nearer than Euler on the same 8 sigmas. At 10 steps (K = 7) Flash keeps 3
     points: 2 calls, both first order, i.e. Euler on those points."""
-    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), 25, 1024)[4:]
+    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models_qwen.QWEN_SCHEDULER), 25, 1024)[4:]
     sub = sch.dpm2_sigmas(sigmas)
     assert len(sub) == 8 and sub[0] == sigmas[0] and sub[-1] == 0 and all(s in sigmas for s in sub)
     z = torch.randn(2000, 1, generator=torch.Generator().manual_seed(0))
@@ -160,7 +161,7 @@ def test_dpm2_takes_flashs_calls_and_is_more_accurate_than_euler():
     print(f"\nmean |x − exact ODE solution| (model calls): {err}")
     assert err["dpm2"][1] == 7 == sch.ode_calls("dpm2", 21) and err["euler K"][1] == 21
     assert err["dpm2"][0] < 0.5 * err["euler K"][0] and err["dpm2"][0] < 0.2 * err["euler on dpm2's sigmas"][0], err
-    short = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models.QWEN_SCHEDULER), 10, 1024)[3:]
+    short = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models_qwen.QWEN_SCHEDULER), 10, 1024)[3:]
     x = (1 - float(short[0])) * M + z * math.hypot((1 - float(short[0])) * S, float(short[0]))
     euler = sch.ode_euler(toy_velocity, x, sch.dpm2_sigmas(short))  # first-order DPM-Solver++ is Euler, up to rounding
     torch.testing.assert_close(sch.ode_dpm2(toy_velocity, x, short), euler, rtol=1e-5, atol=1e-5)

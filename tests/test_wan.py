@@ -57,7 +57,7 @@ def test_tiny_is_deterministic_saves_and_reloads_and_encodes_as_the_pipeline(wan
     assert wan.noise([torch.Generator()], H, W).shape == (1, 16, 3, 8, 8)  # (C, F', H/4, W/4): the toy VAE's 4×
     assert wan.image_seq_len(H, W) == 3 * 4 * 4  # latent frames × 2×2 patches
     # --sp's start-up count, from the name and flags before anything loads, is the loaded model's (docs §14)
-    counted = models.adapter_class("tiny-wan").sp_sequences("tiny-wan", H, W, FRAMES)
+    counted = models.adapter_class("tiny-wan").sp_sequences("tiny-wan", models.SPECS["tiny-wan"], H, W, FRAMES)
     assert counted == {"video tokens": wan.image_seq_len(H, W)}
 
 

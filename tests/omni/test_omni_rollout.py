@@ -36,6 +36,7 @@ from harness import ROOT, OmniServer, http, set_lora_b
 import checkpoint
 import engine as eng
 import models
+import models_qwen
 import rollout
 import scheduler as sch
 
@@ -51,7 +52,7 @@ needs_cli = pytest.mark.skipif("rollout_url" not in TRAINER.read_text(),
 def trainer(tiny_pipeline_dir):
     """The trainer's side: the tiny model (the served weights) with the tiny recipe's LoRA."""
     model = models.load_model("tiny", str(tiny_pipeline_dir), "cpu")
-    engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=models.QwenImage.lora_targets, lr=1e-2,
+    engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=models_qwen.QwenImage.lora_targets, lr=1e-2,
                         weight_decay=0.0, max_grad_norm=1.0, seed=0)
     return model, engine
 
