@@ -11,6 +11,12 @@ import models
 
 LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux", "tiny-wan")}  # no diffusers
 
+# What DiffusionNFT's and AWM's public SD3.5-M configs share: 512², no CFG, their DPM-Solver++(2M) on every step,
+# LoRA r 32 on SD3's public targets, lr 3e-4, mixed precision, an EMA updated every step
+SD3_FORWARD = dict(model="sd3.5-medium", iterations=300, group_size=24, height=512, width=512, eval_steps=40,
+                   cfg_scale=1.0, negative_prompt="", ode_solver="dpm2-full", lr=3e-4, lora_rank=32, lora_alpha=64,
+                   lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True, ema_every=1)
+
 RECIPES: dict[str, dict] = {
     # this project's CPU toys (docs/algorithm.md §7): random weights, a cheap image-space reward; each clip range is
     # the scale of its demo's second optimizer step's ratios, measured there, so that the clip acts in most iterations
@@ -56,21 +62,14 @@ RECIPES: dict[str, dict] = {
                                eval_every=30),
     # forward-process algorithms (docs/algorithm.md §12): DiffusionNFT's public configs sd3_ocr and sd3_pickscore
     # (config/nft.py), ODE rollouts of its all-steps DPM-Solver++(2M), 9 of the 10 steps trained per image
-    "sd3.5-medium-nft-ocr": dict(model="sd3.5-medium", algorithm="nft", iterations=300, prompts="ocr", reward="ocr",
-                                 group_size=24, prompts_per_iteration=48, micro_batch=9, optimizer_steps=2,
-                                 height=512, width=512, num_steps=10, eval_steps=40, cfg_scale=1.0, negative_prompt="",
-                                 ode_solver="dpm2-full", kl_beta=1e-4, nft_beta=0.1, old_decay="nft2",
-                                 train_timesteps=9, train_timestep_range=(0, 10), lr=3e-4, lora_rank=32, lora_alpha=64,
-                                 lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True, ema_decay=0.9,
-                                 ema_every=1, checkpoint_every=30, eval_every=10),
-    "sd3.5-medium-nft-pickscore": dict(model="sd3.5-medium", algorithm="nft", iterations=300, prompts="general",
-                                       reward="pickscore", group_size=24, prompts_per_iteration=48, micro_batch=9,
-                                       optimizer_steps=1, height=512, width=512, num_steps=10, eval_steps=40,
-                                       cfg_scale=1.0, negative_prompt="", ode_solver="dpm2-full", kl_beta=1e-4,
-                                       nft_beta=1.0, old_decay="nft1", train_timesteps=9, train_timestep_range=(0, 10),
-                                       lr=3e-4, lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
-                                       mixed_precision=True, ema_decay=0.9, ema_every=1, checkpoint_every=30,
-                                       eval_every=10),
+    "sd3.5-medium-nft-ocr": dict(SD3_FORWARD, algorithm="nft", prompts="ocr", reward="ocr", prompts_per_iteration=48,
+                                 micro_batch=9, optimizer_steps=2, num_steps=10, kl_beta=1e-4, nft_beta=0.1,
+                                 old_decay="nft2", train_timesteps=9, train_timestep_range=(0, 10), ema_decay=0.9,
+                                 checkpoint_every=30, eval_every=10),
+    "sd3.5-medium-nft-pickscore": dict(SD3_FORWARD, algorithm="nft", prompts="general", reward="pickscore",
+                                       prompts_per_iteration=48, micro_batch=9, optimizer_steps=1, num_steps=10,
+                                       kl_beta=1e-4, nft_beta=1.0, old_decay="nft1", train_timesteps=9,
+                                       train_timestep_range=(0, 10), ema_decay=0.9, checkpoint_every=30, eval_every=10),
     # DiffusionNFT on Qwen-Image as verl-omni derives it (examples/diffusionnft_trainer/qwen_image/
     # run_qwen_image_ocr_lora.sh): the OCR recipe's β, KL and schedule, vLLM-Omni's Euler ODE, every step trained
     "qwen-image-nft-ocr": dict(model="qwen-image", algorithm="nft", iterations=300, prompts="ocr", reward="ocr",
@@ -81,20 +80,14 @@ RECIPES: dict[str, dict] = {
                                mixed_precision=True, activation_checkpointing=True, checkpoint_every=60, eval_every=20),
     # Advantage Weighted Matching's public configs ocr_sd3_no_cfg_1node and pickscore_sd3_no_cfg_1node
     # (config/dgx_awm.py): 14 steps, 6 timesteps per image in strata of steps [1, 12) or [0, 12), on-policy
-    "sd3.5-medium-awm-ocr": dict(model="sd3.5-medium", algorithm="awm", iterations=300, prompts="ocr", reward="ocr",
-                                 group_size=24, prompts_per_iteration=72, micro_batch=6, optimizer_steps=1,
-                                 height=512, width=512, num_steps=14, eval_steps=40, cfg_scale=1.0, negative_prompt="",
-                                 ode_solver="dpm2-full", kl_beta=0.003, old_kl=1.0, old_decay="awm", train_timesteps=6,
-                                 train_timestep_range=(1, 12), lr=3e-4, lora_rank=32, lora_alpha=64,
-                                 lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True, ema_decay=0.99,
-                                 ema_every=1, checkpoint_every=20, eval_every=20),
-    "sd3.5-medium-awm-pickscore": dict(model="sd3.5-medium", algorithm="awm", iterations=300, prompts="general",
-                                       reward="pickscore", group_size=24, prompts_per_iteration=24, micro_batch=6,
-                                       optimizer_steps=1, height=512, width=512, num_steps=14, eval_steps=40,
-                                       cfg_scale=1.0, negative_prompt="", ode_solver="dpm2-full", kl_beta=1e-4,
-                                       old_kl=1.0, old_decay="awm", train_timesteps=6, train_timestep_range=(0, 12),
-                                       lr=3e-4, lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
-                                       mixed_precision=True, ema_decay=0.99, ema_every=1, checkpoint_every=50,
+    "sd3.5-medium-awm-ocr": dict(SD3_FORWARD, algorithm="awm", prompts="ocr", reward="ocr", prompts_per_iteration=72,
+                                 micro_batch=6, optimizer_steps=1, num_steps=14, kl_beta=0.003, old_kl=1.0,
+                                 old_decay="awm", train_timesteps=6, train_timestep_range=(1, 12), ema_decay=0.99,
+                                 checkpoint_every=20, eval_every=20),
+    "sd3.5-medium-awm-pickscore": dict(SD3_FORWARD, algorithm="awm", prompts="general", reward="pickscore",
+                                       prompts_per_iteration=24, micro_batch=6, optimizer_steps=1, num_steps=14,
+                                       kl_beta=1e-4, old_kl=1.0, old_decay="awm", train_timesteps=6,
+                                       train_timestep_range=(0, 12), ema_decay=0.99, checkpoint_every=50,
                                        eval_every=50),
     # Flow-GRPO's public config general_ocr_wan2_1 and scripts/train_wan2_1.py (one GPU), with DanceGRPO's Wan2.1
     # sampler (fastvideo/train_grpo_wan_2_1.py: its SDE, η 0.3); docs/algorithm.md §7, §13
