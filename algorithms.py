@@ -174,14 +174,14 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
                 bar.update()
             gap = float(sum(s["gap"] for s in logs[-W:]) / W) if gap is None else gap  # first micro-batch: on-policy
         grad_norm, skipped = engine.step()
-        logs[-1] |= {"grad_norm": grad_norm, "skipped": float(skipped)}
+        logs[-1] |= {"grad_norm": grad_norm, "skipped_fraction": float(skipped)}
     bar.close()
 
     def mean(key):
         return float(np.mean([float(s[key]) for s in logs if key in s]))
     return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
             "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
-            "train/skipped_steps": engine.skipped_steps}
+            "train/skipped_fraction": mean("skipped_fraction"), "train/skipped_steps": engine.skipped_steps}
 
 
 # ---- the forward-process losses on given tensors (tests/test_nft_awm.py re-types the public code) ----------------
@@ -235,12 +235,6 @@ def awm_objective(v, v_ref, v_old, x0, noise, t, w, *, kl_beta: float, old_kl: f
 
 # ---- the forward-process update: per image T timesteps and noises, three (or two) forwards each ----------
 
-def noised(x0, t, noise):
-    """x_t = (1 − t)·x0 + t·ε for t (b,) σ and x0, ε (b, *L)."""
-    te = t.view(-1, *[1] * (x0.dim() - 1))
-    return (1 - te) * x0 + te * noise
-
-
 def reference(engine, velocity, weight: float):
     """The reference policy's velocity (the adapter off), or None when its term has no weight (the pass is saved)."""
     if not weight > 0:
@@ -260,7 +254,7 @@ def old(engine, velocity, weight: float):
 def nft_loss(model, engine, mb: rollout.Batch, t, noise, a):
     """DiffusionNFT on a micro-batch at σ = t (b,) with noise (b, *L): the old policy's forward first (no gradient),
     then the trained one's, then the reference's (no gradient)."""
-    xt = noised(mb.x0, t, noise)
+    xt = sch.noised(mb.x0, t, noise)
     velocity = functools.partial(model.velocity, xt, t, mb.cond, a.cfg_scale, a.height, a.width)
     v_old = old(engine, velocity, 1.0)
     v = velocity()
@@ -270,7 +264,7 @@ def nft_loss(model, engine, mb: rollout.Batch, t, noise, a):
 
 def awm_loss(model, engine, mb: rollout.Batch, t, noise, a):
     """AWM on a micro-batch at σ = t (b,) with noise (b, *L); the old policy's forward (its regulariser) first."""
-    xt = noised(mb.x0, t, noise)
+    xt = sch.noised(mb.x0, t, noise)
     velocity = functools.partial(model.velocity, xt, t, mb.cond, a.cfg_scale, a.height, a.width)
     v_old = old(engine, velocity, a.old_kl)
     v = velocity()
@@ -348,12 +342,12 @@ def train_forward(model, engine, batch: rollout.Batch, a, arith: dict, progress:
                 (value / (T * per_step)).backward()  # the mean over timesteps and micro-batches
                 logs.append(stats)
                 bar.update()
-        grad_norm, _ = engine.step()
-        logs[-1] |= {"grad_norm": grad_norm}
+        grad_norm, skipped = engine.step()
+        logs[-1] |= {"grad_norm": grad_norm, "skipped_fraction": float(skipped)}
     bar.close()
     move_old(engine, a, batch.iteration)
     means = {k: float(np.mean([float(s[k]) for s in logs if k in s])) for k in ("policy_loss", "kl", "old_kl",
-                                                                                  "grad_norm")}
+                                                                                  "grad_norm", "skipped_fraction")}
     return {f"train/{k}": v for k, v in means.items()} | {"train/skipped_steps": engine.skipped_steps}
 
 
@@ -381,7 +375,6 @@ def check_nft(a) -> None:
     lo, hi = a.train_timestep_range
     need(a.train_timesteps <= hi - lo, f"--train-timesteps {a.train_timesteps}: DiffusionNFT draws that many distinct "
          f"steps of --train-timestep-range [{lo}, {hi}), which has {hi - lo}")
-    need(a.nft_beta > 0, f"--nft-beta must be > 0 (it divides the loss), got {a.nft_beta}")
 
 
 def check_awm(a) -> None:
@@ -390,18 +383,30 @@ def check_awm(a) -> None:
     need(bool((upper > lower).all()), f"--train-timesteps {a.train_timesteps}: AWM cuts --train-timestep-range "
          f"{list(a.train_timestep_range)} into that many strata of whole steps, and some are empty: use at most "
          f"{a.train_timestep_range[1] - a.train_timestep_range[0]}")
-    need(a.old_kl >= 0, f"--old-kl must be >= 0, got {a.old_kl}")
+
+
+# The losses' scale flags, each refused outside [lowest, highest] (docs/methods.md#the-losses-flags-are-bounded): far
+# inside the range where the tiny model's loss and gradient stay finite (--nft-beta 1e-39 to 1e20; --old-kl, --kl-beta
+# up to 1e22; --adv-clip 1e-40 to 1e7, where nft's r = A/(2c) + 1/2 rounds to 1/2; --clip-range below float32's 3.4e38),
+# far around the public values (--nft-beta 0.1 to 1, --old-kl 1, --kl-beta 1e-4 to 0.04, --adv-clip 5, --clip-range
+# 2e-6 to 2e-3). Beyond, every optimizer step is skipped (the gradient norm not finite), the loss is NaN, or it is 0.
+FLAG_RANGES = {"nft_beta": (1e-6, 1e6), "old_kl": (0.0, 1e6), "kl_beta": (0.0, 1e6), "adv_clip": (1e-6, 1e4),
+               "clip_range": (0.0, 1e6)}
 
 
 def check_flags(a, recipe) -> None:
     """Refuse, naming them, the flags that mean nothing for --algorithm: those another algorithm uses and this one
-    does not, set to a value other than the recipe's (that is, given on the command line)."""
+    does not, set to a value other than the recipe's (that is, given on the command line); and a loss flag outside
+    its FLAG_RANGES."""
     need(a.algorithm in ALGORITHMS, f"--algorithm must be one of {tuple(ALGORITHMS)}, got {a.algorithm!r}")
     others = set().union(*(x.flags for x in ALGORITHMS.values())) - ALGORITHMS[a.algorithm].flags
     given = sorted(f for f in others if getattr(a, f) != getattr(recipe, f))
     need(not given, f"{', '.join('--' + f.replace('_', '-') for f in given)}: not used by --algorithm {a.algorithm} "
          f"(it uses {', '.join(sorted('--' + f.replace('_', '-') for f in ALGORITHMS[a.algorithm].flags))}): "
          "drop the flag or choose the algorithm that uses it")
+    for flag, (lo, hi) in FLAG_RANGES.items():
+        need(lo <= getattr(a, flag) <= hi, f"--{flag.replace('_', '-')} must be in [{lo:g}, {hi:g}], got "
+             f"{getattr(a, flag):g}: far beyond, the loss or its gradient overflows or vanishes (docs/methods.md)")
 
 
 # ---- the table's rows ---------------------------------------------------------------------------------

@@ -1,46 +1,35 @@
 """bench.py: Flow-GRPO's cost against the floor set by the model itself, as ratios measured side by side.
     python bench.py [--quick] [--markdown FILE]                      # CPU, tiny model: the overhead table
-    python bench.py soak [--clients C --requests R --hostile F]      # the reward server under load and attack
-    python bench.py --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
-    python bench.py --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
-    python bench.py --sp 2 [--device cuda --model qwen-image]        # only the --sp 2 ÷ --sp 1 rows (CPU: in the table)
-Rows: median, min, max over repeats after a warm-up, candidates alternating within a repeat. See BENCHMARKS.md."""
+Rows: median, min, max over repeats after a warm-up, candidates alternating within a repeat. The GPU benchmark and the
+--sp rows (random weights at real width) are bench_gpu.py's, the reward server's soak bench_soak.py's. See
+BENCHMARKS.md."""
 import argparse
-import base64
 import contextlib
 import dataclasses
-import gc
 import json
 import os
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import zlib
 from statistics import median as med
 
 import numpy as np
 import psutil
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 
 import algorithms
 import engine as eng
 import flowgrpo
 import models
-import models_qwen
 import prompts as prompt_sets
-import reward_http
 import rewards
 import rollout
 import scheduler as sch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA = torch.cuda.is_available()
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, vendor data sheets
 HEAD = ["| measurement | median | min | max | unit | target / expected | note |", "|---" * 7 + "|"]
 sync = torch.cuda.synchronize if CUDA else (lambda: None)
 
@@ -283,142 +272,6 @@ def rank_rows(t: list, o):  # 1-rank and 2-rank launches alternate, as the load 
         "≈ 1 at tiny size", f"VmHWM, last pair: {mib(runs[-1][0][1][0])} vs "
         f"{', '.join(mib(v) for v in runs[-1][1][1].values())}")
 
-class RandomText(models_qwen.QwenImage):  # no 7B text encoder: the tiny one's token counts and masks, random values
-    @torch.no_grad()
-    def encode(self, prompts):
-        mask = super().encode(prompts)["mask"]
-        e = torch.randn(*mask.shape, self.transformer.config.joint_attention_dim, generator=torch.Generator())
-        return {"embeds": (e * mask.cpu()[..., None]).to(self.device, self.dtype), "mask": mask}
-
-def random_model(kind: str, device: str, heads: int = 3) -> RandomText:  # diffusers' defaults = the published configs
-    pipe, dtype = models_qwen.build_tiny_qwen_pipeline(0, heads), torch.bfloat16 if device != "cpu" else torch.float32
-    if kind != "tiny":
-        default, _ = torch.get_default_dtype(), torch.set_default_dtype(dtype)
-        with torch.device(device):
-            pipe = QwenImagePipeline(pipe.scheduler, AutoencoderKLQwenImage(), pipe.text_encoder, pipe.tokenizer,
-                                     QwenImageTransformer2DModel())
-        torch.set_default_dtype(default)
-    return RandomText(pipe, device, dtype if kind != "tiny" else torch.float32)
-
-def pass_flops(c, s_img: int, s_txt: int, r: int) -> float:
-    """FLOPs (multiply-add = 2) of one forward of Qwen-Image's MMDiT for one image; d = heads × head_dim, L blocks,
-    S = s_img + s_txt tokens, each through its own stream's weights (tests/test_bench.py checks it: FlopCounterMode):
-      L·(24·d²·S [q, k, v, out 4d²; MLP d→4d→d 8d²] + 4·d·S² [joint attention] + 32·r·d·S [LoRA rank r on q, k, v,
-      MLP] + 24·d² [modulations]) + 2·d·(c_in·s_img + D_txt·s_txt + 4·c_out·s_img) + 2·(256·d + d²) + 4·d²"""
-    d, S, io = c.num_attention_heads * c.attention_head_dim, s_img + s_txt, c.in_channels + 4 * c.out_channels
-    blocks = c.num_layers * (24 * d * d * S + 4 * d * S * S + 32 * r * d * S + 24 * d * d)
-    return blocks + 2 * d * (io * s_img + c.joint_attention_dim * s_txt) + 2 * (256 * d + d * d) + 4 * d * d
-
-def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (seconds per phase, peak memory, FLOPs/image)
-    gc.collect()  # the previous run's model is garbage now
-    if CUDA:
-        torch.cuda.empty_cache()
-    model, texts, ticks = random_model(a.model, o.device), texts_of(a), []
-    engine, pool = make_engine(a, model), rewards.AsyncRewards(rewards.make_reward(a.reward))
-    # The peak of training, not of building: the model is built on the device even when offload then moves it out.
-    if CUDA:
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # 5: reset VmHWM
-    steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
-    for _ in range(1 + o.repeats):
-        start = time.perf_counter()
-        b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]))
-        rolled, scores = time.perf_counter(), torch.as_tensor(pool.collect()[0]).float()
-        b.advantages = algorithms.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
-        scored = time.perf_counter()
-        train(model, engine, b, a)
-        sync()
-        ticks.append(np.diff([start, rolled, scored, time.perf_counter()]))
-    pool.close()
-    # An image: N rollout passes and W trained steps of forward + backward per CFG branch; LoRA's backward costs one
-    # forward (activation gradients; the frozen weights need none); checkpointing's recompute is not counted (MFU).
-    flops = sum(pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), b.cond[k].shape[1],
-                           a.lora_rank) for k in ("embeds", "neg_embeds")[:1 + (a.cfg_scale > 1)])
-    peak = torch.cuda.max_memory_allocated() if CUDA else vm_hwm(os.getpid())
-    return ticks[1:], peak, flops * (a.num_steps + 2 * len(steps))
-
-def gpu_rows(t: list, o, a: flowgrpo.Args):
-    name, x = torch.cuda.get_device_name() if CUDA else "cpu", torch.randn(2048, 2048, device=o.device)
-    peak = 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0) or \
-        2 * 2048 ** 3 / min(measure({0: lambda: x @ x}, 5)[0])  # no data sheet (CPU): the measured matmul rate
-    splits, mem, flops = end_to_end(o, a)
-    n, total = a.prompts_per_iteration * a.group_size, [s.sum() for s in splits]
-    row(t, "images/s per device, end to end", np.divide(n, total), "images/s", "≥ 0.5 on an H200", f"{name}; {n} "
-        f"images {a.height}², {a.num_steps} steps, W {a.window}, CFG {a.cfg_scale:g}, r{a.lora_rank}, {a.reward}")
-    for i, phase in enumerate(("rollout", "reward wait", "training")):  # the reward is scored during the rollout
-        row(t, f"{phase} share of the iteration", np.divide(p := [s[i] for s in splits], total), "share", "", ms(p))
-    row(t, "MFU", np.divide(flops * n / peak, total), "of peak", "", f"transformer FLOPs (pass_flops) "
-        f"{flops / 1e12:.4g} T/image; VAE, text encoder, reward not counted; peak {peak / 1e12:.4g} T/s")
-    row(t, "peak memory, no offload", [mem / 2**30], "GiB", "", "CUDA allocator peak" if CUDA else "process VmHWM")
-    splits, mem, _ = end_to_end(o, dataclasses.replace(a, offload=True, group_size=a.micro_batch))
-    row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
-        f"{a.micro_batch} images: {a.micro_batch / med([s.sum() for s in splits]):.3g} images/s")
-
-def sp_measure(o, sp: int) -> dict:
-    """One rank of --sp sp (a torchrun rank; alone with --sp-fake, standing for rank 0 of sp through a process group
-    whose collectives do nothing: the memory and compute of one rank, without the communication): the forward and
-    backward of one training velocity of one image at --sp-side² (no activation checkpointing). Activation memory:
-    the bytes of the distinct storages autograd saves for backward in the forward, parameters (and views of them) not
-    counted; that is the activation peak, which backward then frees; on CUDA also the allocator's peak over the step,
-    less what was allocated before it."""
-    if o.sp_fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        os.environ.update(RANK="0", WORLD_SIZE=str(sp))
-        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
-    model = random_model(o.model, o.device, heads=4)  # tiny: 4 heads (its recipe's 3 do not split); qwen-image: 24
-    engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=model.lora_targets, lr=1e-4, weight_decay=0,
-                        max_grad_norm=1.0, seed=0, sp=sp, mixed_precision=CUDA)
-    x = model.noise([torch.Generator().manual_seed(0)], o.sp_side, o.sp_side)
-    sigma, cond = torch.full((1,), 0.5, device=o.device), model.conditioning(["a red cat"], " ", 1.0)  # 8 tokens
-    seen, seconds = {}, []
-
-    def pack(t):  # a tensor saved for backward: its storage, once
-        if not isinstance(t if t._base is None else t._base, torch.nn.Parameter):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    model.transformer.train()
-    for _ in range(1 + o.repeats):
-        seen.clear()
-        sync()
-        if CUDA:
-            torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() if CUDA else 0
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            v = model.velocity(x, sigma, cond, 1.0, o.sp_side, o.sp_side)
-        v.float().square().mean().backward()
-        sync()
-        seconds.append(time.perf_counter() - start)
-    return dict(saved=sum(seen.values()), peak=torch.cuda.max_memory_allocated() - before if CUDA else 0,
-                seconds=seconds[1:], tokens=x.shape[1], main=engine.is_main)
-
-def sp_rows(t: list, o, n: int):
-    """--sp n ÷ --sp 1: n ranks of `bench.py --sp-worker n` (CPU: gloo; CUDA: n GPUs, or --sp-fake on fewer), then
-    --sp 1 in this process."""
-    fake = CUDA and torch.cuda.device_count() < n
-    ranks = [] if fake else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
-    cmd = [sys.executable, *ranks, "bench.py", "--sp-worker", str(n), "--sp-side", str(o.sp_side), "--device", o.device, "--model",
-           o.model, "--repeats", str(o.repeats), *(["--sp-fake"] if fake else [])]
-    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
-    gc.collect()  # the earlier rows' models are garbage by now
-    split = json.loads(out.stdout.split("SP-RESULT", 1)[1].splitlines()[0])
-    one = sp_measure(o, 1)
-    how = f"one GPU standing for rank 0 of {n} (--sp-fake)" if fake else f"{n} ranks"
-    what = f"{o.model}, 1 image {o.sp_side}² ({one['tokens']} image tokens), fwd+bwd, no checkpointing, {how}"
-    row(t, f"SP: activation memory per rank, --sp {n} ÷ --sp 1", [split["saved"] / one["saved"]], "×",
-        f"≈ 1/{n} (attention: exactly)", f"bytes saved for backward; {what}; {one['saved'] / 2**20:.1f} vs "
-        f"{split['saved'] / 2**20:.1f} MiB")
-    if CUDA:
-        row(t, f"SP: peak CUDA memory of the step per rank, --sp {n} ÷ --sp 1", [split["peak"] / one["peak"]], "×",
-            f"≈ 1/{n}", f"allocator peak less what was allocated before; {one['peak'] / 2**30:.2f} vs "
-                        f"{split['peak'] / 2**30:.2f} GiB")
-    row(t, f"SP: time per fwd+bwd, --sp {n} ÷ --sp 1", np.divide(split["seconds"], one["seconds"]), "×",
-        f"≥ 1/{n}", f"{what}; {ms(one['seconds'])} vs {ms(split['seconds'])}" + (", no communication" if fake else ""))
-
 def judge_rows(t: list, o):
     """Judge requests/s at concurrency 1 and at the default, against FLOWGRPO_BENCH_JUDGE_URL (e.g. a `vllm serve` of
     a VL model) or a stand-in that answers each request 20 ms after it arrives, in parallel, as a batching server
@@ -452,152 +305,33 @@ def judge_rows(t: list, o):
         f"{n} requests (64² PNG) to {given or 'the stand-in'}; {n / med(r[1]):.0f} vs {n / med(r[c]):.0f} requests/s")
     server.shutdown()
 
-def text_bomb() -> bytes:
-    """A POST /score body of one 1×1 PNG carrying 64 zTXt chunks of 1 MiB of text each (64 kB on the wire)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    text = zlib.compress(b"a" * 2**20, 9)
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)) + b"".join(
-        chunk(b"zTXt", b"k%d\0\0" % k + text) for k in range(64)) + chunk(b"IDAT", zlib.compress(b"\0" * 4)) + \
-        chunk(b"IEND", b"")
-    return json.dumps({"images": [base64.b64encode(png).decode()], "prompts": ["p"]}).encode()
-
-def soak(argv) -> None:
-    """`python bench.py soak`: C clients × R valid requests to `python rewards.py serve --reward brightness` on
-    127.0.0.1 (4 images of 64², each answer checked against the local reward, 503s retried with backoff), and after
-    each a hostile request with probability --hostile (an idle socket, a Content-Length of 10¹² and no body, "{not
-    json", a PNG of 64 MiB of zTXt text, a Content-Length of '²'). Reports what was served, errors by kind, latency,
-    the server's memory and threads; fails if a valid request is lost or answered wrongly, or memory or threads stay."""
-    p = argparse.ArgumentParser(prog="bench.py soak", description=soak.__doc__)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--requests", type=int, default=50, help="valid requests per client")
-    p.add_argument("--hostile", type=float, default=0.25, help="probability of a hostile request after each valid one")
-    p.add_argument("--header-timeout", default="2", help="the server's (its default is 10 s)")
-    p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
-    o, t = p.parse_args(argv), list(HEAD)
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "rewards.py"), "serve", "--reward", "brightness",
-                               "--port", "0", "--header-timeout", o.header_timeout], stdout=subprocess.PIPE, text=True,
-                              stderr=subprocess.DEVNULL)
-    url = server.stdout.readline().split(" on ")[-1].split()[0]
-    port, local, bomb = int(url.rsplit(":", 1)[1]), rewards.make_reward("brightness"), text_bomb()
-    hostile = {"idle socket": b"", "Content-Length 10^12": b"POST /score HTTP/1.1\r\nContent-Length: 1" + b"0" * 12 +
-               b"\r\n\r\n",
-               "not JSON": b"POST /score HTTP/1.1\r\nContent-Length: 9\r\n\r\n{not json",
-               "64 MiB of PNG text": b"POST /score HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(bomb) + bomb,
-               "Content-Length '²'": "POST /score HTTP/1.1\r\nContent-Length: ²\r\n\r\n{}".encode()}
-    answers, latency, lock = {}, [], threading.Lock()
-
-    def status():  # the server's VmRSS, VmHWM (MiB) and thread count, from /proc
-        f = dict(line.split(":", 1) for line in open(f"/proc/{server.pid}/status").read().splitlines())
-        return int(f["VmRSS"].split()[0]) / 1024, int(f["VmHWM"].split()[0]) / 1024, int(f["Threads"])
-
-    def count(key):
-        with lock:
-            answers[key] = answers.get(key, 0) + 1
-
-    def send(data: bytes) -> str:  # a hostile request, then end of stream (the idle socket sends nothing, ends not)
-        with socket.create_connection(("127.0.0.1", port), timeout=120) as c:
-            with contextlib.suppress(OSError):
-                c.sendall(data)
-                if data:
-                    c.shutdown(socket.SHUT_WR)
-            return c.makefile("rb").read().split(b"\r\n")[0].decode()[9:] or "closed by the server"
-
-    def client(c):
-        rng = np.random.default_rng(c)
-        for r in range(o.requests):
-            images = torch.from_numpy(rng.random((4, 3, 64, 64), dtype=np.float32))
-            body = json.dumps({"images": [reward_http.png_base64(x) for x in rewards.to_uint8(images)],
-                               "prompts": ["p"] * 4}).encode()
-            start = time.perf_counter()
-            for attempt in range(12):  # as reward_http.Client retries, backoff 0.05 s doubling: 100 s in all
-                try:
-                    code, reply = reward_http.exchange(url, "/score", body, 120, 2**20)
-                except OSError as e:  # a busy server's 503 and close can cut the body being sent
-                    code, reply = type(e).__name__, b""
-                if code != 503 and isinstance(code, int):
-                    break
-                count(f"valid: {code} (busy), retried")
-                time.sleep(0.05 * 2 ** attempt)
-            right = code == 200 and json.loads(reply)["scores"] == local(images, ["p"] * 4)[0].tolist()
-            count("valid: answered, correct" if right else f"valid: lost or wrong (HTTP {code})")
-            latency.append(time.perf_counter() - start)
-            if rng.random() < o.hostile:
-                kind = list(hostile)[rng.integers(len(hostile))]
-                count(f"hostile, {kind}: {send(hostile[kind])}")
-    start, threads = status(), [threading.Thread(target=client, args=(c,)) for c in range(o.clients)]
-    wall = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - wall
-    time.sleep(float(o.header_timeout) + 1)  # handlers of idle sockets end at the header deadline
-    end = status()
-    server.kill()
-    for key, n in sorted(answers.items()):
-        row(t, key, [n], "requests")
-    row(t, "valid request latency, p50", [1e3 * np.percentile(latency, 50)], "ms", "", "503 retries included")
-    row(t, "valid request latency, p99", [1e3 * np.percentile(latency, 99)], "ms")
-    row(t, "server RSS, start → end", [start[0], end[0]], "MiB", "end within 50 MiB of start", f"{start[0]:.0f} → "
-        f"{end[0]:.0f} MiB, peak {end[1]:.0f} MiB; {wall:.0f} s of soak")
-    row(t, "server threads, start → end", [start[2], end[2]], "threads", "equal", f"{start[2]} → {end[2]}")
-    if o.markdown:
-        head = f"`python bench.py soak {' '.join(argv)}`, {time.ctime()}, load {os.getloadavg()[0]:.2f}"
-        open(o.markdown, "w").write("\n".join([head + "\n", *t, ""]))
-    whole = answers.get("valid: answered, correct") == o.clients * o.requests
-    if not whole or end[2] != start[2] or end[0] > start[0] + 50:
-        sys.exit("soak: a valid request was lost or answered wrongly, or the server's threads or memory did not return")
-
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["soak"]:
-        return soak(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("tiny", "qwen-image"), default="tiny")
     p.add_argument("--device", default="cuda" if CUDA else "cpu")
-    p.add_argument("--random-init", action="store_true", help="the public recipe end to end, random weights (GPU)")
     p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
-    p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
-    p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
+    p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
-    p.add_argument("--sp", type=int, help="only the rows of Ulysses sequence parallelism: --sp N ÷ --sp 1")
-    p.add_argument("--sp-side", type=int, help="their image side (default: CPU 512, --quick 64; CUDA 1024)")
-    p.add_argument("--sp-worker", type=int, help=argparse.SUPPRESS)  # one rank of a sequence-parallel measurement
-    p.add_argument("--sp-fake", action="store_true", help=argparse.SUPPRESS)
     o, t = p.parse_args(argv), list(HEAD)
-    o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
+    o.repeats, quick = o.repeats or (1 if o.quick else 9), o.quick
     if o.device == "cpu":
         torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
-    o.sp_side = o.sp_side or (1024 if CUDA else 64 if quick else 512)
-    if o.sp_worker:  # one rank of sp_rows' measurement
-        result = sp_measure(o, o.sp_worker)
-        if result["main"]:
-            print("SP-RESULT", json.dumps(result))
-        return
-    if o.sp:
-        sp_rows(t, o, o.sp)
-    elif o.random_init:  # the public recipe, one group per iteration; tiny: at the tiny model's sizes
-        toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
-        gpu_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
-                                           reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward, **toy))
-    else:  # the tiny recipe with the public recipe's 10 steps and window 2 (W/(N−1) = 2/9)
-        a = dataclasses.replace(flowgrpo.RECIPES[o.model], window=2, prompts_per_iteration=2, group_size=4,
-                                num_steps=4 if quick else 10, window_range=(0, 3) if quick else (0, 5),
-                                micro_batch=4 if quick else 8)
-        o.groups, o.chunks, o.reward_images, o.reward_size, o.rank_pairs = \
-            ((2, 4), 2, 2, 128, 1) if quick else ((4, 8, 16), 4, 4, 512, 3)
-        o.ranks = ("--model tiny --no-wandb --eval-every 0 --checkpoint-every 0 --iterations " + ("1 --group-size 4 "
-                   "--prompts-per-iteration 2 --micro-batch 2" if quick else "6")).split()
-        model_rows(t, o, a)
-        family_rows(t, o, a, "tiny-sd3", 4.5, "CFG 4.5")
-        family_rows(t, o, a, "tiny-flux", 1.0, "guidance 3.5 (embedded)")
-        o.variant_size = 32 if quick else 256  # 256² (1024 tokens): the transformer's work, not per-call overhead
-        variant_rows(t, o, a)
-        forward_rows(t, o, a)
-        rank_rows(t, o)
-        sp_rows(t, o, 2)
-        judge_rows(t, o)
+    # The tiny recipe with the public recipe's 10 steps and window 2 (W/(N−1) = 2/9)
+    a = dataclasses.replace(flowgrpo.RECIPES[o.model], window=2, prompts_per_iteration=2, group_size=4,
+                            num_steps=4 if quick else 10, window_range=(0, 3) if quick else (0, 5),
+                            micro_batch=4 if quick else 8)
+    o.groups, o.chunks, o.reward_images, o.reward_size, o.rank_pairs = \
+        ((2, 4), 2, 2, 128, 1) if quick else ((4, 8, 16), 4, 4, 512, 3)
+    o.ranks = ("--model tiny --no-wandb --eval-every 0 --checkpoint-every 0 --iterations " + ("1 --group-size 4 "
+               "--prompts-per-iteration 2 --micro-batch 2" if quick else "6")).split()
+    model_rows(t, o, a)
+    family_rows(t, o, a, "tiny-sd3", 4.5, "CFG 4.5")
+    family_rows(t, o, a, "tiny-flux", 1.0, "guidance 3.5 (embedded)")
+    o.variant_size = 32 if quick else 256  # 256² (1024 tokens): the transformer's work, not per-call overhead
+    variant_rows(t, o, a)
+    forward_rows(t, o, a)
+    rank_rows(t, o)
+    judge_rows(t, o)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
         head = f"`python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}` at {rev.stdout.strip() or '?'}"

@@ -5,13 +5,15 @@
         rng_rank<r>.safetensors         each rank's torch RNG states
         lora/                           the adapter in diffusers' format
         meta.json                       run id, the flags that decide the result, the loop's state, world size, the
-                                        SHA-256 of every other file (the manifest) and of the rest of meta.json itself
+                                        SHA-256 and size of every other file (the manifest) and the SHA-256 of the
+                                        rest of meta.json itself
 
 torch's checkpoint format unpickles `dcp/.metadata` and non-tensor values, so a file swapped for a pickle would
 run code: `resolve_resume` checks every file against the manifest before anything reads it, reading only regular
-files (never a FIFO, a device or a link). The manifest and meta.json's own SHA-256 guard against damaged, swapped
-or hand-edited files, not against whoever rewrites them all consistently: a checkpoint from someone else is code,
-to be trusted as such (docs/reliability.md).
+files (never a FIFO, a device or a link), and nothing before its size is bounded: meta.json's size, its fields'
+ranges, the directory's names and sizes (a bounded walk that opens nothing), and only then the files' SHA-256. The
+manifest and meta.json's own SHA-256 guard against damaged, swapped or hand-edited files, not against whoever
+rewrites them all consistently: a checkpoint from someone else is code, to be trusted as such (docs/reliability.md).
 """
 import errno
 import glob
@@ -27,11 +29,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 PREFIX = "iter_"
-# meta.json's fields and their types; every other field is the loop's (flowgrpo.py), the flags' (their names) or
-# the prompt sampler's (prompts.py). Read back, each is checked before anything uses it.
-SCHEMA = {"run_id": str, "flags": dict, "loop": dict, "world_size": int, "manifest": dict, "sha256": str,
-          "loop.iteration": int, "loop.sampler": dict, "loop.skipped_steps": int, "loop.wandb_id": (str, type(None)),
-          "loop.prompts_sha256": str, "loop.sampler.n": int, "loop.sampler.seed": int}
+# What a checkpoint may claim, bounded before anything is read or built from it. A rank's two files (RNG state, DCP
+# shard) take ~270 bytes of meta.json: MAX_RANKS ranks fill ~2.2 MB, under META_BYTES, whose worst-case JSON parses
+# into ~100 MB. Files lie one directory deep (dcp/, lora/): MAX_DEPTH and MAX_ENTRIES leave room around that.
+MAX_RANKS, META_BYTES, MAX_DEPTH, MAX_ENTRIES = 8192, 4 << 20, 4, 4 * 8192
+COUNT = range(2**31)  # iterations, skipped steps, prompts
+# meta.json's fields and their types (a range: an int within it); every other field is the loop's (flowgrpo.py), the
+# flags' (their names) or the prompt sampler's (prompts.py). Read back, each is checked before anything uses it.
+SCHEMA = {"run_id": str, "flags": dict, "loop": dict, "world_size": range(1, MAX_RANKS + 1), "manifest": dict,
+          "sizes": dict, "sha256": str, "loop.iteration": COUNT, "loop.sampler": dict, "loop.skipped_steps": COUNT,
+          "loop.wandb_id": (str, type(None)), "loop.prompts_sha256": str, "loop.sampler.n": range(1, 2**31),
+          "loop.sampler.seed": range(2**32)}
 
 
 def temporary(path: str) -> str:
@@ -84,29 +92,61 @@ def json_sha256(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def manifest(directory: str) -> dict[str, str]:
-    """{relative path: SHA-256} of every file under directory except meta.json (which holds the manifest); a file
-    that is not a regular one (a FIFO, a device, a link) is refused, naming it."""
+def listing(directory: str) -> dict[str, int]:
+    """{relative path: size} of every file under directory except meta.json (which holds the manifest), from the
+    directory entries alone (nothing is opened): a walk without recursion, refused in one line past MAX_DEPTH
+    directories or MAX_ENTRIES entries, or at anything but a regular file or a directory (a FIFO, a device, a link)."""
+    out, todo, seen = {}, [("", 0)], 0
+    while todo:
+        rel, depth = todo.pop()
+        with os.scandir(os.path.join(directory, rel)) as entries:
+            for entry in entries:
+                seen, name = seen + 1, os.path.join(rel, entry.name)
+                info, path = entry.stat(follow_symlinks=False), os.path.join(directory, name)
+                if seen > MAX_ENTRIES:
+                    raise _not_a_checkpoint(f"{directory} holds more than {MAX_ENTRIES} files and directories")
+                if stat.S_ISDIR(info.st_mode) and depth == MAX_DEPTH:
+                    raise _not_a_checkpoint(f"{path} lies more than {MAX_DEPTH} directories deep")
+                if stat.S_ISDIR(info.st_mode):
+                    todo.append((name, depth + 1))
+                elif not stat.S_ISREG(info.st_mode):
+                    raise _not_a_checkpoint(f"{path} is not a regular file (mode {stat.filemode(info.st_mode)})")
+                elif name != "meta.json":
+                    out[name] = info.st_size
+    return out
+
+
+def _not_a_checkpoint(problem: str) -> ValueError:
+    return ValueError(f"--resume: {problem}: not a checkpoint flowgrpo.py wrote; resume from another one")
+
+
+def manifest(directory: str, files) -> dict[str, str]:
+    """{relative path: SHA-256} of `files` (relative paths) under directory, each opened as a regular file."""
     out = {}
-    for root, _, files in os.walk(directory):
-        for name in sorted(files):
-            rel = os.path.relpath(os.path.join(root, name), directory)
-            if rel != "meta.json":
-                try:
-                    with open_regular(os.path.join(root, name), directory) as f:
-                        out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
-                except ValueError as e:
-                    raise ValueError(f"--resume: {e}: no file of a checkpoint; resume from another one") from None
+    for rel in sorted(files):
+        with open_regular(os.path.join(directory, rel), directory) as f:
+            out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
     return out
 
 
 def write_meta(directory: str, meta: dict) -> None:
-    """meta.json of a complete checkpoint directory: `meta`, the manifest of its files, and the SHA-256 of both."""
-    meta = dict(meta, manifest=manifest(directory))
+    """meta.json of a complete checkpoint directory: `meta`, the manifest of its files and their sizes, and the
+    SHA-256 of all of it."""
+    sizes = listing(directory)
+    meta = dict(meta, manifest=manifest(directory, sizes), sizes=sizes)
     with open(os.path.join(directory, "meta.json"), "w") as f:
         json.dump(dict(meta, sha256=json_sha256(meta)), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_json(path: str, below: str | None = None):
+    """The JSON of `path`, a regular file (open_regular) of at most META_BYTES, its size checked before it is read."""
+    with open_regular(path, below) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > META_BYTES:
+            raise ValueError(f"{size} bytes, more than the {META_BYTES >> 20} MiB a meta.json ever holds")
+        return json.loads(f.read(META_BYTES + 1))
 
 
 def write_error(e: BaseException, directory: str) -> BaseException:
@@ -167,16 +207,15 @@ def set_aside_after(root: str, iteration: int) -> list[str]:
 
 def _run_id_of(directory: str) -> str | None:
     try:
-        with open_regular(os.path.join(directory, "meta.json")) as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
+        return read_json(os.path.join(directory, "meta.json")).get("run_id")
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
 
 
 def read_checkpoint_meta(directory: str) -> dict:
     """meta.json of a checkpoint, with one line naming the field or file for a missing, incomplete, corrupt, foreign
-    or edited one: its schema (SCHEMA), its SHA-256, its iteration against the directory's name, its world size
-    against the RNG files of its manifest."""
+    or edited one: its size (META_BYTES, before it is read), its schema (SCHEMA: types and ranges), its SHA-256, its
+    iteration against the directory's name, its world size against the RNG files of its manifest."""
     path = os.path.join(directory, "meta.json")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--resume: no checkpoint directory {directory}")
@@ -185,9 +224,8 @@ def read_checkpoint_meta(directory: str) -> dict:
             raise ValueError(f"--resume: {directory} is incomplete ({needed} is missing): it was interrupted while being "
                              "written — resume from an earlier checkpoint")
     try:
-        with open_regular(path, directory) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        meta = read_json(path, directory)
+    except (UnicodeDecodeError, RecursionError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(f"--resume: {path} is corrupt ({e})") from e
     for field, kind in SCHEMA.items():  # a field's parent comes before it
         *parents, key = field.split(".")
@@ -196,18 +234,20 @@ def read_checkpoint_meta(directory: str) -> dict:
             part = part[p]
         if not isinstance(part, dict) or key not in part:
             raise ValueError(f"--resume: {path} lacks {field}: not a checkpoint written by this version of flowgrpo.py")
-        value, lowest = part[key], 1 if field == "world_size" else 0
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < lowest):
-            raise ValueError(f"--resume: {path}: {field} is {value!r}: the wrong type or out of range; the checkpoint "
-                             "is damaged")
+        value, bounds = part[key], kind if isinstance(kind, range) else None
+        wrong = not isinstance(value, int if bounds else kind) or isinstance(value, bool)
+        if wrong or (bounds and value not in bounds):
+            expected = f" (an integer in [{bounds.start}, {bounds.stop - 1}])" if bounds else ""
+            raise ValueError(f"--resume: {path}: {field} is {value!r:.40}: the wrong type or out of range{expected}; "
+                             "the checkpoint is damaged")
     n = iteration_of(directory)
     if n is not None and n != meta["loop"]["iteration"]:
         raise ValueError(f"--resume: {path}: loop.iteration is {meta['loop']['iteration']}, but the directory is named "
                          f"for iteration {n}: the checkpoint was renamed or edited")
     ranks = {k for k in meta["manifest"] if re.fullmatch(r"rng_rank\d+\.safetensors", k)}
-    if ranks != {f"rng_rank{r}.safetensors" for r in range(meta["world_size"])}:
+    if ranks != {f"rng_rank{r}.safetensors" for r in range(meta["world_size"])}:  # world_size <= MAX_RANKS
         raise ValueError(f"--resume: {path}: world_size is {meta['world_size']}, but its manifest lists "
-                         f"{sorted(ranks)}: the checkpoint was edited")
+                         f"{sorted(ranks)[:8]}: the checkpoint was edited")
     if meta["sha256"] != json_sha256({k: v for k, v in meta.items() if k != "sha256"}):
         raise ValueError(f"--resume: {path} was edited after it was written (its sha256 does not match its content): "
                          "resume from another checkpoint")
@@ -216,16 +256,26 @@ def read_checkpoint_meta(directory: str) -> dict:
 
 def verify_checkpoint(directory: str) -> dict:
     """meta.json, after checking that every file of the checkpoint is exactly the one its manifest lists: DCP
-    unpickles dcp/.metadata and non-tensor values, so a swapped file would run code. Errors name the file."""
+    unpickles dcp/.metadata and non-tensor values, so a swapped file would run code. Names and sizes are compared
+    before any file is read (a 64 GiB file, listed or not, is refused at once), then contents. Errors name the file."""
     meta = read_checkpoint_meta(directory)
-    found = manifest(directory)
-    for rel in sorted(found.keys() | meta["manifest"].keys()):
-        if found.get(rel) != meta["manifest"].get(rel):
-            state = "is missing" if rel not in found else "is not in the manifest" if rel not in meta["manifest"] \
-                else "differs from its SHA-256 in the manifest"
-            raise ValueError(f"--resume: {os.path.join(directory, rel)} {state} ({os.path.join(directory, 'meta.json')})"
-                             ": the checkpoint was altered or damaged; resume from another one")
+    sizes, listed = listing(directory), meta["manifest"]
+    for rel in sorted(sizes.keys() | listed.keys()):
+        state = "is missing" if rel not in sizes else "is not in the manifest" if rel not in listed else None
+        if not state and sizes[rel] != meta["sizes"].get(rel):
+            state = f"differs from its SHA-256 in the manifest (it has {sizes[rel]} bytes, the manifest's file " \
+                f"{meta['sizes'].get(rel)!r:.20})"
+        if state:
+            raise _altered(directory, rel, state)
+    for rel, sha256 in manifest(directory, sizes).items():
+        if sha256 != listed[rel]:
+            raise _altered(directory, rel, "differs from its SHA-256 in the manifest")
     return meta
+
+
+def _altered(directory: str, rel: str, state: str) -> ValueError:
+    return ValueError(f"--resume: {os.path.join(directory, rel)} {state} ({os.path.join(directory, 'meta.json')}): "
+                      "the checkpoint was altered or damaged; resume from another one")
 
 
 def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=()) -> tuple[str, dict]:

@@ -68,6 +68,7 @@ import prompts as prompt_sets
 import recipes
 import rewards
 import rollout
+import rundir
 import runlog
 import startup
 
@@ -92,7 +93,7 @@ class Args:
     iterations: int = 30
     """total number of iterations (rollout + update), counting those before a --resume"""
     prompts: str = "general"
-    """prompt set: a built-in name (ocr, general) or a .txt / .jsonl file"""
+    """prompt set: a built-in name (ocr, general, digits) or a .txt / .jsonl file (docs/running.md)"""
     reward: str = "brightness"
     """a reward, or a weighted list `ocr=1.0,pickscore=0.5`; also `remote=URL` and `judge:match=URL` (README)"""
     group_size: int = 8
@@ -215,7 +216,7 @@ class Args:
     eval_every: int = 20
     """evaluate (ODE, fixed seeds, eval prompts) every this many iterations and at the end; 0 = never"""
     eval_images: int = 8
-    """evaluation images (one per eval prompt)"""
+    """evaluation images: image i shows eval prompt i mod their number, from its own fixed seed (split over ranks)"""
     wandb: bool = True
     """log to wandb on rank 0 (offline unless WANDB_MODE or WANDB_API_KEY says otherwise)"""
 
@@ -259,7 +260,12 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
     scores, info = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
     scores, images = engine.all_gather(scores), engine.all_gather(images)
     log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())])
-    parts = {f"eval/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}  # e.g. a weight-0 judge
+    gathered = {k: engine.all_gather(v) for k, v in info.items()}  # (eval_images,) each, in evalset's order
+    parts = {f"eval/{k}/mean": v.mean().item() for k, v in gathered.items()}  # e.g. a weight-0 judge
+    tags = [m.get("tag") for _, m in evalset]  # GenEval-style categories, where the prompts carry them
+    for tag in dict.fromkeys(t for t in tags if t):
+        mask = torch.tensor([t == tag for t in tags])
+        parts |= {f"eval/{k}/{tag}/mean": v[mask].mean().item() for k, v in gathered.items()}
     groups = [[i for i, (p, _) in enumerate(evalset) if p == q] for q in dict(evalset)]  # each eval prompt's images
     spread = [images[g].std(0).mean().item() for g in groups if len(g) > 1]  # pixel std across a prompt's images
     return {"eval/reward_mean": scores.mean().item(), **parts} | ({"eval/diversity": np.mean(spread)} if spread else {})
@@ -279,12 +285,11 @@ def main(a: Args) -> list[dict]:
     arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     ckpt, meta = resume or (None, {})
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
-    run = eng.on_main(runlog.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,
-                      dataclasses.asdict(a) | {"batch_arithmetic": arith})  # a runlog.Claim
+    run = eng.on_main(rundir.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,
+                      dataclasses.asdict(a) | {"batch_arithmetic": arith})  # a rundir.Claim
     run_dir, prompt_set = run.run_dir, prompt_sets.load_prompts(a.prompts)
     trainset, evalset = prompt_set.train, [prompt_set.eval[i % len(prompt_set.eval)] for i in range(a.eval_images)]
     if rank == 0:
-        print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
         if a.sde_type == "cps" and not a.window and a.cps_density == "exact":
             print("warning: exact cps density in full mode: step i weighs 1/(2·std_i²), std_i = σ_{i+1}·sin(a·π/2),"
                   " so the last trained step outweighs the first ~(σ_1/σ_{N-1})² times (2,157× for Qwen-Image at 10 steps);"
@@ -308,7 +313,9 @@ def main(a: Args) -> list[dict]:
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
     backend = rollout.make_backend(a.rollout, a.rollout_url, run_dir, engine)  # local, or vLLM-Omni servers
-    log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb)  # writes the run directory from here on
+    log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb, weights=rewards.weights(a.reward))
+    if rank == 0:  # the run directory exists from here on (a start that failed before left none to name)
+        print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
 
     bar = tqdm(range(start, a.iterations), desc="iterations", disable=not engine.is_main, initial=start,
                total=a.iterations)
@@ -353,12 +360,14 @@ def main(a: Args) -> list[dict]:
 
             # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
+            skipped = engine.skipped_steps  # a step whose gradient norm is not finite is skipped, on every rank alike
             stats = engine.mean_over_ranks(algo.update(model, engine, batch, a, arith, engine.is_main))
             t2 = time.perf_counter()
 
             # --- 6. log -----------------------------------------------------------------------------
             comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
             row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
+                   "reward/min": r_all.min().item(), "reward/max": r_all.max().item(),
                    "reward/zero_std_ratio": zero_std, **comps, **stats,
                    "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait,
                    "perf/rollout_passes": rollout_passes, "perf/train_passes": model.passes - passes - rollout_passes,
@@ -371,6 +380,10 @@ def main(a: Args) -> list[dict]:
                 with engine.ema_weights():
                     row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
             log.log(row)
+            if engine.skipped_steps - skipped == a.optimizer_steps:  # not one update: a run like this learns nothing
+                raise ValueError(f"iteration {it}: all {a.optimizer_steps} optimizer steps were skipped, their gradient "
+                                 "norms not finite: the run would learn nothing; lower --lr or the flag that scales the "
+                                 "loss (e.g. --nft-beta, --old-kl, --kl-beta); its checkpoints are as last written")
             bar.set_postfix(reward=f"{row['reward/mean']:.4f}", **{algo.watch.split("/")[-1]: f"{row[algo.watch]:.1e}"})
 
             # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration)
@@ -395,13 +408,15 @@ if __name__ == "__main__":
     try:
         eng.handle_signals()  # SIGTERM as Ctrl-C, on every rank; SIGUSR1 prints the stacks
         main(startup.parse_args(Args))
-    except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
+    except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack),
+        # by rank 0 only: every rank meets the same input, and torchrun stops the others when one fails
         status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"
-    except KeyboardInterrupt:
-        status = "flowgrpo.py: interrupted; the run's checkpoints are as last written (--resume auto continues)"
+        status = status if int(os.environ.get("RANK", 0)) == 0 else 1
+    except KeyboardInterrupt:  # Ctrl-C, or torchrun's SIGTERM after another rank failed: rank 0 says what is left
+        status = rundir.interrupted() if int(os.environ.get("RANK", 0)) == 0 else 1
     except Exception:  # anything else: its stack, and the same way out
         status = traceback.format_exc()
     finally:
         eng.shutdown()
-        runlog.release_run_dirs()  # a start that failed before training leaves no directory behind
+        rundir.release_run_dirs()  # a start that failed before training leaves no directory behind
     eng.exit_process(status)  # not through the interpreter's teardown, which a gloo thread can abort (see there)

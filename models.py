@@ -9,12 +9,13 @@ downloads. Importing this module loads neither diffusers nor transformers (`--he
 where a pipeline is built or loaded.
 """
 import functools
-import json
+import math
 import os
 
 import torch
 
 import checkpoint
+import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
 from models_qwen import NanoQwenImage, QwenImage
@@ -63,26 +64,36 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
     check_frames(model, num_frames)
     if model_path is not None or spec.trained_parts:  # nano's default is the shipped directory: check it too
         check_model_path(model, model_path or adapter_class(model).default_path)
+    transformer = functools.partial(meta_transformer, model, model_path)  # built only by a family with a rope table
+    spec.adapter.check_size(model, spec, transformer, height, width, num_frames)
     if sp > 1:
         check_sequence_parallel(model, model_path, sp, height, width, num_frames)
 
 
 def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, width: int,
                             num_frames: int = 1) -> None:
-    """--sp N (sequence_parallel.py) gives each rank of a group 1/N of every sequence the transformer splits and, inside
-    attention, 1/N of its heads: N must divide each of them (the heads from the transformer's config, when it is on
-    this machine; else its loading fails on them)."""
+    """--sp N (sequence_parallel.py), in a family that has it, needs a multiple of N ranks (WORLD_SIZE, which torchrun
+    sets; 1 without it), checked first. It gives each rank of a group 1/N of every sequence the transformer splits and,
+    inside attention, 1/N of its heads: N must divide each of them (the heads from the transformer's config, when it
+    is on this machine; else its loading fails on them). A refusal names an --sp that passes both checks."""
     spec = SPECS[model]
     counts = spec.adapter.sp_sequences(model, spec, height, width, num_frames)  # refuses a family without SP
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % sp:
+        raise ValueError(f"--sp {sp} must divide the number of ranks, {world} (WORLD_SIZE; 1 without torchrun): "
+                         f"launch a multiple of {sp} processes, e.g. `torchrun --nproc_per_node={sp} flowgrpo.py … "
+                         f"--sp {sp}`")
     transformer = meta_transformer(model, path)
     if transformer is not None:
         counts[f"attention heads ({type(transformer).__name__})"] = transformer.config.num_attention_heads
     bad = [f"{n} {what}" for what, n in counts.items() if n % sp]
     flags = {"--height": height, "--width": width} | ({"--num-frames": num_frames} if spec.frame_multiple else {})
+    fits = math.gcd(world, *counts.values())  # the largest --sp that divides every count and the ranks
+    fix = f"choose --sp {fits}, which divides each" if fits > 1 else "run without --sp"
     if bad:
         raise ValueError(f"--sp {sp} must divide every count it splits, but --model {model} at "
-                         f"{' '.join(f'{f} {n}' for f, n in flags.items())} has {', '.join(bad)}: choose an --sp that "
-                         f"divides each (the tokens also change with {', '.join(flags)})")
+                         f"{' '.join(f'{f} {n}' for f, n in flags.items())} has {', '.join(bad)}: {fix} (the tokens "
+                         f"also change with {', '.join(flags)})")
 
 
 def check_frames(model: str, num_frames: int) -> None:
@@ -100,26 +111,39 @@ def check_model_path(model: str, path: str) -> None:
     names the pipeline class); anything else that does not exist locally is taken for a hub id. A model whose
     Spec lists `trained_parts` (nano) takes a local directory holding just those."""
     parts = SPECS[model].trained_parts
-    missing = [p for p in parts if not os.path.isfile(os.path.join(path, p, "config.json"))]
+    missing = [p for p in parts if not os.path.lexists(os.path.join(path, p, "config.json"))]
     if parts and missing:
         raise ValueError(f"--model-path {path}: no {'/, '.join(missing)}/ with a config.json; --model {model} reads "
                          f"the directory that `python nano.py pretrain --out DIR` writes")
+    for part in parts:
+        check_trained_part(model, path, part)
     if parts:
         return
     index = os.path.join(path, "model_index.json")
-    if os.path.exists(path) and not os.path.isfile(index):
+    if os.path.exists(path) and not os.path.lexists(index):
         raise ValueError(f"--model-path {path}: not a diffusers pipeline directory (no model_index.json)")
     if not os.path.exists(path):
         if path.startswith(("/", "./", "../", "~")) or path.count("/") != 1:
             raise ValueError(f"--model-path {path}: no such directory, and not a hub id of the form org/name")
         return
-    with open(index) as f:
-        found = json.load(f).get("_class_name")
+    try:
+        found = model_files.read_config(index)["_class_name"]
+    except ValueError as e:
+        raise ValueError(f"--model-path {path}: model_index.json {e}") from None
     want = SPECS[model].pipeline
     if found != want:
         fits = [m for m, s in SPECS.items() if s.pipeline == found and not s.trained_parts]
         raise ValueError(f"--model-path {path} holds a {found}, but --model {model} needs a {want}"
                          + (f": use --model {' or '.join(fits)}" if fits else ""))
+
+
+def check_trained_part(model: str, path: str, part: str) -> None:
+    """A trained part (nano's vae/, transformer/) checked from its files before anything loads (model_files.check_part)."""
+    try:
+        model_files.check_part(path, part, adapter_class(model).trained_classes[part])
+    except ValueError as e:
+        raise ValueError(f"--model-path {path}: {e}: rerun `python nano.py pretrain --out {path}`, or use the shipped "
+                         f"assets/nano (no --model-path)") from None
 
 
 def check_lora_targets(model: str, path: str | None, targets) -> None:
@@ -141,8 +165,8 @@ def transformer_module_names(model: str, path: str | None) -> tuple[str, ...] | 
 
 @functools.lru_cache(maxsize=8)
 def meta_transformer(model: str, path: str | None) -> torch.nn.Module | None:
-    """The transformer built from its config alone, weightless (meta device); None when the config is not here."""
-    import diffusers
+    """The transformer built from its config alone (bounded: read_config), weightless (meta device); None when the
+    config is not here."""
     if path is None and model.startswith("tiny"):
         with torch.device("meta"):
             return adapter_class(model).build_tiny(0).transformer
@@ -151,12 +175,12 @@ def meta_transformer(model: str, path: str | None) -> torch.nn.Module | None:
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
         config = try_to_load_from_cache(path, "transformer/config.json")
-    if not isinstance(config, str) or not os.path.isfile(config):
+    if not isinstance(config, str) or not os.path.lexists(config):
         return None
-    with open(config) as f:
-        cfg = json.load(f)
-    with torch.device("meta"):
-        return getattr(diffusers, cfg["_class_name"]).from_config(cfg)
+    try:
+        return model_files.build_weightless(model_files.read_config(config))
+    except ValueError as e:
+        raise ValueError(f"--model-path {path}: transformer/config.json {e}") from None
 
 
 # ---- loading ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from models_base import Adapter, Spec
 
+QWEN_ROPE_POSITIONS = 4096  # the length of diffusers' QwenEmbedRope table (fixed in its code, not in the config)
 # Qwen-Image's published scheduler config; the tiny model uses it too.
 QWEN_SCHEDULER = dict(use_dynamic_shifting=True, time_shift_type="exponential", base_image_seq_len=256,
                       max_image_seq_len=8192, base_shift=0.5, max_shift=0.9, shift_terminal=0.02,
@@ -88,6 +89,16 @@ class QwenImage(Adapter):
     def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
         """The image tokens; the text tokens vary with the prompts and are padded to a multiple of N (`encode`)."""
         return {"image tokens": (height // spec.multiple) * (width // spec.multiple)}
+
+    @classmethod
+    def check_size(cls, model: str, spec: Spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
+        """diffusers' QwenEmbedRope holds 4096 positions: a side of n patches takes n/2 on each side of 0, the text the
+        next ones after n/2; with room for 2·max_sequence_length of them (the text, padded for --sp), n ≤ 4096."""
+        most = 2 * (QWEN_ROPE_POSITIONS - 2 * cls.max_sequence_length) * spec.multiple
+        for flag, side in (("--height", height), ("--width", width)):
+            if side > most:
+                raise ValueError(f"{flag} must be at most {most} for --model {model}, got {side}: its transformer's "
+                                 f"rotary position table holds {QWEN_ROPE_POSITIONS} positions for the image and text")
 
     def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
         """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents`."""
@@ -171,6 +182,7 @@ class NanoQwenImage(QwenImage):
     """`nano`: Qwen-Image's classes at toy size, pretrained on real handwritten digits (nano.py, docs/algorithm.md
     §15); --model-path is a directory of its trained parts (default: the shipped assets/nano)."""
     default_path = NANO_DIR
+    trained_classes = {"vae": "AutoencoderKLQwenImage", "transformer": "QwenImageTransformer2DModel"}  # what it loads
 
     @classmethod
     def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> "Adapter":

@@ -106,6 +106,20 @@ class Wan(Adapter):
         frames = (num_frames - 1) // spec.frame_multiple + 1
         return {"video tokens": frames * (height // spec.multiple) * (width // spec.multiple)}
 
+    @classmethod
+    def check_size(cls, model: str, spec: Spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
+        """diffusers' WanRotaryPosEmbed holds `rope_max_seq_len` positions per axis (its default 1024; tiny-wan's 64):
+        more latent frames (÷ p_t), rows or columns of patches than that crash the first transformer call."""
+        cfg = getattr(transformer(), "config", {})  # diffusers' defaults when the config is not on this machine
+        table, p_t, k = cfg.get("rope_max_seq_len", 1024), cfg.get("patch_size", (1, 2, 2))[0], spec.frame_multiple
+        grid = {"--num-frames": (num_frames, ((num_frames - 1) // k + 1) // p_t, (table * p_t + p_t - 2) * k + 1),
+                "--height": (height, height // spec.multiple, table * spec.multiple),
+                "--width": (width, width // spec.multiple, table * spec.multiple)}
+        for flag, (value, n, most) in grid.items():
+            if n > table:
+                raise ValueError(f"{flag} must be at most {most} for --model {model}, got {value}: its transformer's "
+                                 f"rotary position table (rope_max_seq_len) holds {table} positions per axis")
+
     def side_multiple(self) -> int:
         return self.pipe.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
 

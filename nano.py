@@ -4,7 +4,7 @@
     python nano.py classifiers                    # the reward's and the judge's held-out accuracy on real digits
     python nano.py evaluate [RUN_DIR ...]         # the base (and each run's LoRA) on held-out seeds
     python nano.py grid RUN_DIR [--out PNG]       # before vs after: one row per digit
-    python nano.py compare [--seeds 3]            # every method of METHODS through flowgrpo.py: table and curves
+    python nano_compare.py --task nano            # every RL method on this task: table and curves (BENCHMARKS.md)
 
 Data: scikit-learn's `load_digits` (1,797 real 8×8 digits inside the wheel: nothing downloads), split 80/20,
 stratified, seeded; an image is a digit upscaled bilinearly to 16×16, white on black, 3 channels. Both classifiers
@@ -18,10 +18,7 @@ import functools
 import json
 import math
 import os
-import platform
 import re
-import shutil
-import subprocess
 import sys
 import time
 
@@ -42,6 +39,9 @@ TRANSFORMER = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=4, a
 # The shipped budget (docs/algorithm.md §15): the VAE to convergence, the transformer far from it.
 PRETRAIN = dict(seed=0, vae_steps=500, vae_batch=64, vae_lr=2e-3, kl_weight=1e-4, transformer_steps=80,
                 transformer_batch=128, transformer_lr=1e-3, ema=0.995)
+# What the method comparison (nano_compare.py) reads of a task: its --model, the judge's reward label (logged at weight
+# 0 in the recipe's --reward) and its categories (none: one question, the prompted digit).
+MODEL, JUDGE, CATEGORIES = "nano", "digit_judge", ()
 EVAL_SEED = 2**62  # evaluation image i draws its noise from seed EVAL_SEED + i: no RL run with --seed < 4·10^6 does
 _DIGIT = re.compile(r"\bdigit (\d)\b")
 
@@ -125,73 +125,63 @@ def held_out_accuracy() -> dict:
             "judge_accuracy": float(judge_scores(images, y_test).mean())}
 
 
-# ---- pretraining: the VAE, then the transformer ------------------------------------------------------
+# ---- pretraining: the VAE, then the transformer (every laptop task's, through these functions) -------------------
 
-def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_batch: int, vae_lr: float,
-             kl_weight: float, transformer_steps: int, transformer_batch: int, transformer_lr: float,
-             ema: float) -> dict:
-    """Train the nano VAE and transformer on the train split and write them to `out` (vae/, transformer/: diffusers'
-    own format, float16) for `--model nano --model-path out`. Returns what each stage reached (out/pretrain.json)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    x_train, x_test, y_train, y_test = split()
-    train_images, test_images = render(x_train) * 2 - 1, render(x_test) * 2 - 1  # (N, 3, 16, 16) in [-1, 1]
-    report, start = {"command": " ".join(["python nano.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}, time.time()
-
-    # 1. VAE: reconstruction MSE + a small KL to N(0, 1), on batches of the train split (5-D: one frame)
-    vae = AutoencoderKLQwenImage(**VAE, latents_mean=[0.0] * VAE["z_dim"], latents_std=[1.0] * VAE["z_dim"])
-    opt = torch.optim.AdamW(vae.parameters(), lr=vae_lr, weight_decay=0.0)
+def train_vae(vae, draw, steps: int, batch: int, lr: float, kl_weight: float, gen: torch.Generator,
+              weigh=None) -> list[float]:
+    """Train `vae` (AutoencoderKLQwenImage) on batches `draw(n, gen)` -> images (n, 3, S, S) in [−1, 1]: reconstruction
+    error (per pixel, weighted by `weigh(x)` if given, e.g. heavier on ink) + kl_weight · KL to N(0, 1). Returns the
+    (unweighted) MSE of each step."""
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     losses = []
-    for step in (bar := tqdm(range(vae_steps), desc="pretrain vae", unit="step")):
-        x = train_images[torch.randint(len(train_images), (vae_batch,), generator=gen)][:, :, None]
+    for _ in (bar := tqdm(range(steps), desc="pretrain vae", unit="step")):
+        x = draw(batch, gen)[:, :, None]  # (n, 3, 1, S, S): the VAE takes one-frame videos
         posterior = vae.encode(x).latent_dist
-        mse = (vae.decode(posterior.sample(gen)).sample - x).square().mean()
+        error = (vae.decode(posterior.sample(gen)).sample - x).square()
+        loss = error.mean() if weigh is None else (weigh(x) * error).mean()
         kl = 0.5 * (posterior.mean.square() + posterior.var - 1 - posterior.logvar).mean()
         opt.zero_grad()
-        (mse + kl_weight * kl).backward()
+        (loss + kl_weight * kl).backward()
         opt.step()
-        losses.append(mse.item())
+        losses.append(error.mean().item())
         bar.set_postfix(mse=f"{np.mean(losses[-20:]):.4f}")
     vae.eval().requires_grad_(False)
-    with torch.no_grad():  # the latents' per-channel mean and std over the train split: the pipeline normalises by them
-        mean_z = vae.encode(train_images[:, :, None]).latent_dist.mean
-        vae.register_to_config(latents_mean=mean_z.mean((0, 2, 3, 4)).tolist(),
-                               latents_std=mean_z.std((0, 2, 3, 4)).tolist())
-        recon = vae.decode(vae.encode(test_images[:, :, None]).latent_dist.mean).sample[:, :, 0]  # held out
-    seen = quantised((recon + 1) / 2)  # what the classifiers read of a perfect transformer's output: the ceiling
-    reached(report, "vae", steps=vae_steps, first_mse=np.mean(losses[:10]), last_mse=np.mean(losses[-20:]),
-            held_out_mse=(recon - test_images).square().mean().item(), seconds=time.time() - start,
-            judge_on_reconstructions=judge_scores(seen, y_test).mean(),
-            reward_on_reconstructions=reward_scores(seen, y_test).mean())
+    return losses
 
-    # 2. Transformer: rectified flow on the normalised, packed latents, x_σ = (1 − σ)·x0 + σ·ε, target ε − x0,
-    #    σ logit-normal and shifted as the scheduler shifts it at this image size, conditioned on the frozen encoder
-    pipe = models_qwen.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
+
+@torch.no_grad()
+def latents(vae, images: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The posterior's (mean, std) of images (N, 3, S, S) in [−1, 1]: each (N, C, s, s)."""
+    parts = [vae.encode(images[i:i + chunk, :, None]).latent_dist for i in range(0, len(images), chunk)]
+    return torch.cat([p.mean[:, :, 0] for p in parts]), torch.cat([p.std[:, :, 0] for p in parts])
+
+
+def train_transformer(pipe, mu_z: torch.Tensor, std_z: torch.Tensor, labels: torch.Tensor, texts: list[str],
+                      side: int, steps: int, batch: int, lr: float, ema: float, gen: torch.Generator):
+    """Rectified flow on the normalised, packed latents of a training set (posterior mean and std (N, C, s, s)), image
+    i prompted with texts[labels[i]]: x_σ = (1 − σ)·x0 + σ·ε, target ε − x0, σ logit-normal and shifted as the
+    scheduler shifts it at this image size, conditioned on the frozen text encoder; an EMA of the weights (decay
+    min(ema, (1 + n)/(10 + n))) is loaded into the transformer at the end. Returns each step's loss."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
     model = models_qwen.QwenImage(pipe, "cpu", torch.float32)
     net = model.transformer.requires_grad_(True).train()
-    with torch.no_grad():
-        posterior = vae.encode(train_images[:, :, None]).latent_dist  # (N, 4, 1, 4, 4)
-        mu_z, std_z = posterior.mean[:, :, 0], posterior.std[:, :, 0]
-        scale = [torch.tensor(vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std")]
-    cond = model.conditioning(prompt_texts(), " ", 1.0)  # the ten prompts' embeddings (10, L, D), indexed by digit
+    scale = [torch.tensor(pipe.vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std")]
+    cond = model.conditioning(texts, " ", 1.0)  # every prompt's embeddings (P, L, D), indexed by label
     cfg = model.scheduler.config
-    mu = calculate_shift(model.image_seq_len(SIDE, SIDE), cfg.base_image_seq_len, cfg.max_image_seq_len,
+    mu = calculate_shift(model.image_seq_len(side, side), cfg.base_image_seq_len, cfg.max_image_seq_len,
                          cfg.base_shift, cfg.max_shift)
-    opt = torch.optim.AdamW(net.parameters(), lr=transformer_lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
     averaged = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    losses, start = [], time.time()
-    for step in (bar := tqdm(range(transformer_steps), desc="pretrain transformer", unit="step")):
-        idx = torch.randint(len(mu_z), (transformer_batch,), generator=gen)
+    losses = []
+    for step in (bar := tqdm(range(steps), desc="pretrain transformer", unit="step")):
+        idx = torch.randint(len(mu_z), (batch,), generator=gen)
         z = (mu_z[idx] + std_z[idx] * torch.randn(mu_z[idx].shape, generator=gen) - scale[0]) / scale[1]
-        x0 = pipe._pack_latents(z, len(idx), VAE["z_dim"], z.shape[2], z.shape[3])  # (B, S, C·4)
+        x0 = pipe._pack_latents(z, len(idx), z.shape[1], z.shape[2], z.shape[3])  # (B, S, C·4)
         u = torch.sigmoid(torch.randn(len(idx), generator=gen))
         sigma = math.exp(mu) / (math.exp(mu) + (1 / u - 1))  # the scheduler's exponential time shift
         eps = torch.randn(x0.shape, generator=gen)
         x = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * eps
-        labels = torch.as_tensor(y_train)[idx]
-        v = model.velocity(x, sigma, {k: t[labels] for k, t in cond.items()}, 1.0, SIDE, SIDE)
+        v = model.velocity(x, sigma, {k: t[labels[idx]] for k, t in cond.items()}, 1.0, side, side)
         loss = (v - (eps - x0)).square().mean()
         opt.zero_grad()
         loss.backward()
@@ -202,15 +192,56 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
                 averaged[k].lerp_(t, 1 - decay)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
-    reached(report, "transformer", steps=transformer_steps, first_loss=np.mean(losses[:10]),
-            last_loss=np.mean(losses[-20:]), seconds=time.time() - start)
     net.load_state_dict(averaged)
+    return losses
 
-    # 3. Write (float16: half the bytes; what loads is what was measured), then measure what was written
-    for name, part in (("vae", vae), ("transformer", net)):
+
+def save_parts(out: str, **parts) -> None:
+    """Write the trained parts (vae=…, transformer=…) in diffusers' own format, in float16: half the bytes, and what
+    loads is what is measured next."""
+    for name, part in parts.items():
         for t in [*part.parameters(), *part.buffers()]:  # (not .to(): diffusers warns about modules kept in fp32)
             t.data = t.data.half()
         part.save_pretrained(os.path.join(out, name))
+
+
+def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_batch: int, vae_lr: float,
+             kl_weight: float, transformer_steps: int, transformer_batch: int, transformer_lr: float,
+             ema: float) -> dict:
+    """Train the nano VAE and transformer on the train split and write them to `out` (vae/, transformer/: diffusers'
+    own format, float16) for `--model nano --model-path out`. Returns what each stage reached (out/pretrain.json)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x_train, x_test, y_train, y_test = split()
+    train_images, test_images = render(x_train) * 2 - 1, render(x_test) * 2 - 1  # (N, 3, 16, 16) in [-1, 1]
+    report, start = {"command": " ".join(["python nano.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}, time.time()
+
+    # 1. VAE: reconstruction MSE + a small KL to N(0, 1), on batches of the train split; then its latents' per-channel
+    #    mean and std over the train split, by which the pipeline normalises them
+    vae = AutoencoderKLQwenImage(**VAE, latents_mean=[0.0] * VAE["z_dim"], latents_std=[1.0] * VAE["z_dim"])
+    losses = train_vae(vae, lambda n, g: train_images[torch.randint(len(train_images), (n,), generator=g)],
+                       vae_steps, vae_batch, vae_lr, kl_weight, gen)
+    mu_z, std_z = latents(vae, train_images)  # (N, 4, 4, 4)
+    vae.register_to_config(latents_mean=mu_z.mean((0, 2, 3)).tolist(), latents_std=mu_z.std((0, 2, 3)).tolist())
+    with torch.no_grad():
+        recon = vae.decode(latents(vae, test_images)[0][:, :, None]).sample[:, :, 0]  # held out
+    seen = quantised((recon + 1) / 2)  # what the classifiers read of a perfect transformer's output: the ceiling
+    reached(report, "vae", steps=vae_steps, first_mse=np.mean(losses[:10]), last_mse=np.mean(losses[-20:]),
+            held_out_mse=(recon - test_images).square().mean().item(), seconds=time.time() - start,
+            judge_on_reconstructions=judge_scores(seen, y_test).mean(),
+            reward_on_reconstructions=reward_scores(seen, y_test).mean())
+
+    # 2. Transformer: rectified flow on the normalised latents, each image prompted with its digit's prompt
+    pipe = models_qwen.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
+    start = time.time()
+    losses = train_transformer(pipe, mu_z, std_z, torch.as_tensor(y_train), prompt_texts(), SIDE, transformer_steps,
+                               transformer_batch, transformer_lr, ema, gen)
+    reached(report, "transformer", steps=transformer_steps, first_loss=np.mean(losses[:10]),
+            last_loss=np.mean(losses[-20:]), seconds=time.time() - start)
+
+    # 3. Write, then measure what was written
+    save_parts(out, vae=vae, transformer=pipe.transformer)
     reached(report, "base model", **evaluate(load(out), per_digit))
     report["classifiers_held_out"] = held_out_accuracy()
     with open(os.path.join(out, "pretrain.json"), "w") as f:
@@ -278,7 +309,7 @@ def grid(run_dir: str, out: str, per_digit: int = 8, cell: int = 48) -> dict:
     font, pad, gap = ImageFont.load_default(size=13), 4, 24
     canvas = Image.new("RGB", (24 + 2 * per_digit * cell + gap, 22 + 10 * cell), "white")
     draw, result = ImageDraw.Draw(canvas), {}
-    for side, lora in enumerate((None, os.path.join(run_dir, "lora"))):
+    for side, lora in enumerate((None, run_lora(run_dir))):
         images, digits = sample(load(lora=lora), per_digit)
         right = judge_scores(quantised(images), digits)
         result["before" if side == 0 else "after"] = float(right.mean())
@@ -296,127 +327,13 @@ def grid(run_dir: str, out: str, per_digit: int = 8, cell: int = 48) -> dict:
     return result
 
 
-# ---- the comparison: every method on the same task, seeds, and compute ------------------------------
-
-METHODS = {  # name -> flowgrpo.py flags on top of `--model nano` (its recipe); a later algorithm is one more row
-    "Flow-GRPO, full mode": (),
-    "window 2": ("--window", "2"),
-    "Flow-GRPO-Fast (--branch)": ("--window", "2", "--branch"),
-    "MixGRPO-Flash (sliding, dpm2)": ("--window", "2", "--window-schedule", "sliding", "--ode-solver", "dpm2"),
-    "GRPO-Guard (ratio-norm)": ("--guard", "ratio-norm"),
-    "GRPO-Guard (full)": ("--guard", "full"),
-    "DanceGRPO SDE": ("--sde-type", "dance"),
-    "CPS, window 2": ("--sde-type", "cps", "--window", "2"),
-    "full mode + KL 0.04": ("--kl-beta", "0.04"),
-    "full mode + EMA 0.9": ("--ema-decay", "0.9", "--ema-every", "1"),
-    # the forward-process algorithms (docs/algorithm.md §12) on their public samplers and old-policy schedules, scaled to
-    # 10 steps: DiffusionNFT's sd3_pickscore (9 trained steps, beta 1), AWM's 6 strata (of [0, 9) here, [0, 12) of 14)
-    "DiffusionNFT": ("--algorithm", "nft", "--ode-solver", "dpm2-full", "--nft-beta", "1", "--old-decay", "nft1",
-                     "--train-timesteps", "9", "--train-timestep-range", "0", "10"),
-    "AWM": ("--algorithm", "awm", "--ode-solver", "dpm2-full", "--old-decay", "awm", "--old-kl", "1",
-            "--train-timesteps", "6", "--train-timestep-range", "0", "9"),
-}
-AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
-        "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
-
-
-def run_path(out: str, name: str, seed: int) -> str:
-    return os.path.join(out, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + f"-seed{seed}")
-
-
-def run_method(name: str, flags, seed: int, out: str, iterations: int, eval_every: int, eval_images: int) -> str:
-    """`flowgrpo.py --model nano FLAGS --seed S` into out/<name>-seed<S> (one torch thread); a run already complete
-    there is reused, so an interrupted comparison continues. Returns the run directory."""
-    run_dir = run_path(out, name, seed)
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isfile(metrics) and len(open(metrics).readlines()) == iterations and os.path.isdir(f"{run_dir}/lora"):
-        return run_dir
-    if os.path.exists(run_dir):  # an unfinished attempt of this comparison: start it again
-        shutil.rmtree(run_dir)
-    cmd = [sys.executable, os.path.join(ROOT, "flowgrpo.py"), "--model", "nano", "--seed",
-           str(seed), "--iterations", str(iterations), "--eval-every", str(eval_every), "--eval-images",
-           str(eval_images), "--checkpoint-every", "0", "--keep-checkpoints", "1", "--no-wandb", "--run-dir", run_dir,
-           *flags]
-    with open(run_dir + ".log", "w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=log,
-                              stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}); see {run_dir}.log")
-    return run_dir
-
-
-def curve(run_dir: str) -> dict[str, np.ndarray]:
-    """A run's evaluations (the loop's, on its eval seeds) with the cumulative compute spent up to each."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    spent = {"rollout_passes": [r["perf/rollout_passes"] for r in rows],
-             "passes": [r["perf/rollout_passes"] + r["perf/train_passes"] for r in rows],
-             "seconds": [r["perf/cpu_s"] for r in rows]}
-    at = [i for i, r in enumerate(rows) if "eval/digit_judge/mean" in r]
-    return {k: np.cumsum(v)[at] for k, v in spent.items()} | {
-        "judge": np.array([rows[i]["eval/digit_judge/mean"] for i in at]),
-        "reward": np.array([rows[i]["eval/digit/mean"] for i in at]), "per_iteration": {
-            k: float(np.mean(v)) for k, v in spent.items()}}
-
-
-def compare(out: str, seeds: int, iterations: int, eval_every: int, eval_images: int, methods: dict, jobs: int,
-            per_digit: int) -> tuple[list[str], dict]:
-    """Every method × seed through flowgrpo.py, then: the judge's accuracy at equal compute on each axis (each run's
-    curve interpolated at the smallest total any run reached), and each final LoRA on the held-out seeds (nano's own
-    evaluation, the same images as the base's). Returns (markdown table lines, what was measured)."""
-    from concurrent.futures import ThreadPoolExecutor
-    os.makedirs(out, exist_ok=True)
-    todo = [(name, flags, seed) for seed in range(seeds) for name, flags in methods.items()]
-    with ThreadPoolExecutor(jobs) as pool:
-        dirs = list(tqdm(pool.map(lambda job: run_method(*job, out, iterations, eval_every, eval_images), todo),
-                         total=len(todo), desc="compare", unit="run"))
-    runs = {name: [] for name in methods}
-    for (name, _, _), run_dir in zip(todo, dirs):
-        runs[name].append(curve(run_dir) | {"final": evaluate(load(lora=os.path.join(run_dir, "lora")), per_digit)})
-    budget = {axis: min(c[axis][-1] for cs in runs.values() for c in cs) for axis in AXES}
-    base = evaluate(load(), per_digit)
-
-    def pm(values, fmt="{:.1%}"):
-        return f"{fmt.format(np.mean(values))} ± {fmt.format(np.std(values))}"
-    lines = [f"| method | flags | rollout / training passes per iteration | CPU s per iteration | judge @ "
-             f"{budget['rollout_passes']:,.0f} rollout passes | judge @ {budget['passes']:,.0f} passes | judge @ "
-             f"{budget['seconds']:.0f} CPU s | final judge | final reward | final diversity |", "|---" * 10 + "|",
-             f"| base model | | | | {base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | "
-             f"{base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | {base['reward_mean']:.3f} | "
-             f"{base['diversity']:.3f} |"]
-    for name, cs in runs.items():
-        at = {axis: [np.interp(budget[axis], c[axis], c["judge"]) for c in cs] for axis in AXES}
-        per = [c["per_iteration"] for c in cs]
-        flags = f"`{' '.join(methods[name])}`" if methods[name] else "(the recipe)"
-        lines.append(f"| {name} | {flags} | {np.mean([p['rollout_passes'] for p in per]):.0f} / "
-                     f"{np.mean([p['passes'] - p['rollout_passes'] for p in per]):.0f} | "
-                     f"{np.mean([p['seconds'] for p in per]):.2f} | " + " | ".join(pm(at[axis]) for axis in AXES) +
-                     f" | {pm([c['final']['judge_accuracy'] for c in cs])} | "
-                     f"{pm([c['final']['reward_mean'] for c in cs], '{:.3f}')} | "
-                     f"{pm([c['final']['diversity'] for c in cs], '{:.3f}')} |")
-    return lines, {"base": base, "budget": budget, "runs": runs}
-
-
-def plot(path: str, measured: dict) -> None:
-    """Judge accuracy (the loop's evaluations) against transformer passes and against seconds, one line per method:
-    the mean over seeds on a common grid, ± one std shaded; the base model dashed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), dpi=100, sharey=True)
-    for ax, axis in zip(axes, ("passes", "seconds")):
-        for i, (name, cs) in enumerate(measured["runs"].items()):
-            grid_x = np.linspace(max(c[axis][0] for c in cs), min(c[axis][-1] for c in cs), 50)
-            ys = np.array([np.interp(grid_x, c[axis], c["judge"]) for c in cs])
-            ax.plot(grid_x, ys.mean(0), color=f"C{i}", ls="-" if i < 5 else "--", lw=1.6, label=name)
-            ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=f"C{i}", alpha=0.06)
-        ax.axhline(measured["base"]["judge_accuracy"], color="gray", ls=":", label="base model")
-        ax.set(xlabel=AXES[axis], title=f"held-out judge accuracy vs {AXES[axis].split(' (')[0]}")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"judge accuracy (mean ± std, {len(cs)} seeds)")
-    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+def run_lora(run_dir: str) -> str:
+    """<run_dir>/lora, the LoRA a finished `flowgrpo.py` run exported, checked before anything loads."""
+    lora = os.path.join(run_dir, "lora")
+    if not os.path.isfile(os.path.join(lora, "pytorch_lora_weights.safetensors")):
+        raise ValueError(f"{run_dir}: no exported LoRA ({lora}/pytorch_lora_weights.safetensors): give the directory of "
+                         "a finished `flowgrpo.py` run (it exports the LoRA at its end)")
+    return lora
 
 
 def main(argv=None) -> None:
@@ -433,45 +350,26 @@ def main(argv=None) -> None:
     g = sub.add_parser("grid", help="before vs after as one PNG, one row per digit")
     g.add_argument("run", help="a run directory of `flowgrpo.py --model nano`")
     g.add_argument("--out", help="the PNG (default: <run>/before_after.png)")
-    c = sub.add_parser("compare", help="every method of METHODS, --seeds seeds each: table, curves, grid")
-    c.add_argument("--out", default="runs/nano-compare", help="where the runs go (complete ones are reused)")
-    c.add_argument("--seeds", type=int, default=5)  # the defaults: BENCHMARKS.md's table
-    c.add_argument("--iterations", type=int, default=60)
-    c.add_argument("--eval-every", type=int, default=10)
-    c.add_argument("--eval-images", type=int, default=200)
-    c.add_argument("--methods", nargs="*", choices=list(METHODS), default=list(METHODS))
-    c.add_argument("--jobs", type=int, default=1, help="runs at a time (each one torch thread)")
-    c.add_argument("--markdown", help="also write the table, with the command, date and machine, to this file")
-    c.add_argument("--plot", default="assets/nano/compare.png")
-    for q in (p, e, c):
+    for q in (p, e):
         q.add_argument("--per-digit", type=int, default=50, help="held-out images per digit of each evaluation")
     a = ap.parse_args(argv)
-    if a.cmd == "pretrain":
-        pretrain(a.out, a.per_digit, **{k: getattr(a, k) for k in PRETRAIN})
-    elif a.cmd == "classifiers":
-        print(json.dumps(held_out_accuracy(), indent=2))
-    elif a.cmd == "evaluate":
-        for run in [None, *a.runs]:
-            print(json.dumps({"run": run or "base"} | evaluate(load(lora=run and os.path.join(run, "lora")),
-                                                               a.per_digit)), flush=True)
-    elif a.cmd == "grid":
-        out = a.out or os.path.join(a.run, "before_after.png")
-        print(json.dumps({"grid": out} | grid(a.run, out)))
-    else:
-        start = time.time()
-        lines, measured = compare(a.out, a.seeds, a.iterations, a.eval_every, a.eval_images,
-                                  {m: METHODS[m] for m in a.methods}, a.jobs, a.per_digit)
-        plot(a.plot, measured)
-        with open(os.path.join(a.out, "measured.json"), "w") as f:  # every run's curve and final evaluation
-            json.dump(measured, f, indent=1, default=lambda v: v.tolist())
-        grid(run_path(a.out, a.methods[0], 0), os.path.join(os.path.dirname(a.plot), "before_after.png"))
-        head = (f"`python nano.py {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
-                f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-                f"{(time.time() - start) / 60:.0f} min, load {os.getloadavg()[0]:.2f}")
-        print(head, *lines, sep="\n")
-        if a.markdown:
-            with open(a.markdown, "w") as f:
-                f.write("\n".join([head, "", *lines, ""]))
+    try:
+        if getattr(a, "per_digit", 1) < 1:
+            raise ValueError(f"--per-digit must be >= 1, got {a.per_digit}")
+        if a.cmd == "pretrain":
+            pretrain(a.out, a.per_digit, **{k: getattr(a, k) for k in PRETRAIN})
+        elif a.cmd == "classifiers":
+            print(json.dumps(held_out_accuracy(), indent=2))
+        elif a.cmd == "evaluate":
+            loras = [run_lora(run) for run in a.runs]  # all checked before the first evaluation
+            for run, lora in zip(["base", *a.runs], [None, *loras]):
+                print(json.dumps({"run": run} | evaluate(load(lora=lora), a.per_digit)), flush=True)
+        else:
+            run_lora(a.run)
+            out = a.out or os.path.join(a.run, "before_after.png")
+            print(json.dumps({"grid": out} | grid(a.run, out)))
+    except ValueError as e:
+        ap.exit(2, f"nano.py: error: {e}\n")
 
 
 if __name__ == "__main__":

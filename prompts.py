@@ -2,9 +2,10 @@
 
 `load_prompts(spec)` takes a path ending in `.txt` (one prompt per line, blank lines skipped) or `.jsonl`
 (one `{"prompt": ..., **metadata}` object per line; the metadata is handed to the reward), or a built-in
-name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: with fewer than 20 prompts the
-eval set is the whole file (too few to hold any out); otherwise every 10th prompt (the 10th, 20th, ...)
-is held out for eval and never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
+name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: a `.jsonl` may say it, line by line
+(`"split": "train"` or `"eval"`, as the nano-compose set does); otherwise, with fewer than 20 prompts the eval set is
+the whole file (too few to hold any out), else every 10th prompt (the 10th, 20th, ...) is held out for eval and
+never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
 splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses.
 """
 import json
@@ -121,7 +122,18 @@ def load_prompts(spec: str) -> PromptSet:
     if spec in BUILTIN:
         return BUILTIN[spec]()
     pairs = read_prompt_file(spec)
+    if any("split" in m for _, m in pairs):  # the file says which prompts are held out (GenEval-style sets)
+        return _by_split(pairs, spec)
     return PromptSet(pairs, list(pairs)) if len(pairs) < 20 else _hold_out(pairs, 10)
+
+def _by_split(pairs, spec) -> PromptSet:
+    """A `.jsonl` whose lines say `"split": "train"` or `"eval"`: the eval ones are held out, never trained on."""
+    bad = [m["split"] for _, m in pairs if m.get("split") not in ("train", "eval")]
+    train, held = [x for x in pairs if x[1].get("split") == "train"], [x for x in pairs if x[1].get("split") == "eval"]
+    if bad or not train or not held:
+        raise ValueError(f"--prompts {spec}: where one line has a \"split\", every line needs \"train\" or \"eval\" "
+                         f"and both must occur (found {bad[:1] or 'only one kind'})")
+    return PromptSet(train, held)
 
 class PromptSampler:
     """Which prompts iteration i trains on: a function of (seed, iteration, k) only, so a resumed run

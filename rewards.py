@@ -1,5 +1,6 @@
-"""Rewards by name, weighted multi-reward, asynchronous scoring, and the rewards over HTTP built on reward_http.py's
-transport: a remote reward (`remote=URL`), a vision-language judge (`judge:TASK=URL`), and `python rewards.py serve`.
+"""Rewards by name, weighted multi-reward, asynchronous scoring, and the rewards over HTTP (the client transport in
+reward_http.py, the bounded server in reward_server.py): a remote reward (`remote=URL`), a vision-language judge
+(`judge:TASK=URL`), and `python rewards.py serve`.
 
 --reward SPEC:  SPEC = ITEM[,ITEM...]
                 ITEM = NAME[:ARG][=WEIGHT] | remote=URL[=WEIGHT] | judge:TASK=URL[+URL...][=WEIGHT]
@@ -35,6 +36,7 @@ from PIL import Image
 
 import nano
 import reward_http
+import reward_server
 
 # ---------------------------------------------------------------- rewards without models (as ddpo-pytorch)
 def _encode(img, fmt, **kw) -> bytes:
@@ -248,24 +250,7 @@ def _judge_knobs(concurrency=None):
 
 def remote(url):
     """--reward remote=URL: POST /score of a `python rewards.py serve`, FLOWGRPO_REMOTE_BATCH images a request."""
-    client, batch = _remote_knobs()
-    client.call(url, "/health")  # fail at start-up, not mid-run
-
-    def fn(images, prompts, metadata):
-        scores = []
-        for i in range(0, len(images), batch):
-            n = len(images[i:i + batch])
-            body = {"images": [reward_http.png_base64(a) for a in images[i:i + batch]], "prompts": prompts[i:i + batch],
-                    "metadata": metadata[i:i + batch]}
-            reply = client.call(url, "/score", body, f" for images {i}-{i + n - 1}")
-            got = reply.get("scores") if isinstance(reply, dict) else None
-            if not (isinstance(got, list) and len(got) == n
-                    and all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in got)):
-                raise ValueError(f"remote reward server {url}/score answered images {i}-{i + n - 1} with "
-                                 f"{json.dumps(reply)[:300]}; expected {{\"scores\": [{n} numbers]}}")
-            scores += got
-        return scores
-    return fn
+    return reward_http.score_client(url, *_remote_knobs())
 
 def _judge_model(client, urls: list[str]) -> str:
     """The served model: FLOWGRPO_JUDGE_MODEL, else the one model every server lists at GET /v1/models."""
@@ -320,25 +305,10 @@ def _weight(text, item):
                          "e.g. ocr=1.0")
     return w
 
-def _urls(text, item, one):
-    """The http(s)://HOST:PORT servers of `text` ("+"-separated), checked without touching the network."""
-    urls = [u.strip().rstrip("/") for u in text.split("+")]
-    for url in urls:
-        u = urllib.parse.urlsplit(url)
-        try:
-            port = u.port
-        except ValueError:  # not a number, or outside 0-65535
-            port = 0
-        if u.scheme not in ("http", "https") or not u.hostname or u.username or port == 0 or u.path or u.query \
-                or u.fragment or urls.count(url) > 1:
-            raise ValueError(f"--reward: bad server URL {url!r} in {item!r} (port 1-65535, no path, each server once); "
-                             f"write {one}")
-    return urls
-
 def _remote_item(arg, text, item):
     if arg:
         raise ValueError(f"--reward: remote takes no :ARG, got {item!r}; write remote=http://HOST:PORT")
-    url = _urls(text, item, "remote=http://HOST:PORT")
+    url = reward_http.server_urls(text, item, "remote=http://HOST:PORT")
     if len(url) > 1:
         raise ValueError(f"--reward: remote takes one server, got {item!r}")
     _remote_knobs()
@@ -348,7 +318,7 @@ def _judge_item(task, text, item):
     if task not in JUDGE_TASKS:
         raise ValueError(f"--reward: judge needs a task, one of {', '.join(JUDGE_TASKS)}, got {item!r}; write "
                          "judge:ocr=http://HOST:PORT[+http://HOST2:PORT]")
-    urls = _urls(text, item, "judge:TASK=http://HOST:PORT[+http://HOST2:PORT...]")
+    urls = reward_http.server_urls(text, item, "judge:TASK=http://HOST:PORT[+http://HOST2:PORT...]")
     _judge_knobs()
     netlocs = "+".join(urllib.parse.urlsplit(u).netloc for u in urls)
     return f"judge:{task}@{netlocs}", f"judge:{task}", (task, urls)
@@ -446,6 +416,11 @@ def _checked(label, fn, serial, video=False):
         return scores, {label: scores}
     return reward
 
+def weights(spec: str) -> dict[str, float]:
+    """{label: weight} of --reward SPEC's terms; a weight-0 term is a judge: logged, never trained on."""
+    return {label: w for label, _, _, _, w in _parse(spec)}
+
+
 def make_reward(spec: str):
     """The RewardFn for --reward SPEC (grammar in the module docstring); builds every model it needs."""
     parts = [(label, w, _checked(label, REWARDS[name](*args), name not in URL_ITEMS, name in VIDEO_REWARDS))
@@ -517,5 +492,5 @@ VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B,
 PROMPT_CHECKS = {"ocr": ocr_target, "digit": nano.target_digit, "digit_judge": nano.target_digit,
                  **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 
-if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P: reward_http's server of this reward
-    reward_http.serve_cli(make_reward, check_reward_spec)
+if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P: reward_server's server of this reward
+    reward_server.serve_cli(make_reward, check_reward_spec)

@@ -174,9 +174,10 @@ MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n 
 # FLOWGRPO_ROLLOUT_<NAME>: (default, lowest, highest), checked at start-up; and FLOWGRPO_ROLLOUT_DIR (a path)
 OMNI_KNOBS = dict(timeout=(600.0, 1e-3, 86400.0), retries=(3, 0, 20), backoff=(2.0, 0.0, 3600.0),
                   concurrency=(2, 1, 256))
-# |log p| of a trajectory's transition, a Gaussian log-density averaged over latent elements, is at most this: a float32
-# std is >= e^-104, and a state more than ~45 stds from its mean is no sample of the step.
-MAX_LOG_PROB = 1e3
+# |x| beyond which a trajectory's tensor is no sample (docs/methods.md): a log-prob, a Gaussian log-density averaged
+# over elements (a float32 std is >= e^-104; ~45 stds off is no sample of the step); a latent x_σ = (1 − σ)·x0 + σ·ε,
+# x0 a VAE latent scaled to about unit variance, ε ~ N(0, 1) (at most 663 measured: tiny models, every allowed noise).
+MAX_ABS = {"log_probs": 1e3, "latents": 1e4, "x0": 1e4}
 
 
 def check_backend(kind: str, urls: str | None) -> list[str]:
@@ -268,12 +269,12 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_m
     bad = [f"{k} missing" if k not in t else f"{k} has shape {tuple(t[k].shape)} {t[k].dtype}, expected {s} float32"
            for k, s in want.items() if k not in t or tuple(t[k].shape) != s or t[k].dtype != torch.float32]
     bad += [f"{k} is not finite" for k in want if k in t and not bool(torch.isfinite(t[k]).all())]
-    if not bad and t["log_probs"].numel() and t["log_probs"].abs().max() > MAX_LOG_PROB:
-        bad.append(f"log_probs reach {t['log_probs'].abs().max().item():.3g}, beyond ±{MAX_LOG_PROB:g} (no sample)")
+    bad += [f"{k} reach {t[k].abs().max().item():.3g}, beyond ±{limit:g} (no sample)" for k, limit in MAX_ABS.items()
+            if not bad and t[k].numel() and t[k].abs().max() > limit]
     if meta.get("format") != FORMAT:
-        bad.append(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-    elif json.loads(meta.get("seeds", "null")) != list(seeds) or meta.get("prompt") != prompt:
-        bad.append(f"written for prompt {meta.get('prompt')!r}, seeds {meta.get('seeds')}")
+        bad.append(f"format {meta.get('format')!r:.100}, expected {FORMAT!r}")
+    elif meta.get("seeds") != json.dumps(list(seeds)) or meta.get("prompt") != prompt:  # as text, never parsed
+        bad.append(f"written for prompt {meta.get('prompt')!r}, seeds {meta.get('seeds')!r:.100}")
     if not bad and not (torch.equal(t["sigmas"], sigmas) and t["sigma_max"].item() == sigma_max):
         gap = max([abs(t["sigma_max"].item() - sigma_max), *(t["sigmas"] - sigmas).abs().tolist()])
         bad.append(f"sampled with sigmas {t['sigmas'].tolist()}, sigma_max {t['sigma_max'].item()}; the trainer's are "
@@ -410,11 +411,11 @@ class OmniBackend:
         knobs = body["extra_params"][KEY]
         what = f"the request for prompt {body['prompt']!r}, seeds {knobs['seeds']}"
         try:
-            resp = json.loads(self._call(url, "/v1/images/generations", body, what))
-            if not isinstance(resp, dict) or len(resp.get("data") or []) != body["n"]:
+            resp = json.loads(self._call(url, "/v1/images/generations", body, what))  # too deep: RecursionError
+            if not (isinstance(resp, dict) and isinstance(resp.get("data"), list) and len(resp["data"]) == body["n"]):
                 raise ValueError(f"the answer lacks its {body['n']} images: {str(resp)[:300]}")
             return read_trajectory(knobs["trajectory"], seeds=knobs["seeds"], prompt=body["prompt"], **expect)
-        except (FileNotFoundError, ValueError) as e:  # also a response that is not JSON
+        except (FileNotFoundError, ValueError, RecursionError) as e:  # an answer not JSON, or nested past the parser
             raise RuntimeError(f"vLLM-Omni server {url}, {what}: {e}") from None
         finally:  # never over the request's own error: what cannot be unlinked (a directory) goes with close()
             with contextlib.suppress(OSError):

@@ -15,6 +15,13 @@ omni() {  # --model $1 trained here (4 GPUs), sampled by vLLM-Omni servers at $S
     torchrun --standalone --nproc_per_node=4 flowgrpo.py --model "$1" --rollout vllm-omni \
     --rollout-url "${SERVERS:?set SERVERS=http://host:port,...}" "${@:2}"
 }
+# The recipes run the project's Python (but the two GPU-wheel ones, which bring their own): say so in one line when
+# its packages are not there (a fresh shell).
+if [[ -n $recipe && $recipe != gpu-wheels && $recipe != bench-gpu ]] && ! python -c "import torch, diffusers, tyro" 2>/dev/null; then
+  echo "run.sh: \`python\` ($(command -v python || echo 'not found')) cannot import the project's packages: activate" \
+       "its environment (. .venv/bin/activate) or set it up (README.md, 'Set up, run, test')" >&2
+  exit 1
+fi
 case $recipe in
   tiny)            python flowgrpo.py --model tiny "$@" ;;                                  # CPU demo, ~1 minute
   tiny-2ranks)     torchrun --standalone --nproc_per_node=2 flowgrpo.py --model tiny "$@" ;;  # FSDP2 over gloo
@@ -22,7 +29,7 @@ case $recipe in
   tiny-flux)       python flowgrpo.py --model tiny-flux "$@" ;;                             # CPU: FLUX.1's classes, toy size
   tiny-wan)        python flowgrpo.py --model tiny-wan "$@" ;;                              # CPU: Wan2.1's classes, 9 frames
   nano)            python flowgrpo.py --model nano "$@" ;;                                  # CPU: real digits, the judge rises
-  nano-compare)    OMP_NUM_THREADS=1 nice -n 10 python nano.py compare --markdown nano_compare.md "$@" ;;  # BENCHMARKS.md
+  nano-compare)    OMP_NUM_THREADS=1 nice -n 10 python nano_compare.py --markdown nano_compare.md "$@" ;;  # BENCHMARKS.md
   sd3-ocr-8gpu)    torchrun --standalone --nproc_per_node=8 flowgrpo.py --model sd3.5-medium "$@" ;;  # Flow-GRPO's OCR
   flux-pick-8gpu)  torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.1-dev "$@" ;;    # recipes (docs)
   wan-8gpu)        torchrun --standalone --nproc_per_node=8 flowgrpo.py --model wan2.1-t2v-1.3b \
@@ -42,7 +49,7 @@ case $recipe in
                      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
                      -d .whl $(grep -iE "^($CARRY)==" requirements.txt) ;;
   bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-                   PYTHONPATH=/tmp/site python3 bench.py --device cuda --model qwen-image --random-init "$@" ;;
+                   PYTHONPATH=/tmp/site python3 bench_gpu.py --device cuda --model qwen-image --random-init "$@" ;;
   *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux tiny-wan nano nano-compare" \
           "sd3-ocr-8gpu flux-pick-8gpu wan-8gpu qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu" \
           "qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm gpu-wheels bench-gpu" \

@@ -1,22 +1,18 @@
-"""What a run leaves behind for people, written by rank 0 only: its run directory (locked by the run), args.json,
+"""What a run leaves behind for people, written by rank 0 only, in the run directory it claimed (rundir.py): args.json,
 metrics.jsonl (one line per iteration, mirrored to wandb), reward_curve.png (redrawn every iteration), captioned
 sample grids (for a video model the first frames' grid, and the grid animated as a GIF), and what it tells its user
 (a warning when nothing can be learned, the closing summary)."""
-import contextlib
-import fcntl
 import json
 import os
-import socket
 import sys
 import time
-import uuid
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import checkpoint
+from rundir import Claim
 
 
 def wrap(text: str, font, width: float, max_lines: int) -> list[str]:
@@ -37,7 +33,7 @@ def wrap(text: str, font, width: float, max_lines: int) -> list[str]:
 
 
 def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
-    """Images (N, 3, H, W) in [0, 1], up to 4 per row, each captioned `prompt | reward` (wrapped at words)."""
+    """Images (N, 3, H, W) in [0, 1] captioned `prompt | reward` as one readable PNG (grid_image)."""
     grid_image(images, captions).save(path)
 
 
@@ -51,124 +47,79 @@ def save_video_grid(path: str, videos: torch.Tensor, captions: list[str]) -> Non
     export_to_gif([grid_image(videos[:, f], captions) for f in range(videos.shape[1])], path, fps=VIDEO_FPS)
 
 
+ROWS, PER_ROW, FLAT = 16, 8, 32  # the most prompt rows, images per prompt row, and images of a flat grid shown
+
+
 def grid_image(images: torch.Tensor, captions: list[str]) -> Image.Image:
-    """save_grid's picture."""
+    """save_grid's picture, readable at any count: where prompts repeat (an eval set of few prompts, many seeds), one
+    row per prompt under its text (at most ROWS rows of PER_ROW images), each image with its reward; otherwise 4 images
+    a row, each under its prompt and reward, at most FLAT images. A first line says how many are shown."""
     n, _, h, w = images.shape
-    cell, cols, text_h = max(w, 192), min(n, 4), 44
+    prompts = [c.rpartition(" | ")[0] for c in captions]
+    rows = {p: [i for i, q in enumerate(prompts) if q == p] for p in dict.fromkeys(prompts)}
+    per_prompt = len(rows) < n
+    if per_prompt:
+        rows = {p: ids[:PER_ROW] for p, ids in list(rows.items())[:ROWS]}
+    else:
+        rows = {None: list(range(min(n, FLAT)))}
+    cols = max(map(len, rows.values())) if per_prompt else min(n, 4)
+    cell = min(max(w, 96 if per_prompt else 192), 256)
+    tile_h, title_h, text_h = cell * h // w, 16 if per_prompt else 0, 14 if per_prompt else 44
     font = ImageFont.load_default(size=11)  # Pillow's bundled TrueType font: real word spacing, no system fonts needed
-    grid = Image.new("RGB", (cols * cell, ((n + cols - 1) // cols) * (cell * h // w + text_h)), "white")
-    for i, (img, cap) in enumerate(zip(images, captions)):
-        pil = Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-        x, y = (i % cols) * cell, (i // cols) * (cell * h // w + text_h)
-        grid.paste(pil.resize((cell, cell * h // w), Image.NEAREST), (x, y))
-        prompt, _, score = cap.rpartition(" | ")
-        lines = wrap(prompt, font, cell - 4, max_lines=2) + [f"reward {score}"]
-        ImageDraw.Draw(grid).multiline_text((x + 2, y + cell * h // w + 1), "\n".join(lines), fill="black", font=font,
-                                            spacing=1)
+    lines = [ids[j:j + cols] for ids in rows.values() for j in range(0, len(ids), cols)]
+    grid = Image.new("RGB", (cols * cell, 18 + len(lines) * (title_h + tile_h + text_h)), "white")
+    draw, y = ImageDraw.Draw(grid), 18
+    shown = sum(map(len, rows.values()))
+    draw.text((2, 2), f"{shown} of {n} images" + (f", {len(rows)} prompts: one row each" if per_prompt else ""),
+              fill="black", font=font)
+    for line in lines:
+        if per_prompt:
+            draw.text((2, y + 2), wrap(prompts[line[0]], font, cols * cell - 4, max_lines=1)[0], fill="black", font=font)
+        for k, i in enumerate(line):
+            pil = Image.fromarray((images[i].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+            grid.paste(pil.resize((cell, tile_h), Image.NEAREST), (k * cell, y + title_h))
+            prompt, _, score = captions[i].rpartition(" | ")
+            text = [f"reward {score}"] if per_prompt else wrap(prompt, font, cell - 4, max_lines=2) + [f"reward {score}"]
+            draw.multiline_text((k * cell + 2, y + title_h + tile_h + 1), "\n".join(text), fill="black", font=font,
+                                spacing=1)
+        y += title_h + tile_h + text_h
     return grid
 
 
-def plot_curve(path: str, rows: list[dict]) -> None:
-    """Train reward (mean ± std per iteration) and eval reward against the iteration, from metrics rows."""
+def plot_curve(path: str, rows: list[dict], judges: list[str]) -> None:
+    """Left, the trained reward against the iteration: the mean over each iteration's images, its ± std band clamped to
+    the rewards seen (a probability's band stays in [0, 1]), and the evaluations; right, each judge (a reward logged at
+    weight 0, never trained on), which is the result to read: reward up with the judge flat is reward hacking."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     it = [r["iteration"] for r in rows]
     mean, std = np.array([r["reward/mean"] for r in rows]), np.array([r["reward/std"] for r in rows])
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    low = np.array([r.get("reward/min", -np.inf) for r in rows])  # runs logged before these rows: unclamped
+    high = np.array([r.get("reward/max", np.inf) for r in rows])
+    fig, axes = plt.subplots(1, 1 + bool(judges), figsize=(6 + 5 * bool(judges), 3.5), dpi=100, squeeze=False)
+    ax = axes[0, 0]
     ax.plot(it, mean, label="train reward (mean over the iteration)")
-    ax.fill_between(it, mean - std, mean + std, alpha=0.2, label="± std")
+    ax.fill_between(it, np.maximum(mean - std, low), np.minimum(mean + std, high), alpha=0.2,
+                    label="± std (within the rewards seen)")
     ev = [(r["iteration"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     if ev:
         ax.plot(*zip(*ev), "o--", label="eval reward (ODE, fixed seeds)")
-    ax.set(xlabel="iteration", ylabel="reward")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    ax.set(xlabel="iteration", ylabel="reward", title="the reward (trained)")
+    for i, k in enumerate(judges):
+        train = [(r["iteration"], r[f"reward/{k}/mean"]) for r in rows if f"reward/{k}/mean" in r]
+        judged = [(r["iteration"], r[f"eval/{k}/mean"]) for r in rows if f"eval/{k}/mean" in r]
+        if train:
+            axes[0, 1].plot(*zip(*train), color=f"C{i}", alpha=0.5, label=f"{k}: rollout images")
+        if judged:
+            axes[0, 1].plot(*zip(*judged), "o--", color=f"C{i}", label=f"{k}: eval (ODE, fixed seeds)")
+        axes[0, 1].set(xlabel="iteration", ylabel="judge", title="judged at weight 0 (never trained on)")
+    for ax in axes[0]:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-@dataclass
-class Claim:
-    """A run directory claimed by claim_run_dir on rank 0, and what RunLog writes into it once training starts."""
-    run_dir: str
-    run_id: str
-    wandb_id: str | None  # the wandb run to continue (a resume in place), else a new one
-    args: dict  # args.json: the flags, the batch arithmetic, the run id and its resumes
-    metrics: str | None = None  # a resumed run's metrics.jsonl: its rows up to `until` are continued
-    until: int = -1  # the iteration of the checkpoint resumed from
-
-
-def claim_run_dir(run_dir: str | None, name: str, resumed: str | None, meta: dict, config: dict) -> Claim:
-    """The run directory made this run's, on rank 0, before anything is built: locked for the life of the process
-    (lock_run_dir), and checked: a new run refuses a directory that holds a run; a run resumed from checkpoint
-    `resumed` continues in its run directory (or a new one). Nothing is written but the lock: RunLog writes when training starts."""
-    try:
-        if resumed is None:
-            made, stamp = run_dir is None or not os.path.exists(run_dir), time.strftime("%Y%m%d-%H%M%S")
-            run_dir = run_dir or _new_dir(os.path.join("runs", f"{name.replace('/', '_')}-{stamp}"))
-            lock_run_dir(run_dir, made)
-            if _holds_run(run_dir):
-                raise ValueError(f"--run-dir {run_dir} already holds a run: continue it with --resume auto --run-dir "
-                                 f"{run_dir}, or give a new directory")
-            run_id = uuid.uuid4().hex
-            return Claim(run_dir, run_id, None, config | {"run_id": run_id, "resumes": []})
-        source = os.path.dirname(os.path.dirname(os.path.abspath(resumed)))  # <run-dir>/checkpoints/iter_N
-        run_dir = run_dir or source
-        lock_run_dir(run_dir, not os.path.exists(run_dir))
-    except OSError as e:
-        raise ValueError(f"--run-dir {run_dir}: cannot write there ({e.strerror}); give a writable directory") from e
-    previous = _read_json(os.path.join(run_dir, "args.json"))
-    if _holds_run(run_dir) and previous.get("run_id") != meta["run_id"]:
-        raise ValueError(f"--run-dir {run_dir} holds another run than the one {resumed} belongs to: resume in "
-                         f"{source} or in a new directory")
-    own = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
-    changed = {k: [v, config[k]] for k, v in meta["flags"].items() if json.loads(json.dumps(config[k])) != v}
-    history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(resumed), "changed": changed}]
-    return Claim(run_dir, meta["run_id"], meta["loop"]["wandb_id"] if own else None,
-                 config | {"run_id": meta["run_id"], "resumes": history},
-                 os.path.join(run_dir if own else source, "metrics.jsonl"), meta["loop"]["iteration"])
-
-
-_LOCKS = []  # (descriptor, run directory, whether this process made it) of the run directories this process holds
-
-
-def lock_run_dir(run_dir: str, made: bool) -> None:
-    """Hold an OS lock (flock) on <run_dir>/.lock for as long as this process lives, its host and PID written in it:
-    a second run into the directory is refused at once, naming them. The OS releases the lock of a process that
-    ended, however it ended, so a crashed run's directory resumes. `made`: this start makes the directory."""
-    path = os.path.join(run_dir, ".lock")
-    while True:
-        os.makedirs(run_dir, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 300).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise ValueError(f"--run-dir {run_dir} is in use by {holder}: wait for that run to end, or give another "
-                             "directory") from None
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a lock file its last holder removed meanwhile
-                break
-        os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, f"the run on host {socket.gethostname()}, PID {os.getpid()}, started {time.ctime()}\n".encode())
-    _LOCKS.append((fd, run_dir, made))
-
-
-def release_run_dirs() -> None:
-    """Let go of this process's run directories; one in which nothing was written (a start that failed while
-    loading weights) is removed with its lock if this process made it, so a failed start leaves nothing behind."""
-    while _LOCKS:
-        fd, run_dir, made = _LOCKS.pop()
-        with contextlib.suppress(OSError):
-            if os.listdir(run_dir) == [".lock"]:
-                os.unlink(os.path.join(run_dir, ".lock"))
-                if made:
-                    os.rmdir(run_dir)
-        os.close(fd)
 
 
 def metrics_until(path: str, last: int) -> list[dict]:
@@ -189,31 +140,6 @@ def metrics_until(path: str, last: int) -> list[dict]:
     return kept
 
 
-def _holds_run(run_dir: str) -> bool:
-    """A run that trained: a logged iteration or a checkpoint (one that failed while starting left no result)."""
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    logged = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
-    return logged or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints)))
-
-
-def _new_dir(path: str) -> str:
-    """path, or path-1, path-2, ..., made here (two runs started in the same second get different directories)."""
-    for candidate in (path if i == 0 else f"{path}-{i}" for i in range(1000)):
-        with contextlib.suppress(FileExistsError):
-            os.makedirs(candidate)
-            return candidate
-    raise ValueError(f"{path}-*: a thousand run directories of this second already exist; give --run-dir")
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def _write(path: str, text: str) -> None:
     """Write text to path atomically (a temporary file of a unique name, then a rename)."""
     tmp = checkpoint.temporary(path)
@@ -228,8 +154,9 @@ class RunLog:
     grids, wandb, a warning when nothing can be learned, a closing summary. Written from when training starts."""
     FLAT = 3  # iterations in a row without any reward spread after which the run says it learns nothing
 
-    def __init__(self, claim: Claim, *, enabled: bool, use_wandb: bool):
+    def __init__(self, claim: Claim, *, enabled: bool, use_wandb: bool, weights: dict[str, float] | None = None):
         self.run_dir, self.enabled, self.rows, self.wandb = claim.run_dir, enabled, [], None
+        self.judges = [k for k, w in (weights or {}).items() if w == 0]  # terms logged at weight 0: the run's judges
         self.metrics, self.started = os.path.join(claim.run_dir, "metrics.jsonl"), time.time()
         self.args, self.flat = claim.args, 0  # flat: iterations in a row without any reward spread
         if not enabled:
@@ -265,7 +192,7 @@ class RunLog:
                   f"rewards (reward/zero_std_ratio 1): the advantages are 0, nothing is learned. --reward "
                   f"{self.args['reward']} does not tell these images apart (ocr, say, on a model that draws no legible "
                   "text yet): choose a reward they differ in", file=sys.stderr, flush=True)
-        plot_curve(os.path.join(self.run_dir, "reward_curve.png"), self.rows)
+        plot_curve(os.path.join(self.run_dir, "reward_curve.png"), self.rows, self.judges)
         if self.wandb:
             self.wandb.log(row, step=row["iteration"])
 
@@ -290,13 +217,18 @@ class RunLog:
             return
         if self.wandb:
             self.wandb.finish()
-        new, evals = self.rows[self.first_new:], [r for r in self.rows if "eval/reward_mean" in r]
+        new = self.rows[self.first_new:]
+        shown = [("reward/mean", "train reward"), ("eval/reward_mean", "eval reward")] + [
+            (f"eval/{j}/mean", f"{j}, the judge (weight 0, never trained on), on the eval images") for j in self.judges]
         lines = [f"run directory: {self.run_dir}",
                  f"iterations {new[0]['iteration']}–{new[-1]['iteration']} in {time.time() - self.started:.0f} s" if new
-                 else "no iteration ran", f"train reward: {self.rows[0]['reward/mean']:.4g} (iteration 0) → "
-                 f"{self.rows[-1]['reward/mean']:.4g} (iteration {self.rows[-1]['iteration']})" if self.rows else ""]
-        if evals:
-            lines.append(f"eval reward: {evals[-1]['eval/reward_mean']:.4g} (iteration {evals[-1]['iteration']})")
+                 else "no iteration ran", *(self.moved(key, name) for key, name in shown)]
         if lora_dir:
             lines.append(f"LoRA: {lora_dir} (diffusers: pipe.load_lora_weights(dir))")
         print("\n".join(["== done"] + [f"  {line}" for line in lines if line]), flush=True)
+
+    def moved(self, key: str, name: str) -> str:
+        """"<name>: first (iteration i) → last (iteration j)" over the rows that logged `key` ("" if none did)."""
+        seen = [r for r in self.rows if key in r]
+        return f"{name}: {seen[0][key]:.4g} (iteration {seen[0]['iteration']}) → {seen[-1][key]:.4g} (iteration " \
+               f"{seen[-1]['iteration']})" if seen else ""

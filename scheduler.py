@@ -34,6 +34,12 @@ def sigma_schedule(scheduler, num_steps: int, image_seq_len: int) -> torch.Tenso
     return scheduler.sigmas.to(torch.float32).cpu()
 
 
+def noised(x0, t, noise):
+    """The forward process x_t = (1 − t)·x0 + t·ε for t (b,) σ and x0, ε (b, *L)."""
+    te = t.view(-1, *[1] * (x0.dim() - 1))
+    return (1 - te) * x0 + te * noise
+
+
 # ----------------------------------------------------------------------------------------------
 # One step x_σ → x_σ' with the Gaussian transition density. Each SDE type maps
 # (v, x, σ, σ', dt, σ_1, noise level a), float32 and σ's broadcastable to x (B, ...), to (mean, std).
@@ -62,7 +68,9 @@ def sde_dance(v, x, sigma, sigma_next, dt, sigma_max, a):
 
 
 SDE_TYPES = {"sde": sde_flow_grpo, "cps": sde_cps, "dance": sde_dance}
-NOISE_LEVELS = {"sde": (0.0, math.inf), "cps": (0.0, 1.0), "dance": (0.0, math.inf)}  # open intervals of a
+# Open intervals of a (docs/methods.md). Above 3 the sde step amplifies the latents (tiny-sd3, 4 to 200 steps: at
+# most 663 at 3, 7e4 at 4, NaN at 30; dance: 20 at 3); below 1e-6, no gradient (0 from ~1e-12, NaN from ~1e-21).
+NOISE_LEVELS = {"sde": (1e-6, 3.0), "cps": (1e-6, 1.0), "dance": (1e-6, 3.0)}
 
 
 def _like(s, x: torch.Tensor) -> torch.Tensor:

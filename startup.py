@@ -102,6 +102,14 @@ def check_args(a) -> tuple[str, dict] | None:
     if not a.resume:
         return None
     ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
+    # The shadows this run keeps must be in the checkpoint (dcp.load is strict); one it holds and this run does not
+    # keep is not loaded (nft -> grpo: the weights and AdamW state carry over, the old policy is dropped).
+    old, then = [k for k, algo in algorithms.ALGORITHMS.items() if algo.keeps_old], meta["flags"]
+    need(a.algorithm not in old or then.get("algorithm") in old, f"--algorithm {a.algorithm} keeps an old policy, "
+         f"which {ckpt} (--algorithm {then.get('algorithm')!r:.20}) does not hold: resume with its --algorithm or "
+         "start anew")
+    need(not a.ema_decay or then.get("ema_decay") not in (None, 0), f"--ema-decay {a.ema_decay} keeps an EMA, which "
+         f"{ckpt} (--ema-decay 0) does not hold: resume with --ema-decay 0 or start anew")
     need(meta["loop"]["iteration"] + 1 < a.iterations, f"--iterations {a.iterations} leaves nothing to train after "
          f"{ckpt}, which ends iteration {meta['loop']['iteration']}: --iterations is the total, pass more")
     need(meta["loop"]["prompts_sha256"] == checkpoint.json_sha256(prompts.train) or "prompts" in allowed(a),

@@ -1,5 +1,6 @@
-"""bench.py at its smallest sizes through its CLI, and its FLOP formula against torch's counter. No timing thresholds:
-these check that every row is produced and every figure is a finite positive number, not how fast anything is."""
+"""bench.py, bench_gpu.py and bench_soak.py at their smallest sizes through their CLIs, and bench_gpu.py's FLOP formula
+against torch's counter. No timing thresholds: these check that every row is produced and every figure is a finite
+positive number, not how fast anything is."""
 import dataclasses
 import math
 import os
@@ -12,14 +13,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import bench
+import bench_gpu
 import flowgrpo
 import rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_bench(*flags: str, timeout: int = 240) -> str:
-    out = subprocess.run([sys.executable, "bench.py", *flags], cwd=ROOT, capture_output=True, text=True,
+def run_bench(*flags: str, timeout: int = 240, script: str = "bench.py") -> str:
+    out = subprocess.run([sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -49,16 +51,22 @@ def test_cpu_table_smallest(tmp_path):
                  "tiny-sd3: rollout ÷ diffusers", "tiny-sd3: training ÷ bare fwd+bwd", "tiny-flux: rollout ÷ diffusers",
                  "tiny-flux: training ÷ bare fwd+bwd", "training per image, nft ÷ grpo full mode",
                  "training per image, nft ÷ grpo window 2", "rollout per image, ODE (euler) without log-probs ÷ SDE",
-                 "rollout per image, ODE (dpm2-full) without log-probs ÷ SDE", "ranks: peak RSS per rank, 2 ÷ 1",
-                 "SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"):
+                 "rollout per image, ODE (dpm2-full) without log-probs ÷ SDE", "ranks: peak RSS per rank, 2 ÷ 1"):
         assert name in rows, (name, list(rows))
     written = md.read_text()
     assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows
 
 
+def test_sp_rows_smallest():
+    """bench_gpu.py's --sp 2 ÷ --sp 1 rows on CPU at their smallest (2 gloo ranks, 64²), as the CPU table had them."""
+    rows = table_rows(run_bench("--sp", "2", "--quick", script="bench_gpu.py"))
+    for name in ("SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"):
+        assert name in rows, (name, list(rows))
+
+
 def test_random_init_dry_run():
     """The GPU benchmark's path (random-weight model, text encoder bypassed, offload) at toy size on CPU."""
-    rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick"))
+    rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick", script="bench_gpu.py"))
     for name in ("images/s per device, end to end", "rollout share of the iteration", "MFU", "peak memory, no offload",
                  "reward wait share of the iteration", "training share of the iteration",
                  "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"):
@@ -72,22 +80,31 @@ def test_flop_formula_matches_torch_flop_counter():
     backend, so that attention is counted too (the fused CPU kernel is not)."""
     a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", height=32, width=48, lora_rank=8,
                             group_size=2, prompts_per_iteration=1, micro_batch=2, mixed_precision=False)
-    model = bench.random_model("tiny", "cpu")
+    model = bench_gpu.random_model("tiny", "cpu")
     bench.make_engine(a, model)
     c = model.conditioning(['a sign that says "HI"', 'a mug with "A LONGER TEXT" on it'], " ", 4.0)
     x = model.noise(rollout.image_generators(0, 0, range(2)), a.height, a.width)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model.velocity(x, torch.full((2,), 0.5), c, 4.0, a.height, a.width)
-    formula = sum(bench.pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), c[k].shape[1], 8)
-                  for k in ("embeds", "neg_embeds"))
+    formula = sum(bench_gpu.pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), c[k].shape[1],
+                                       8) for k in ("embeds", "neg_embeds"))
     assert formula == counter.get_total_flops() / 2
     # The real size on the meta device (nothing allocated, shapes only; diffusers' defaults are the published config):
     # ~20 B parameters, and the formula equals the counter for one 512² pass with the recipe's rank-64 LoRA too.
     with torch.device("meta"):
-        net = bench.QwenImageTransformer2DModel()
+        net = bench_gpu.QwenImageTransformer2DModel()
         assert 20.0e9 < sum(p.numel() for p in net.parameters()) < 20.9e9
         net.add_adapter(LoraConfig(r=64, lora_alpha=128, target_modules=list(flowgrpo.Args.lora_targets)))
         x, embeds, t = torch.empty(1, 1024, 64), torch.empty(1, 30, net.config.joint_attention_dim), torch.ones(1)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         net(hidden_states=x, timestep=t, encoder_hidden_states=embeds, img_shapes=[[(1, 32, 32)]], return_dict=False)
-    assert bench.pass_flops(net.config, 1024, 30, 64) == counter.get_total_flops()  # 15.6 TFLOP
+    assert bench_gpu.pass_flops(net.config, 1024, 30, 64) == counter.get_total_flops()  # 15.6 TFLOP
+
+
+def test_soak_smallest():
+    """`python bench_soak.py` at its smallest, every request followed by a hostile one: it exits 0 only if every valid
+    request was answered once, correctly, none turned away, and the server's threads and memory came back
+    (BENCHMARKS.md: the full one)."""
+    rows = table_rows(run_bench("--clients", "2", "--requests", "5", "--hostile", "1", script="bench_soak.py"))
+    assert rows["valid: answered, correct"][0] == 10 and "server threads, start → end" in rows, list(rows)
+    assert any(k.startswith("hostile, ") for k in rows) and not any("lost" in k or "retried" in k for k in rows), rows

@@ -103,3 +103,32 @@ def test_ci_runs_the_readmes_set_up_and_test_commands():
     steps = [re.sub(r"^quiet_pip |\s-q\b", "", line) for line in ci if re.match(r"(quiet_pip pip|python3 -m venv|\. )",
                                                                              line)]
     assert steps and set(steps) <= readme_steps, f"CI set-up steps missing from the README: {set(steps) - readme_steps}"
+
+
+def test_every_package_the_requirements_bring_is_pinned():
+    """requirements.txt says every version is pinned: each package its packages need (transitively, as installed here,
+    markers evaluated) is listed at the version installed. Before: cloudpickle (joblib's) and narwhals (scikit-learn's)
+    came in unpinned."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    lines = [ln.split("#")[0].strip() for ln in open(os.path.join(ROOT, "requirements.txt"))]
+    pinned = dict(ln.split("==") for ln in lines if ln)
+    pinned = {canonicalize_name(k): v for k, v in pinned.items()}
+    todo, seen, unpinned = list(pinned), set(), {}
+    while todo:
+        name = todo.pop()
+        if name in seen or name in ("pip", "setuptools", "wheel"):  # the environment's own tools, as pip freeze has it
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional package of some pinned one that this environment does not have
+        if pinned.get(name, "").split("+")[0] != dist.version.split("+")[0]:
+            unpinned[name] = f"installed {dist.version}, pinned {pinned.get(name)}"
+        for spec in map(Requirement, dist.requires or []):
+            if spec.marker is None or spec.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(spec.name))
+    assert not unpinned, unpinned

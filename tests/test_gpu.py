@@ -56,16 +56,18 @@ def test_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device):
 
 @CUDA
 def test_bench_gpu_path_at_toy_size():
-    """bench.py's GPU benchmark, at the tiny model's sizes, on the GPU: every row finite and positive."""
-    rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick", "--device", "cuda"))
+    """bench_gpu.py's GPU benchmark, at the tiny model's sizes, on the GPU: every row finite and positive."""
+    rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick", "--device", "cuda",
+                                script="bench_gpu.py"))
     assert rows["peak memory, no offload"][0] > 0 and 0 < rows["MFU"][0] < 1
 
 
 @CUDA
 def test_bench_sp_rows_at_toy_size():
-    """bench.py's --sp 2 ÷ --sp 1 rows on the GPU at toy size: with fewer than 2 GPUs its --sp 2 side is one process
+    """bench_gpu.py's --sp 2 ÷ --sp 1 rows on the GPU at toy size: with fewer than 2 GPUs its --sp 2 side is one process
     standing for rank 0 of 2 (a fake process group: memory exact, time without communication)."""
-    rows = table_rows(run_bench("--sp", "2", "--model", "tiny", "--device", "cuda", "--sp-side", "256", "--repeats", "2"))
+    rows = table_rows(run_bench("--sp", "2", "--model", "tiny", "--device", "cuda", "--sp-side", "256", "--repeats",
+                                "2", script="bench_gpu.py"))
     assert 0 < rows["SP: activation memory per rank, --sp 2 ÷ --sp 1"][0] < 0.75
     assert 0 < rows["SP: peak CUDA memory of the step per rank, --sp 2 ÷ --sp 1"][0] < 1
 
@@ -140,7 +142,7 @@ def test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device):
 
 class RandomTextWan(models_wan.Wan):
     """Wan with UMT5-XXL's output shape, 512 × 4096 random states per prompt, in place of its 5.7 B-parameter
-    encoder (as bench.py's RandomText for Qwen-Image): what the transformer sees, not what the text means."""
+    encoder (as bench_gpu.py's RandomText for Qwen-Image): what the transformer sees, not what the text means."""
 
     def encode(self, prompts: list[str]) -> dict:
         g = torch.Generator().manual_seed(len(prompts))

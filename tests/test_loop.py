@@ -294,6 +294,18 @@ def test_a_non_finite_gradient_skips_the_step():
     assert all(torch.count_nonzero(p.grad.to_local()) == 0 for p in engine.params)  # gradients cleared
 
 
+def test_the_update_reports_the_fraction_of_its_steps_skipped():
+    """`train/skipped_fraction` of one iteration's 2 optimizer steps (the loop stops when it is 1): 0 at the tiny
+    recipe; 1 at --kl-beta 1e40, past start-up (which refuses it): the KL's weight is inf in float32, every gradient
+    NaN."""
+    model, engine, batch = tiny_setup()
+    for kl_beta, skipped in ((0.0, 0.0), (1e40, 1.0)):
+        args = dataclasses.replace(TINY, kl_beta=kl_beta, micro_batch=2, prompts_per_iteration=1, group_size=4,
+                                   optimizer_steps=2)
+        stats = algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
+        assert stats["train/skipped_fraction"] == skipped and engine.skipped_steps == 2 * skipped, (kl_beta, stats)
+
+
 def test_sample_grid_captions_wrap_at_word_boundaries(tmp_path):
     """Captions break between words (Pillow's bundled TrueType font, measured in pixels), never inside one, and what
     does not fit in two lines ends in "…"."""

@@ -79,12 +79,12 @@ def test_nft_loss_and_gradient_equal_diffusionnft(beta, kl_beta):
     a = SimpleNamespace(adv_clip=5.0)
     theirs, xt = nft_public(x0, noise, t, v, v_old, v_ref, adv, beta=beta, clip=5.0, kl_beta=kl_beta)
     (g_theirs,) = torch.autograd.grad(theirs, v)
-    ours, stats = algorithms.nft_objective(v, v_old, v_ref if kl_beta else None, x0, algorithms.noised(x0, t, noise),
+    ours, stats = algorithms.nft_objective(v, v_old, v_ref if kl_beta else None, x0, sch.noised(x0, t, noise),
                                            t, algorithms.nft_weights(adv, a), beta=beta, adv_clip=5.0, kl_beta=kl_beta)
     (g_ours,) = torch.autograd.grad(ours, v)
     loss_rel, grad_rel = abs(ours.item() - theirs.item()) / abs(theirs.item()), worst(g_ours, g_theirs) / g_theirs.abs().max().item()
     print(f"\nβ {beta}, KL {kl_beta}: loss {ours.item():.6g} (rel. diff {loss_rel:.2g}), gradient max rel. diff {grad_rel:.2g}")
-    assert torch.equal(algorithms.noised(x0, t, noise), xt)
+    assert torch.equal(sch.noised(x0, t, noise), xt)
     assert loss_rel < 1e-6 and grad_rel < 1e-6, (loss_rel, grad_rel)
     assert float(stats["old_kl"]) > 0 and (float(stats["kl"]) > 0) == (kl_beta > 0)
 
@@ -403,7 +403,7 @@ def test_tiny_run_learns(algorithm, flags, tmp_path):
     (dict(algorithm="nft", train_timesteps=5), "--train-timesteps 5: DiffusionNFT draws that many distinct"),
     (dict(algorithm="awm", train_timesteps=5), "--train-timesteps 5: AWM cuts"),
     (dict(algorithm="nft", train_timestep_range=(2, 5)), r"--train-timestep-range \[2, 5\)"),
-    (dict(algorithm="nft", nft_beta=0.0), "--nft-beta must be > 0"),
+    (dict(algorithm="nft", nft_beta=0.0), r"--nft-beta must be in \[1e-06, 1e\+06\], got 0"),
     (dict(algorithm="awm", old_every=0), "--old-every must be >= 1")])
 def test_flags_an_algorithm_does_not_use_are_refused(change, needle):
     with pytest.raises(ValueError, match=needle):
@@ -420,3 +420,59 @@ def test_the_public_recipes_pass_their_checks_and_the_cli_names_refused_flags():
                                                "nft (it uses --nft-beta, --old-decay, --old-every, --train-timestep-"
                                                "range, --train-timesteps): drop the flag or choose the algorithm that "
                                                "uses it"], out.stderr
+
+
+# ---- the losses' scale flags: bounded at start-up; the update says how many of its steps were skipped ------------------
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(algorithm="nft", nft_beta=1e300), r"--nft-beta must be in \[1e-06, 1e\+06\], got 1e\+300: far beyond"),
+    (dict(algorithm="nft", nft_beta=1e-300), r"--nft-beta must be in \[1e-06, 1e\+06\], got 1e-300"),
+    (dict(algorithm="awm", old_kl=1e300), r"--old-kl must be in \[0, 1e\+06\], got 1e\+300"),
+    (dict(algorithm="nft", kl_beta=1e30), r"--kl-beta must be in \[0, 1e\+06\], got 1e\+30"),
+    (dict(algorithm="awm", adv_clip=1e-300), r"--adv-clip must be in \[1e-06, 10000\], got 1e-300"),
+    (dict(clip_range=1e40), r"--clip-range must be in \[0, 1e\+06\], got 1e\+40")])
+def test_loss_flags_far_outside_their_range_are_refused(change, needle):
+    """The attack's values (each skipped every optimizer step and exited 0; --clip-range 1e40 crashed in the loss) are
+    refused at start-up in one line giving the range."""
+    with pytest.raises(ValueError, match=needle):
+        startup.check_args(dataclasses.replace(TINY, **change))
+
+
+def test_the_cli_refuses_the_attacks_nft_beta_in_one_line_before_anything_is_built(tmp_path):
+    """The attack's repro, `--algorithm nft --nft-beta 1e300`: it trained with every step skipped and exited 0."""
+    out = cli(*SMALL, "--algorithm", "nft", "--nft-beta", "1e300", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode != 0 and "batch arithmetic" not in out.stdout and not (tmp_path / "run").exists()
+    assert out.stderr.strip().splitlines() == ["flowgrpo.py: error: --nft-beta must be in [1e-06, 1e+06], got 1e+300: "
+                                               "far beyond, the loss or its gradient overflows or vanishes "
+                                               "(docs/methods.md)"], out.stderr
+
+
+def test_the_edges_of_the_loss_flags_ranges_pass_start_up():
+    for edge in (dict(algorithm="nft", nft_beta=1e-6), dict(algorithm="nft", nft_beta=1e6, kl_beta=1e6),
+                 dict(algorithm="awm", old_kl=0.0), dict(algorithm="awm", old_kl=1e6), dict(adv_clip=1e-6),
+                 dict(adv_clip=1e4), dict(clip_range=1e-300), dict(clip_range=1e6)):
+        startup.check_args(dataclasses.replace(TINY, **edge))
+
+
+@pytest.mark.parametrize("algorithm,change,skipped", [
+    ("nft", dict(nft_beta=1e-6, adv_clip=1e-6), 0.0), ("nft", dict(nft_beta=1e6, kl_beta=1e6, adv_clip=1e4), 0.0),
+    ("awm", dict(adv_clip=1e-6), 0.0), ("awm", dict(old_kl=1e6, kl_beta=1e6, adv_clip=1e4), 0.0),
+    ("nft", dict(nft_beta=1e300), 1.0), ("awm", dict(old_kl=1e300), 0.5)])
+def test_the_update_reports_its_skipped_fraction_and_the_range_edges_skip_none(algorithm, change, skipped):
+    """One iteration of 2 optimizer steps (T = 1) on the tiny model. At the edges of FLAG_RANGES every step is taken, the loss
+    finite; past start-up, the attack's values skip steps and `train/skipped_fraction` says how many (the loop stops
+    at 1). AWM's first step is on-policy (v = v_old: its old-policy term and that term's gradient are 0), so at
+    --old-kl 1e300 only the second is skipped."""
+    a = dataclasses.replace(TINY, algorithm=algorithm, **change, prompts_per_iteration=1, group_size=4, micro_batch=2,
+                            optimizer_steps=2, train_timesteps=1)
+    model = models.load_model("tiny", None, "cpu", seed=0)
+    engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2, weight_decay=0,
+                        max_grad_norm=1.0, seed=0, old_policy=True)
+    batch = rollout.sample(model, ["a cat"] * 4, [{}] * 4, [0] * 4, range(4), steps=[], num_steps=a.num_steps,
+                           height=32, width=32, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde",
+                           seed=0, iteration=0, chunk=2)
+    algo = algorithms.ALGORITHMS[algorithm]
+    batch.advantages = algo.weights(torch.tensor([1.0, -1.0, 0.5, -0.5]), a)
+    stats = algo.update(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
+    assert (stats["train/skipped_fraction"], stats["train/skipped_steps"]) == (skipped, 2 * skipped), stats
+    assert skipped or math.isfinite(stats["train/policy_loss"] + stats["train/grad_norm"]), stats

@@ -76,8 +76,12 @@ def write_fake_trajectory(body, seq_len, channels, mode):
                "images": seed_rows(k["seeds"], (3, h, w)).sigmoid(), "x0": -seed_rows(k["seeds"], (seq_len, channels))}
     if mode == "wrong_shape":
         tensors["latents"] = tensors["latents"][:, :-1].contiguous()
+    if mode in ("huge_x0", "huge_latents"):  # finite, and no latent: near float32's largest
+        tensors[mode.removeprefix("huge_")].view(-1)[0] = 3e38
+    seeds = json.dumps(k["seeds"][::-1] if mode == "wrong_seeds" and n > 1 else k["seeds"])
+    # nested_seeds: 1,500 levels deep, beyond Python's JSON parser (RecursionError), within the file's size bound
     meta = {"format": rollout.FORMAT, "prompt": body["prompt"],
-            "seeds": json.dumps(k["seeds"][::-1] if mode == "wrong_seeds" and n > 1 else k["seeds"])}
+            "seeds": "[" * 1500 + "]" * 1500 if mode == "nested_seeds" else seeds}
     save_file(tensors, k["trajectory"], metadata=meta)
     if mode == "truncated":
         with open(k["trajectory"], "r+b") as f:
@@ -95,8 +99,8 @@ class StandIn:
             def log_message(self, *args):
                 pass
 
-            def _send(self, code, obj):
-                raw = json.dumps(obj).encode()
+            def _send(self, code, obj, raw=None):
+                raw = raw or json.dumps(obj).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
@@ -116,6 +120,10 @@ class StandIn:
                     return self._send(500, {"error": {"message": "Image generation failed: boom"}})
                 if outer.mode != "no_file":
                     write_fake_trajectory(body, seq_len, channels, outer.mode)
+                if outer.mode == "nested_reply":  # the answer nested 100,000 deep (the trajectory is fine)
+                    return self._send(200, None, b'{"data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+                if outer.mode == "data_string":  # n characters where n images belong
+                    return self._send(200, {"data": "x" * body["n"]})
                 png = io.BytesIO()
                 Image.new("RGB", (W, H)).save(png, "PNG")
                 self._send(200, {"data": [{"b64_json": base64.b64encode(png.getvalue()).decode()}] * body["n"]})
@@ -338,16 +346,23 @@ def test_transient_503_is_retried(tmp_path, standin, model):
     ("no_file", "no trajectory file .*omni_pipeline.FlowGRPOQwenImagePipeline"),
     ("truncated", "malformed trajectory file"), ("wrong_seeds", "written for prompt"),
     ("other_sigmas", "sampled with sigmas"), ("sigma_max", "sigma_max 123.0"),
-    ("directory", "not a regular file \\(mode d")])
+    ("directory", "not a regular file \\(mode d"),
+    ("huge_x0", r"x0 reach 3e\+38, beyond ±10000 \(no sample\)"),
+    ("huge_latents", r"latents reach 3e\+38, beyond ±10000"),
+    ("nested_seeds", r"written for prompt 'a cat', seeds '\[\[\[\[\[\["),
+    ("nested_reply", "maximum recursion depth exceeded while decoding a JSON"),
+    ("data_string", "the answer lacks its 2 images: {'data': 'xx'}")])
 def test_server_faults_name_the_server_and_the_request(tmp_path, standin, model, mode, needle):
     """The first error reported is the real one: removing what the server left (a directory: it cannot be
-    unlinked) never replaces it."""
+    unlinked) never replaces it. Each is one line. A finite x0 of 3e38 (before: every optimizer step of the run
+    skipped, exit 0), seeds or an answer nested deeper than the JSON parser goes (before: a RecursionError naming no
+    server), and an answer whose `data` is a string of n characters (before: taken for n images) are refused."""
     backend = make(standin.url, tmp_path)
     backend.sync(fake_engine(), 0)
     standin.mode = mode
     with pytest.raises(RuntimeError, match=needle) as err:
         backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
-    assert standin.url in str(err.value) and "a cat" in str(err.value)
+    assert standin.url in str(err.value) and "a cat" in str(err.value) and "\n" not in str(err.value)
     backend.close()
     assert os.listdir(tmp_path / "run") == []  # the run's directory, and what the server left in it, are gone
 

@@ -104,3 +104,15 @@ def test_sampler_resume_needs_only_the_iteration():
         prompts.PromptSampler(5, seed=-1)
     with pytest.raises(ValueError, match="at least one prompt"):
         prompts.PromptSampler(0, seed=1)
+
+
+def test_a_jsonl_may_say_which_prompts_are_held_out(tmp_path):
+    lines = [{"prompt": f"a {d}", "tag": "single", "split": "eval" if d in (3, 7) else "train"} for d in range(10)]
+    path = tmp_path / "set.jsonl"
+    path.write_text("\n".join(map(json.dumps, lines)))
+    s = prompts.load_prompts(str(path))
+    assert [p for p, _ in s.eval] == ["a 3", "a 7"] and len(s.train) == 8
+    assert s.eval[0][1] == {"tag": "single", "split": "eval"}  # the metadata travels with the prompt
+    path.write_text("\n".join(map(json.dumps, lines[:9] + [{"prompt": "a 9", "split": "test"}])))
+    with pytest.raises(ValueError, match='every line needs "train" or "eval"'):
+        prompts.load_prompts(str(path))

@@ -59,7 +59,7 @@ def test_two_runs_started_at_once_into_one_new_run_dir_exactly_one_proceeds(tmp_
 
 def test_a_held_run_dir_is_refused_at_once_naming_the_holder_and_freed_when_it_dies(tmp_path):
     run = tmp_path / "run"
-    code = ("import sys, time, runlog\nrunlog.lock_run_dir(sys.argv[1], True)\nprint('held', flush=True)\n"
+    code = ("import sys, time, rundir\nrundir.lock_run_dir(sys.argv[1], True)\nprint('held', flush=True)\n"
             "time.sleep(900)")  # killed below
     holder = subprocess.Popen([sys.executable, "-c", code, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -103,7 +103,7 @@ def copy_checkpoint(trained, tmp_path, name="iter_000001") -> Path:
 
 @pytest.mark.parametrize("victim, plant, needle", [
     ("rng_rank0.safetensors", os.mkfifo, "rng_rank0.safetensors is not a regular file (mode p"),
-    ("dcp/.metadata", lambda p: os.symlink("/dev/zero", p), "dcp/.metadata cannot be opened"),
+    ("dcp/.metadata", lambda p: os.symlink("/dev/zero", p), "dcp/.metadata is not a regular file (mode l"),
     ("meta.json", os.mkfifo, "meta.json is corrupt"),
 ])
 def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(trained, tmp_path, victim, plant, needle):
@@ -239,7 +239,8 @@ def test_sigterm_stops_every_rank_like_ctrl_c_and_removes_the_exchange_directory
             trainer.kill()
         server.shutdown()
         server.server_close()
-    assert err.count("flowgrpo.py: interrupted") == 2, err[-3000:]  # each rank, through the Ctrl-C path
+    # each rank stops through the Ctrl-C path (the exchange directory goes); rank 0 alone says so, once
+    assert err.count("flowgrpo.py: interrupted") == 1, err[-3000:]
     assert list(exchange.iterdir()) == [], "the exchange directory was left behind"
 
 

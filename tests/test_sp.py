@@ -285,7 +285,8 @@ def test_cli_nft_sp2_takes_the_steps_of_one_process(pipeline, tmp_path):
     (dict(model="wan2.1-t2v-1.3b", sp=4), "--model wan2.1-t2v-1.3b at --height 240 --width 416 --num-frames 33 has "
                                           "3510 video tokens"),  # 9 latent frames of 15 × 26 patches
 ])
-def test_impossible_sp_is_refused_naming_the_numbers(pipeline, flags, message):
+def test_impossible_sp_is_refused_naming_the_numbers(pipeline, flags, message, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")  # as under torchrun: the ranks' own check passes, the counts are refused
     flags = {k: str(pipeline) if v == "PIPELINE" else v for k, v in flags.items()}
     a = dataclasses.replace(flowgrpo.RECIPES[flags["model"]], **(dict(sp=2) | flags))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -293,10 +294,11 @@ def test_impossible_sp_is_refused_naming_the_numbers(pipeline, flags, message):
 
 
 @pytest.mark.parametrize("heads,sp,refused", [(12, 8, True), (12, 4, False), (40, 8, False)])
-def test_wan_checkpoints_heads_are_read_from_their_config(tmp_path, heads, sp, refused):
+def test_wan_checkpoints_heads_are_read_from_their_config(tmp_path, heads, sp, refused, monkeypatch):
     """Wan2.1 1.3B has 12 attention heads, 14B 40: read from the transformer's config in a pipeline directory (written
     here with the head count alone; the start-up check builds a weightless copy from it), at 480 × 832 × 81 frames:
     32 760 video tokens, which 8 divides."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
     (tmp_path / "transformer").mkdir()
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
     config = {"_class_name": "WanTransformer3DModel", "num_attention_heads": heads}

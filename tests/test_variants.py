@@ -221,6 +221,10 @@ def test_guard_removes_the_downward_bias_of_plain_ratios():
 @pytest.mark.parametrize("kw,flags", [
     (dict(sde_type="dance", noise_level=0.0), "--noise-level.*--sde-type dance"),
     (dict(sde_type="cps", noise_level=1.2), "--noise-level.*--sde-type cps"),
+    # beyond these every step of the tiny model is skipped (NaN) or its latents grow past any flow-matching latent
+    (dict(noise_level=1e5), r"--noise-level must be in \(1e-06, 3\) for --sde-type sde, got 100000"),
+    (dict(noise_level=1e-25), r"--noise-level must be in \(1e-06, 3\)"),
+    (dict(sde_type="dance", noise_level=10.0), r"--noise-level must be in \(1e-06, 3\) for --sde-type dance"),
     (dict(sde_type="ddim"), "--sde-type"),
     (dict(window=0, window_schedule="sliding"), "--window-schedule sliding.*--window"),
     (dict(window_schedule="cosine"), "--window-schedule"),

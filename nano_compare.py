@@ -1,0 +1,251 @@
+"""Every RL method of this repository on a laptop task: the same runs, seeds and compute, one table and one picture.
+
+    python nano_compare.py [--task nano] [--seeds 5] [--jobs 2] [--markdown FILE]   # BENCHMARKS.md's tables
+
+Each method of METHODS runs `flowgrpo.py --model TASK FLAGS --seed S` (one torch thread) into <out>/<method>-seed<S>;
+then each run's judge curve (the loop's evaluations on held-out seeds) is read at the smallest compute every run
+reached — rollout passes, all transformer passes, CPU seconds — and each run's final LoRA is evaluated by the task's
+own evaluation on its held-out seeds, the same images as the base model's (paired). A task is a module (`nano`, …)
+that names its `MODEL`, its `JUDGE` (a reward label logged at weight 0), its `CATEGORIES` (GenEval-style, or none)
+and gives `load`, `evaluate`, `grid` (docs/algorithm.md §15).
+
+The comparison owns its --out directory while it runs (a lock, as a run owns its run directory): a second comparison
+into it is refused, a run directory another process holds is never touched, and a finished run is reused only if it
+was made with the same flags (its args.json), so an interrupted or extended comparison continues and nothing else
+is silently mixed in.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import flowgrpo
+import nano
+import rundir
+import startup
+
+TASKS = {"nano": nano}  # --task: a module per laptop task
+METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later algorithm is one more row
+    "Flow-GRPO, full mode": (),
+    "window 2": ("--window", "2"),
+    "Flow-GRPO-Fast (--branch)": ("--window", "2", "--branch"),
+    "MixGRPO-Flash (sliding, dpm2)": ("--window", "2", "--window-schedule", "sliding", "--ode-solver", "dpm2"),
+    "GRPO-Guard (ratio-norm)": ("--guard", "ratio-norm"),
+    "GRPO-Guard (full)": ("--guard", "full"),
+    "DanceGRPO SDE": ("--sde-type", "dance"),
+    "CPS, window 2": ("--sde-type", "cps", "--window", "2"),
+    "full mode + KL 0.04": ("--kl-beta", "0.04"),
+    "full mode + EMA 0.9": ("--ema-decay", "0.9", "--ema-every", "1"),
+    # the forward-process algorithms (docs/algorithm.md §12) on their public samplers and old-policy schedules, scaled to
+    # 10 steps: DiffusionNFT's sd3_pickscore (9 trained steps, beta 1), AWM's 6 strata (of [0, 9) here, [0, 12) of 14)
+    "DiffusionNFT": ("--algorithm", "nft", "--ode-solver", "dpm2-full", "--nft-beta", "1", "--old-decay", "nft1",
+                     "--train-timesteps", "9", "--train-timestep-range", "0", "10"),
+    "AWM": ("--algorithm", "awm", "--ode-solver", "dpm2-full", "--old-decay", "awm", "--old-kl", "1",
+            "--train-timesteps", "6", "--train-timestep-range", "0", "9"),
+}
+AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
+        "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
+# args.json's entries that say where and how a run was recorded, not what it computed
+UNCOMPARED = {"run_dir", "run_id", "resumes", "batch_arithmetic", "wandb"}
+
+
+def run_path(out: str, name: str, seed: int) -> str:
+    return os.path.join(out, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + f"-seed{seed}")
+
+
+def command(task, flags, seed: int, run_dir: str, iterations: int, eval_every: int, eval_images: int) -> list[str]:
+    """flowgrpo.py's arguments for one run of the comparison."""
+    return ["--model", task.MODEL, "--seed", str(seed), "--iterations", str(iterations), "--eval-every",
+            str(eval_every), "--eval-images", str(eval_images), "--checkpoint-every", "0", "--keep-checkpoints", "1",
+            "--no-wandb", "--run-dir", run_dir, *flags]
+
+
+def made_with_other_flags(run_dir: str, argv: list[str]) -> dict:
+    """{flag: [found, wanted]} where the run in run_dir (its args.json) differs from what `argv` asks."""
+    wanted = dataclasses.asdict(startup.parse_args(flowgrpo.Args, argv))
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {"args.json": ["missing or unreadable", "present"]}
+    wanted = json.loads(json.dumps(wanted))  # tuples as lists, as args.json holds them
+    return {k: [found.get(k), v] for k, v in wanted.items() if k not in UNCOMPARED and found.get(k) != v}
+
+
+def run_method(task, name: str, flags, seed: int, out: str, iterations: int, eval_every: int,
+               eval_images: int) -> str:
+    """One run into out/<name>-seed<S>, or the finished one there if it was made with the same flags; an unfinished
+    attempt that no process holds is started again. Returns the run directory."""
+    run_dir = run_path(out, name, seed)
+    argv = command(task, flags, seed, run_dir, iterations, eval_every, eval_images)
+    holder = rundir.holder(run_dir)
+    if holder:
+        raise ValueError(f"{run_dir} is in use by {holder}: let that run end, or give another --out")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    finished = os.path.isfile(metrics) and os.path.isdir(os.path.join(run_dir, "lora"))
+    if finished and sum(1 for _ in open(metrics)) == iterations:
+        if differs := made_with_other_flags(run_dir, argv):
+            raise ValueError(f"{run_dir} holds a finished run made with other flags ({differs}, as [found, wanted]): "
+                             "remove it, or give another --out")
+        return run_dir
+    if os.path.exists(run_dir):  # an unfinished attempt of this comparison (no process holds it): start it again
+        shutil.rmtree(run_dir)
+    with open(run_dir + ".log", "w") as log:  # ours: the comparison holds <out>'s lock
+        done = subprocess.run([sys.executable, os.path.join(nano.ROOT, "flowgrpo.py"), *argv], cwd=nano.ROOT,
+                              env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise RuntimeError(f"flowgrpo.py {' '.join(argv)} failed (exit {done.returncode}); see {run_dir}.log")
+    return run_dir
+
+
+def curve(task, run_dir: str) -> dict:
+    """A run's evaluations (the loop's, on its eval seeds) with the cumulative compute spent up to each; per category
+    where the task has them (`eval/<judge>/<category>/mean`)."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    spent = {"rollout_passes": [r["perf/rollout_passes"] for r in rows],
+             "passes": [r["perf/rollout_passes"] + r["perf/train_passes"] for r in rows],
+             "seconds": [r["perf/cpu_s"] for r in rows]}
+    at = [i for i, r in enumerate(rows) if f"eval/{task.JUDGE}/mean" in r]
+    judged = {c: np.array([rows[i][f"eval/{task.JUDGE}/{c}/mean"] for i in at]) for c in task.CATEGORIES}
+    return {k: np.cumsum(v)[at] for k, v in spent.items()} | {
+        "judge": np.array([rows[i][f"eval/{task.JUDGE}/mean"] for i in at]), "categories": judged,
+        "per_iteration": {k: float(np.mean(v)) for k, v in spent.items()}}
+
+
+def pm(values, fmt="{:.1%}") -> str:
+    return f"{fmt.format(np.mean(values))} ± {fmt.format(np.std(values))}"
+
+
+def table(task, methods: dict, measured: dict) -> list[str]:
+    """The markdown table: per method, its cost per iteration, the judge at equal compute on each axis and at the end;
+    with categories, a second table of each category at equal transformer passes and at the end (GenEval's columns)."""
+    base, budget, runs = measured["base"], measured["budget"], measured["runs"]
+    lines = [f"| method | flags | rollout / training passes per iteration | CPU s per iteration | judge @ "
+             f"{budget['rollout_passes']:,.0f} rollout passes | judge @ {budget['passes']:,.0f} passes | judge @ "
+             f"{budget['seconds']:.0f} CPU s | final judge | final reward | final diversity |", "|---" * 10 + "|",
+             f"| base model | | | | {base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | "
+             f"{base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | {base['reward_mean']:.3f} | "
+             f"{base['diversity']:.3f} |"]
+    for name, cs in runs.items():
+        at = {axis: [np.interp(budget[axis], c[axis], c["judge"]) for c in cs] for axis in AXES}
+        per = [c["per_iteration"] for c in cs]
+        flags = f"`{' '.join(methods[name])}`" if methods[name] else "(the recipe)"
+        lines.append(f"| {name} | {flags} | {np.mean([p['rollout_passes'] for p in per]):.0f} / "
+                     f"{np.mean([p['passes'] - p['rollout_passes'] for p in per]):.0f} | "
+                     f"{np.mean([p['seconds'] for p in per]):.2f} | " + " | ".join(pm(at[axis]) for axis in AXES) +
+                     f" | {pm([c['final']['judge_accuracy'] for c in cs])} | "
+                     f"{pm([c['final']['reward_mean'] for c in cs], '{:.3f}')} | "
+                     f"{pm([c['final']['diversity'] for c in cs], '{:.3f}')} |")
+    if not task.CATEGORIES:
+        return lines
+    cats = task.CATEGORIES
+    lines += ["", f"| method | when | {' | '.join(cats)} | overall |", "|---" * (len(cats) + 3) + "|",
+              f"| base model | | {' | '.join(f'{base[c]:.1%}' for c in cats)} | {base['judge_accuracy']:.1%} |"]
+    for name, cs in runs.items():
+        at = [pm([np.interp(budget["passes"], c["passes"], c["categories"][k]) for c in cs]) for k in cats]
+        overall = pm([np.interp(budget["passes"], c["passes"], c["judge"]) for c in cs])
+        lines.append(f"| {name} | @ {budget['passes']:,.0f} passes | {' | '.join(at)} | {overall} |")
+        lines.append(f"| {name} | final | {' | '.join(pm([c['final'][k] for c in cs]) for k in cats)} | "
+                     f"{pm([c['final']['judge_accuracy'] for c in cs])} |")
+    return lines
+
+
+def compare(task, out: str, seeds: int, iterations: int, eval_every: int, eval_images: int, methods: dict, jobs: int,
+            per_prompt: int) -> dict:
+    """Every method × seed, then each run's curve and final evaluation, the base model's, and the equal-compute budget
+    (the smallest total any run reached on each axis)."""
+    from concurrent.futures import ThreadPoolExecutor
+    todo = [(name, flags, seed) for seed in range(seeds) for name, flags in methods.items()]
+    with ThreadPoolExecutor(jobs) as pool:
+        dirs = list(tqdm(pool.map(lambda job: run_method(task, *job, out, iterations, eval_every, eval_images), todo),
+                         total=len(todo), desc="compare", unit="run"))
+    runs = {name: [] for name in methods}
+    for (name, _, _), run_dir in tqdm(list(zip(todo, dirs)), desc="final evaluations", unit="run"):
+        final = task.evaluate(task.load(lora=os.path.join(run_dir, "lora")), per_prompt)
+        runs[name].append(curve(task, run_dir) | {"final": final})
+    budget = {axis: min(c[axis][-1] for cs in runs.values() for c in cs) for axis in AXES}
+    return {"base": task.evaluate(task.load(), per_prompt), "budget": budget, "runs": runs}
+
+
+def plot(path: str, measured: dict) -> None:
+    """Judge accuracy (the loop's evaluations) against transformer passes and against CPU seconds, one line per method:
+    the mean over seeds on a common grid, ± one std shaded (clamped to [0, 1]); the base model dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), dpi=100, sharey=True)
+    for ax, axis in zip(axes, ("passes", "seconds")):
+        for i, (name, cs) in enumerate(measured["runs"].items()):
+            grid_x = np.linspace(max(c[axis][0] for c in cs), min(c[axis][-1] for c in cs), 50)
+            ys = np.array([np.interp(grid_x, c[axis], c["judge"]) for c in cs])
+            ax.plot(grid_x, ys.mean(0), color=f"C{i}", ls="-" if i < 5 else "--", lw=1.6, label=name)
+            ax.fill_between(grid_x, (ys.mean(0) - ys.std(0)).clip(0, 1), (ys.mean(0) + ys.std(0)).clip(0, 1),
+                            color=f"C{i}", alpha=0.06)
+        ax.axhline(measured["base"]["judge_accuracy"], color="gray", ls=":", label="base model")
+        ax.set(xlabel=AXES[axis], title=f"held-out judge accuracy vs {AXES[axis].split(' (')[0]}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"judge accuracy (mean ± std, {len(cs)} seeds)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=list(TASKS), default="nano", help="the laptop task (its --model name)")
+    ap.add_argument("--out", help="where the runs go (default: runs/<task>-compare); finished ones are reused")
+    ap.add_argument("--seeds", type=int, default=5)  # the defaults: BENCHMARKS.md's table
+    ap.add_argument("--iterations", type=int, default=60)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-images", type=int, default=200)
+    ap.add_argument("--methods", nargs="*", choices=list(METHODS), default=list(METHODS))
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each one torch thread)")
+    ap.add_argument("--per-prompt", type=int, default=50, help="held-out images per prompt of each final evaluation")
+    ap.add_argument("--markdown", help="also write the table, with the command, date and machine, to this file")
+    ap.add_argument("--plot", help="the curves' PNG (default: assets/<task>/compare.png)")
+    a = ap.parse_args(argv)
+    task, out = TASKS[a.task], a.out or os.path.join("runs", f"{a.task}-compare")
+    for flag, value in (("--seeds", a.seeds), ("--iterations", a.iterations), ("--eval-every", a.eval_every),
+                        ("--eval-images", a.eval_images), ("--jobs", a.jobs), ("--per-prompt", a.per_prompt)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if not a.methods:
+        ap.error("--methods: name at least one method")
+    plot_path = a.plot or os.path.join(nano.ROOT, "assets", a.task, "compare.png")
+    try:
+        rundir.lock_run_dir(out, not os.path.exists(out))  # this comparison's, until it ends
+    except ValueError as e:
+        ap.exit(2, f"nano_compare.py: error: {str(e).replace('--run-dir', '--out')}\n")
+    start = time.time()
+    try:
+        measured = compare(task, out, a.seeds, a.iterations, a.eval_every, a.eval_images,
+                           {m: METHODS[m] for m in a.methods}, a.jobs, a.per_prompt)
+    except ValueError as e:
+        ap.exit(2, f"nano_compare.py: error: {e}\n")
+    lines = table(task, {m: METHODS[m] for m in a.methods}, measured)
+    plot(plot_path, measured)
+    with open(os.path.join(out, "measured.json"), "w") as f:  # every run's curve and final evaluation
+        json.dump(measured, f, indent=1, default=lambda v: v.tolist())
+    task.grid(run_path(out, a.methods[0], 0), os.path.join(os.path.dirname(plot_path), "before_after.png"))
+    head = (f"`python nano_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
+            f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{(time.time() - start) / 60:.0f} min, load {os.getloadavg()[0]:.2f}")
+    print(head, *lines, sep="\n")
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write("\n".join([head, "", *lines, ""]))
+
+
+if __name__ == "__main__":
+    main()

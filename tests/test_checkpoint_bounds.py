@@ -1,0 +1,201 @@
+"""The checkpoint/resume path under an attack review: every value and size a checkpoint claims is bounded before
+it is used (a world size of 10⁹ built ~100 bytes per claimed rank), names and sizes are checked before anything is
+hashed (a sparse 64 GiB file was hashed for 150 s), meta.json's size before it is read (1 GiB read whole), the
+directory walk has no recursion (1,500 nested directories: RecursionError), and a checkpoint without the old policy
+or EMA a run keeps is refused up front (a grpo checkpoint resumed as nft: four tracebacks blaming the LoRA)."""
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import algorithms
+import checkpoint
+import engine as eng
+import flowgrpo
+import models
+import prompts as prompt_sets
+import startup
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dataclasses.replace(flowgrpo.RECIPES["tiny"], iterations=4)
+
+
+def save(directory: Path, args) -> str:
+    """A checkpoint of iteration 0 of a run with `args`, written by the engine as the loop writes one (after one
+    optimizer step, so that AdamW has state), with the meta.json the loop writes."""
+    model = models.load_model("tiny", None, "cpu", seed=0)
+    engine = eng.Engine(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
+                        lr=args.lr, weight_decay=0, max_grad_norm=1.0, seed=0, ema_decay=args.ema_decay,
+                        old_policy=algorithms.ALGORITHMS[args.algorithm].keeps_old)
+    engine.step()
+    train = prompt_sets.load_prompts(args.prompts).train
+    loop = {"iteration": 0, "sampler": prompt_sets.PromptSampler(len(train), args.seed).state_dict(),
+            "skipped_steps": 0, "wandb_id": None, "prompts_sha256": checkpoint.json_sha256(train)}
+    engine.save_checkpoint(str(directory / "iter_000000"), {"run_id": "r", "flags": startup.fingerprint(args),
+                                                           "loop": loop}, keep=1)
+    return str(directory / "iter_000000")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{algorithm: its checkpoint}: grpo's without an old policy, nft's with one."""
+    root = tmp_path_factory.mktemp("saved")
+    return {alg: save(root / alg, dataclasses.replace(TINY, algorithm=alg)) for alg in ("grpo", "nft")}
+
+
+@pytest.fixture
+def copy(saved, tmp_path) -> Path:
+    shutil.copytree(saved["grpo"], tmp_path / "iter_000000")
+    return tmp_path / "iter_000000"
+
+
+def rewrite(directory: Path, change) -> None:
+    """meta.json changed, its own SHA-256 redone (as an editor who knows the format would)."""
+    meta = json.loads((directory / "meta.json").read_text())
+    change(meta)
+    meta["sha256"] = checkpoint.json_sha256({k: v for k, v in meta.items() if k != "sha256"})
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def capped(call: str, directory: Path) -> str:
+    """`checkpoint.<call>(directory)` in a child process that may grow by at most 256 MiB beyond what importing
+    checkpoint.py took (RLIMIT_DATA): what it raised, as `<type> <message>` (MemoryError where it built or read too
+    much)."""
+    code = ("import resource, sys, checkpoint\n"
+            "used = int(next(l for l in open('/proc/self/status') if l.startswith('VmData')).split()[1]) << 10\n"
+            "hard = resource.getrlimit(resource.RLIMIT_DATA)[1]\n"
+            "resource.setrlimit(resource.RLIMIT_DATA, (used + (256 << 20), hard))\n"
+            f"try:\n    checkpoint.{call}(sys.argv[1])\n    print('accepted')\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(directory)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    return out.stdout + out.stderr[-2000:]
+
+
+# ---- 1. every value a checkpoint claims is bounded before it is used ----------------------------------------
+def test_a_world_size_of_a_billion_is_refused_before_anything_is_built_per_rank(copy):
+    """Before: --resume built a set of 10⁹ RNG file names (4 GB in 30 s and rising) to compare with the manifest.
+    Now world_size is at most MAX_RANKS and is checked first: the child stays within 256 MiB."""
+    rewrite(copy, lambda m: m.update(world_size=10**9))
+    out = capped("read_checkpoint_meta", copy)
+    assert out.startswith("ValueError") and "world_size is 1000000000: the wrong type or out of range (an integer " \
+        f"in [1, {checkpoint.MAX_RANKS}])" in out, out
+
+
+@pytest.mark.parametrize("field, change", [
+    ("loop.iteration", lambda m: m["loop"].update(iteration=2**31)),
+    ("loop.skipped_steps", lambda m: m["loop"].update(skipped_steps=10**30)),
+    ("loop.sampler.n", lambda m: m["loop"]["sampler"].update(n=0)),
+    ("loop.sampler.seed", lambda m: m["loop"]["sampler"].update(seed=2**32)),
+])
+def test_counts_out_of_range_are_refused_naming_the_field(copy, field, change):
+    rewrite(copy, change)
+    with pytest.raises(ValueError, match=rf"--resume: {copy}/meta.json: {field} is \d+: the wrong type or out of "
+                                         r"range \(an integer in \["):
+        checkpoint.read_checkpoint_meta(str(copy))
+
+
+# ---- 2. sizes before contents -------------------------------------------------------------------------------
+def test_a_1_gib_meta_json_is_refused_before_it_is_read(copy):
+    """Before: read whole (1.8 GB of RSS) to fail as invalid JSON. Now its size is checked on the descriptor."""
+    with open(copy / "meta.json", "r+b") as f:
+        f.truncate(1 << 30)  # sparse: no disk used
+    out = capped("read_checkpoint_meta", copy)
+    assert out.startswith("ValueError") and "meta.json is corrupt (1073741824 bytes, more than the 4 MiB" in out, out
+
+
+@pytest.mark.parametrize("victim, needle", [
+    ("dcp/extra.distcp", "dcp/extra.distcp is not in the manifest"),  # not listed
+    ("dcp/__0_0.distcp", r"dcp/__0_0.distcp differs from its SHA-256 in the manifest \(it has 68719476736 bytes, the "
+                         r"manifest's file \d+\)"),  # listed, swapped
+])
+def test_a_sparse_64_gib_file_is_refused_before_any_file_is_hashed(copy, monkeypatch, victim, needle):
+    """Before: every file was hashed, then names compared: 150 s on a sparse 64 GiB file not in the manifest.
+    Now names and sizes (from the directory entries) come first, and nothing is hashed before the refusal."""
+    with open(copy / victim, "ab") as f:
+        f.truncate(64 << 30)
+
+    def hashed(*args, **kwargs):
+        raise AssertionError("a file was hashed before the names and sizes were checked")
+    monkeypatch.setattr(checkpoint.hashlib, "file_digest", hashed)
+    with pytest.raises(ValueError, match=rf"--resume: {copy}/{needle} \({copy}/meta.json\): the checkpoint was "
+                                         "altered"):
+        checkpoint.verify_checkpoint(str(copy))
+
+
+def test_a_file_of_its_listed_size_but_other_bytes_is_still_refused_by_its_sha256(copy):
+    path = copy / "rng_rank0.safetensors"
+    path.write_bytes(bytes(path.stat().st_size))
+    with pytest.raises(ValueError, match="rng_rank0.safetensors differs from its SHA-256 in the manifest"):
+        checkpoint.verify_checkpoint(str(copy))
+
+
+# ---- 3. the directory walk: bounded depth and entries, no recursion -----------------------------------------
+def test_1500_nested_directories_are_refused_in_one_line(copy):
+    """Before: a RecursionError out of os.walk in manifest(). Now an iterative walk refuses past MAX_DEPTH."""
+    fd, made = os.open(copy / "dcp", os.O_RDONLY), 0
+    try:
+        while made < 1500:  # through descriptors: os.makedirs and shutil.rmtree recurse too
+            os.mkdir("d", dir_fd=fd)
+            fd, made = descend(fd, "d"), made + 1
+        with pytest.raises(ValueError, match=rf"--resume: {copy}/dcp(/d)+ lies more than \d+ directories deep: not a "
+                                             "checkpoint"):
+            checkpoint.verify_checkpoint(str(copy))
+    finally:
+        for _ in range(made):
+            fd = descend(fd, "..")
+            os.rmdir("d", dir_fd=fd)
+        os.close(fd)
+
+
+def descend(fd: int, name: str) -> int:
+    """The directory `name` under the open directory `fd`, opened; `fd` closed."""
+    child = os.open(name, os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    return child
+
+
+def test_more_entries_than_the_bound_are_refused(copy, monkeypatch):
+    """Before: any number of empty directories was walked, each one, and accepted (no file, so nothing to refuse).
+    The bound is lowered here so that the test makes 20 directories rather than 32,769."""
+    monkeypatch.setattr(checkpoint, "MAX_ENTRIES", 16, raising=False)
+    for i in range(20):
+        (copy / "lora" / f"empty{i}").mkdir()
+    with pytest.raises(ValueError, match=f"--resume: {copy} holds more than 16 files and directories"):
+        checkpoint.verify_checkpoint(str(copy))
+
+
+def test_a_checkpoint_as_written_is_within_every_bound(saved):
+    meta = checkpoint.verify_checkpoint(saved["nft"])
+    assert meta["sizes"] == {k: os.path.getsize(os.path.join(saved["nft"], k)) for k in meta["manifest"]}
+    assert os.path.getsize(os.path.join(saved["nft"], "meta.json")) < checkpoint.META_BYTES
+
+
+# ---- 4. an algorithm or EMA change the checkpoint cannot serve ----------------------------------------------
+@pytest.mark.parametrize("change, needle", [
+    (dict(algorithm="nft"), r"--algorithm nft keeps an old policy, which .*iter_000000 \(--algorithm 'grpo'\) does "
+                            "not hold: resume with its --algorithm or start anew"),
+    (dict(algorithm="awm"), "--algorithm awm keeps an old policy"),
+    (dict(ema_decay=0.9), r"--ema-decay 0.9 keeps an EMA, which .*iter_000000 \(--ema-decay 0\) does not hold"),
+])
+def test_a_shadow_the_checkpoint_lacks_is_refused_up_front(saved, change, needle):
+    """Before: check_args passed, and the engine's strict dcp.load failed on the missing `old.*` (or `ema.*`) keys
+    with four tracebacks saying the checkpoint was written by a different model/LoRA."""
+    args = dataclasses.replace(TINY, **change, resume=saved["grpo"], allow_change=tuple(change))
+    with pytest.raises(ValueError, match=needle):
+        startup.check_args(args)
+
+
+def test_an_nft_checkpoint_resumes_as_grpo_dropping_the_old_policy(saved):
+    """The other direction is sound: grpo does not use the old policy; the weights and AdamW state carry over."""
+    args = dataclasses.replace(TINY, resume=saved["nft"], allow_change=("algorithm",))
+    assert startup.check_args(args)[0] == saved["nft"]
+    model = models.load_model("tiny", None, "cpu", seed=0)
+    engine = eng.Engine(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
+                        lr=args.lr, weight_decay=0, max_grad_norm=1.0, seed=0)
+    assert engine.load_checkpoint(saved["nft"])["flags"]["algorithm"] == "nft"

@@ -1,0 +1,163 @@
+"""What a user sees, tried as a newcomer would: a failed multi-rank start says one line, a refused start leaves the
+lock of the run that is there, run directories get plain names, a run ends by telling its judge, its curve and sample
+grid stay readable, a run whose every update is skipped stops, and the method comparison never touches a run it does
+not own."""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import engine as eng
+import flowgrpo
+import nano
+import nano_compare
+import rundir
+import runlog
+import startup
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = os.environ | {"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+HOLD = "import sys, time, rundir\nrundir.lock_run_dir(sys.argv[1], True)\nprint('held', flush=True)\ntime.sleep(900)"
+
+
+def test_a_failed_multi_rank_start_says_one_line_from_rank_0(tmp_path):
+    """Weights that cannot be loaded, two ranks: before, rank 0 printed a run directory that was never made, its
+    error, and each rank a false "interrupted … --resume auto continues"."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(ROOT / "flowgrpo.py"), "--model", "qwen-image", "--model-path", "nobody/no-such-model",
+                          "--run-dir", str(run), "--no-wandb"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                         timeout=300)
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "flowgrpo.py:" in line or "run directory" in line]
+    assert out.returncode != 0 and len(said) == 1 and said[0].startswith("flowgrpo.py: error: --model qwen-image"), said
+    project_frames = re.findall(rf'File "{ROOT}/(?!\.venv)[^"]*"', out.stderr)
+    assert not project_frames, project_frames  # no stack of the project's (torchrun's own report stays)
+    assert not run.exists()
+
+
+def test_a_refused_start_leaves_the_lock_line_of_the_run_there(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    (run / ".lock").write_text("the run on host h, PID 1, started then\n")
+    with pytest.raises(ValueError, match="already holds a run"):
+        rundir.claim_run_dir(str(run), "tiny-brightness", None, {}, {})
+    rundir.release_run_dirs()
+    assert (run / ".lock").read_text() == "the run on host h, PID 1, started then\n"
+
+
+def test_run_directories_get_names_nothing_has_to_quote():
+    assert rundir.safe_name("nano-digit=1,digit_judge=0") == "nano-digit+digit_judge"
+    assert rundir.safe_name("tiny-ocr=1.0,pickscore=-0.5e-1") == "tiny-ocr+pickscore"
+    assert rundir.safe_name("tiny-remote=http://127.0.0.1:8000/x") == "tiny-remote_http_127.0.0.1_8000_x"
+
+
+def test_help_names_every_built_in_prompt_set_and_what_eval_images_are():
+    out = subprocess.run([sys.executable, "flowgrpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=ENV | {"COLUMNS": "200"})
+    assert "(ocr, general, digits)" in out.stdout and "image i shows eval prompt i mod" in out.stdout, out.stdout
+
+
+def test_a_run_ends_by_telling_its_judge_and_draws_it(tmp_path, capsys):
+    """The closing summary names each weight-0 reward (the judge) from its first to its last evaluation; the curve has
+    a second panel for it. Before: only the reward, and one panel."""
+    claim = runlog.Claim(str(tmp_path), "id", None, {"group_size": 8, "reward": "digit=1,digit_judge=0"})
+    log = runlog.RunLog(claim, enabled=True, use_wandb=False, weights={"digit": 1.0, "digit_judge": 0.0})
+    for it in range(3):
+        log.log({"iteration": it, "reward/mean": 0.5, "reward/std": 0.4, "reward/min": 0.0, "reward/max": 1.0,
+                 "reward/zero_std_ratio": 0.0, "reward/digit_judge/mean": 0.4 + 0.1 * it, "eval/reward_mean": 0.5,
+                 "eval/digit_judge/mean": 0.45 + 0.1 * it})
+    log.close()
+    said = capsys.readouterr().out
+    assert "digit_judge, the judge (weight 0, never trained on), on the eval images: 0.45 (iteration 0) → 0.65 " \
+           "(iteration 2)" in said, said
+    two_panels = Image.open(tmp_path / "reward_curve.png").size
+    assert two_panels[0] > 1.5 * two_panels[1], two_panels
+
+
+def test_a_sample_grid_of_many_images_stays_readable():
+    """200 eval images of 10 prompts (the nano recipe's): one row per prompt, 8 images each. Before: a 768 × 11,800
+    pixel column. 200 different prompts: the first 32, four a row."""
+    images = torch.rand(200, 3, 16, 16)
+    per_prompt = runlog.grid_image(images, [f"a handwritten digit {i % 10} | 0.5" for i in range(200)])
+    assert per_prompt.size[0] <= 8 * 96 and per_prompt.size[1] <= 18 + 10 * (16 + 96 + 14), per_prompt.size
+    flat = runlog.grid_image(images, [f"prompt {i} | 0.5" for i in range(200)])
+    assert flat.size[0] == 4 * 192 and flat.size[1] <= 18 + 8 * (192 + 44), flat.size
+
+
+def test_a_run_whose_every_update_is_skipped_stops_naming_it(tmp_path, monkeypatch):
+    """Every optimizer step of an iteration skipped (a gradient norm that is not finite) used to end with exit 0."""
+    def never(self):
+        self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=False)
+        return float("nan"), True
+    monkeypatch.setattr(eng.Engine, "step", never)
+    a = dataclasses.replace(flowgrpo.Args(), run_dir=str(tmp_path / "run"), iterations=3, group_size=2,
+                            prompts_per_iteration=2, micro_batch=2, eval_every=0, wandb=False)
+    with pytest.raises(ValueError, match="iteration 0: all 2 optimizer steps were skipped"):
+        flowgrpo.main(a)
+    eng.shutdown()
+
+
+# ---- the method comparison (nano_compare.py) honours run locks and flags ------------------------------------------
+
+def hold(path: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_the_comparison_never_deletes_a_run_directory_a_live_trainer_holds(tmp_path):
+    run = Path(nano_compare.run_path(str(tmp_path), "window 2", 0))
+    holder = hold(run)
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')  # an unfinished run, in progress
+    try:
+        with pytest.raises(ValueError, match="is in use by the run on host"):
+            nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 60, 10, 200)
+        assert (run / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_second_comparison_into_the_same_out_is_refused_and_touches_nothing(tmp_path):
+    (tmp_path / "window-2-seed0.log").write_text("the first comparison's log\n")
+    holder = hold(tmp_path)
+    try:
+        out = subprocess.run([sys.executable, "nano_compare.py", "--out", str(tmp_path), "--seeds", "1", "--methods",
+                              "window 2", "--iterations", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode == 2 and "nano_compare.py: error: --out" in out.stderr and "in use" in out.stderr, out.stderr
+    assert (tmp_path / "window-2-seed0.log").read_text() == "the first comparison's log\n"
+
+
+def test_a_finished_run_is_reused_only_if_made_with_the_same_flags(tmp_path, monkeypatch):
+    run = nano_compare.run_path(str(tmp_path), "window 2", 0)
+    argv = nano_compare.command(nano, ("--window", "2"), 0, run, 3, 10, 200)
+    os.makedirs(os.path.join(run, "lora"))
+    Path(run, "metrics.jsonl").write_text('{"iteration": 0}\n' * 3)
+    made = dataclasses.asdict(startup.parse_args(flowgrpo.Args, argv)) | {"run_id": "x", "batch_arithmetic": {}}
+    Path(run, "args.json").write_text(json.dumps(made))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished run was run again"))
+    assert nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200) == run
+    Path(run, "args.json").write_text(json.dumps(made | {"lr": 3e-3}))
+    with pytest.raises(ValueError, match=r"made with other flags \(\{'lr': \[0.003, 0.001\]\}"):
+        nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200)
+
+
+def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path):
+    for cmd in (["grid", str(tmp_path)], ["evaluate", str(tmp_path)]):
+        out = subprocess.run([sys.executable, "nano.py", *cmd], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 2 and out.stderr.strip().startswith("nano.py: error:") and \
+            len(out.stderr.strip().splitlines()) == 1 and "no exported LoRA" in out.stderr, out.stderr
