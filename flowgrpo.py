@@ -360,7 +360,6 @@ def main(a: Args) -> list[dict]:
 
             # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
-            skipped = engine.skipped_steps  # a step whose gradient norm is not finite is skipped, on every rank alike
             stats = engine.mean_over_ranks(algo.update(model, engine, batch, a, arith, engine.is_main))
             t2 = time.perf_counter()
 
@@ -380,7 +379,7 @@ def main(a: Args) -> list[dict]:
                 with engine.ema_weights():
                     row |= evaluate(model, engine, reward_fn, evalset, a, it, log)
             log.log(row)
-            if engine.skipped_steps - skipped == a.optimizer_steps:  # not one update: a run like this learns nothing
+            if stats["train/skipped_fraction"] == 1:  # every step's gradient norm not finite: a run that learns nothing
                 raise ValueError(f"iteration {it}: all {a.optimizer_steps} optimizer steps were skipped, their gradient "
                                  "norms not finite: the run would learn nothing; lower --lr or the flag that scales the "
                                  "loss (e.g. --nft-beta, --old-kl, --kl-beta); its checkpoints are as last written")
@@ -403,15 +402,27 @@ def main(a: Args) -> list[dict]:
     return log.rows
 
 
+def said_once(status: int | str) -> int | str:
+    """What this rank says as it ends. Every rank meets the same bad input, and torchrun stops the others once one
+    ends, so a rank other than 0 holds its message back a while: rank 0 says it, torchrun stops this rank meanwhile
+    (silently), and only a failure of this rank alone is said, after the wait, naming the rank."""
+    rank = int(os.environ.get("RANK", 0))
+    if not isinstance(status, str) or rank == 0:
+        return status
+    try:
+        time.sleep(10)
+    except KeyboardInterrupt:  # torchrun's SIGTERM: another rank ended first and said why
+        return 1
+    return f"rank {rank}: {status}"
+
+
 if __name__ == "__main__":
     status = 0
     try:
         eng.handle_signals()  # SIGTERM as Ctrl-C, on every rank; SIGUSR1 prints the stacks
         main(startup.parse_args(Args))
-    except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack),
-        # by rank 0 only: every rank meets the same input, and torchrun stops the others when one fails
+    except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
         status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"
-        status = status if int(os.environ.get("RANK", 0)) == 0 else 1
     except KeyboardInterrupt:  # Ctrl-C, or torchrun's SIGTERM after another rank failed: rank 0 says what is left
         status = rundir.interrupted() if int(os.environ.get("RANK", 0)) == 0 else 1
     except Exception:  # anything else: its stack, and the same way out
@@ -419,4 +430,4 @@ if __name__ == "__main__":
     finally:
         eng.shutdown()
         rundir.release_run_dirs()  # a start that failed before training leaves no directory behind
-    eng.exit_process(status)  # not through the interpreter's teardown, which a gloo thread can abort (see there)
+    eng.exit_process(said_once(status))  # not through the interpreter's teardown, which a gloo thread can abort

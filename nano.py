@@ -116,6 +116,22 @@ def judge_scores(images: np.ndarray, digits) -> np.ndarray:
     return (classifiers()[1].predict(gray(images, SIDE)) == np.asarray(digits)).astype(np.float64)
 
 
+def digit():
+    """`--reward digit`: p(the prompted digit) under the reward classifier (a logistic regression on 8×8 averages)."""
+    classifiers()  # fitted now (seconds): at start-up, not in the first rollout
+    return lambda images, prompts, metadata: reward_scores(images, [target_digit(p) for p in prompts])
+
+
+def digit_judge():
+    """`--reward digit_judge`: 1 if the judge (an RBF SVM on all 16×16 pixels) reads the prompted digit, else 0. The
+    nano recipe gives it weight 0 (`digit=1,digit_judge=0`): logged beside the reward, never optimised."""
+    classifiers()
+    return lambda images, prompts, metadata: judge_scores(images, [target_digit(p) for p in prompts])
+
+
+REWARDS = {"digit": (digit, target_digit), "digit_judge": (digit_judge, target_digit)}  # rewards.py's registry reads it
+
+
 def held_out_accuracy() -> dict:
     """Both classifiers on the held-out split's real digits (rendered and quantised as in training)."""
     _, x_test, _, y_test = split()
@@ -314,8 +330,8 @@ def grid(run_dir: str, out: str, per_digit: int = 8, cell: int = 48) -> dict:
         right = judge_scores(quantised(images), digits)
         result["before" if side == 0 else "after"] = float(right.mean())
         x0 = 24 + side * (per_digit * cell + gap)
-        draw.text((x0, 3), f"{'before (base)' if side == 0 else 'after (RL)'}: the judge reads {right.mean():.0%}",
-                  fill="black", font=font)
+        draw.text((x0, 3), f"{'before (base)' if side == 0 else 'after (RL)'}: the judge reads {right.mean():.0%} of "
+                  f"these {len(right)}", fill="black", font=font)
         for i, (img, d, ok) in enumerate(zip(images, digits, right)):
             x, y = x0 + (i // 10) * cell, 22 + d * cell
             draw.rectangle((x, y, x + cell - 1, y + cell - 1), fill="#2a2" if ok else "#d22")

@@ -221,18 +221,6 @@ JUDGE_TASKS = {
                         "structured_outputs": {"choice": list(YES_NO)}}, _score_yes_no),
 }
 
-# ---------------------------------------------------------------- the nano task's digit readers (nano.py)
-def digit():
-    """p(the prompted digit) under nano.py's reward classifier (a logistic regression on the image averaged to 8×8)."""
-    nano.classifiers()  # fitted now (seconds): at start-up, not in the first rollout
-    return lambda images, prompts, metadata: nano.reward_scores(images, [nano.target_digit(p) for p in prompts])
-
-def digit_judge():
-    """1 if nano.py's judge (an RBF SVM on all 16×16 pixels) reads the prompted digit, else 0. The nano recipe gives it
-    weight 0 (`digit=1,digit_judge=0`): logged beside the reward, never optimised."""
-    nano.classifiers()
-    return lambda images, prompts, metadata: nano.judge_scores(images, [nano.target_digit(p) for p in prompts])
-
 # ---------------------------------------------------------------- rewards over HTTP (the transport: reward_http.py)
 JUDGE_CONCURRENCY = 8  # requests in flight per judge server, unless FLOWGRPO_JUDGE_CONCURRENCY says otherwise
 
@@ -486,10 +474,13 @@ class AsyncRewards:
         self.workers.close()
 
 # ---------------------------------------------------------------- the registry: one line per reward
+# The laptop tasks' readers (nano.py, …): each task file's reward and judge, name -> (factory, prompt check)
+TASK_REWARDS = nano.REWARDS
 REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
-                                    aesthetic, digit, digit_judge, remote, judge, temporal_consistency, motion)}
+                                    aesthetic, remote, judge, temporal_consistency, motion)} | {
+    name: factory for name, (factory, _) in TASK_REWARDS.items()}
 VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B, F, H, W, 3); the others images
-PROMPT_CHECKS = {"ocr": ocr_target, "digit": nano.target_digit, "digit_judge": nano.target_digit,
+PROMPT_CHECKS = {"ocr": ocr_target, **{name: check for name, (_, check) in TASK_REWARDS.items()},
                  **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 
 if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P: reward_server's server of this reward
