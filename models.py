@@ -18,13 +18,15 @@ import checkpoint
 import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
-from models_qwen import NanoQwenImage, QwenImage
+from models_nano import NanoComposeQwenImage, NanoQwenImage
+from models_qwen import QwenImage
 from models_sd3 import SD3
 from models_wan import Wan
 
 SPECS = {
     "tiny": Spec(QwenImage, "QwenImagePipeline", 8),
     "nano": Spec(NanoQwenImage, "QwenImagePipeline", 8, trained_parts=("vae", "transformer")),
+    "nano-compose": Spec(NanoComposeQwenImage, "QwenImagePipeline", 8, trained_parts=("vae", "transformer")),
     "qwen-image": Spec(QwenImage, "QwenImagePipeline", 16),
     "tiny-sd3": Spec(SD3, "StableDiffusion3Pipeline", 8),
     "sd3.5-medium": Spec(SD3, "StableDiffusion3Pipeline", 16),
@@ -142,8 +144,9 @@ def check_trained_part(model: str, path: str, part: str) -> None:
     try:
         model_files.check_part(path, part, adapter_class(model).trained_classes[part])
     except ValueError as e:
-        raise ValueError(f"--model-path {path}: {e}: rerun `python nano.py pretrain --out {path}`, or use the shipped "
-                         f"assets/nano (no --model-path)") from None
+        cls = adapter_class(model)
+        raise ValueError(f"--model-path {path}: {e}: rerun `python {cls.pretrained_by} pretrain --out {path}`, or use "
+                         f"the shipped {os.path.relpath(cls.default_path)} (no --model-path)") from None
 
 
 def check_lora_targets(model: str, path: str | None, targets) -> None:

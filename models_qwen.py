@@ -1,6 +1,6 @@
-"""Qwen-Image (`qwen-image`; `tiny`, the same classes at toy size; `nano`, tiny Qwen-Image with its VAE and transformer
-pretrained here on handwritten digits, nano.py) around diffusers' QwenImagePipeline: packed latents, the Qwen2.5-VL
-text encoder's masked embeddings, Qwen-Image's true CFG with its per-token norm rescale."""
+"""Qwen-Image (`qwen-image`; `tiny`, the same classes at toy size, random weights) around diffusers' QwenImagePipeline:
+packed latents, the Qwen2.5-VL text encoder's masked embeddings, Qwen-Image's true CFG with its per-token norm rescale.
+The laptop tasks' models, these classes pretrained here, are in models_nano.py."""
 import importlib.util
 import os
 
@@ -49,23 +49,6 @@ def build_tiny_qwen_pipeline(seed: int = 0, heads: int = 3):
     return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae,
                              text_encoder=text_encoder, tokenizer=Qwen2Tokenizer.from_pretrained(qwen_tokenizer_dir()),
                              transformer=transformer)
-
-
-NANO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "nano")  # `python nano.py pretrain`
-
-
-def build_nano_pipeline(path: str | None = NANO_DIR, vae=None, transformer=None):
-    """The nano model (nano.py): the tiny pipeline's frozen text encoder, tokenizer and scheduler (seed 0, always: the
-    condition it was pretrained on), with the VAE and transformer trained on handwritten digits, read from `path`
-    (vae/, transformer/), or the modules given (pretraining)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
-    tiny = build_tiny_qwen_pipeline(0)
-    if path is not None:
-        vae = AutoencoderKLQwenImage.from_pretrained(os.path.join(path, "vae"), torch_dtype=torch.float32)
-        transformer = QwenImageTransformer2DModel.from_pretrained(os.path.join(path, "transformer"),
-                                                                  torch_dtype=torch.float32)
-    return QwenImagePipeline(scheduler=tiny.scheduler, vae=vae, text_encoder=tiny.text_encoder,
-                             tokenizer=tiny.tokenizer, transformer=transformer)
 
 
 class QwenImage(Adapter):
@@ -176,15 +159,3 @@ class QwenImage(Adapter):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
         image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]  # the pipeline's exact arithmetic
         return self.pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
-
-
-class NanoQwenImage(QwenImage):
-    """`nano`: Qwen-Image's classes at toy size, pretrained on real handwritten digits (nano.py, docs/algorithm.md
-    §15); --model-path is a directory of its trained parts (default: the shipped assets/nano)."""
-    default_path = NANO_DIR
-    trained_classes = {"vae": "AutoencoderKLQwenImage", "transformer": "QwenImageTransformer2DModel"}  # what it loads
-
-    @classmethod
-    def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> "Adapter":
-        return cls(build_nano_pipeline(path or cls.default_path), device, torch.float32)
-

@@ -11,7 +11,7 @@ stratified, seeded; an image is a digit upscaled bilinearly to 16×16, white on 
 are fitted on the train split only, on 8-bit images as every reward sees them: the reward (`--reward digit`), a
 logistic regression's p(prompted digit) from the image averaged back to 8×8, and the judge (`digit_judge`), an RBF
 SVM on all 16×16 pixels, which sees the detail the reward averages away. The base model
-(models_qwen.build_nano_pipeline) is pretrained here with a fixed seed and step count, short of convergence so that RL
+(models_nano.build_nano_pipeline) is pretrained here with a fixed seed and step count, short of convergence so that RL
 has room (docs/algorithm.md §15).
 """
 import functools
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import models_nano
 import models_qwen
 import prompts as prompt_sets
 
@@ -249,7 +250,7 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
             reward_on_reconstructions=reward_scores(seen, y_test).mean())
 
     # 2. Transformer: rectified flow on the normalised latents, each image prompted with its digit's prompt
-    pipe = models_qwen.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
+    pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
     start = time.time()
     losses = train_transformer(pipe, mu_z, std_z, torch.as_tensor(y_train), prompt_texts(), SIDE, transformer_steps,
                                transformer_batch, transformer_lr, ema, gen)
@@ -282,7 +283,7 @@ def prompt_texts() -> list[str]:
 
 def load(path: str | None = None, lora: str | None = None):
     """The nano pipeline (the shipped weights, or `path`), with a run's exported LoRA directory loaded if given."""
-    pipe = models_qwen.build_nano_pipeline(path or models_qwen.NANO_DIR)
+    pipe = models_nano.build_nano_pipeline(path or models_nano.NANO_DIR)
     if lora:
         pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
@@ -357,7 +358,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pretrain", help="train the base model (defaults: the shipped budget) and write it to --out")
-    p.add_argument("--out", default=models_qwen.NANO_DIR, help="directory for vae/, transformer/, pretrain.json")
+    p.add_argument("--out", default=models_nano.NANO_DIR, help="directory for vae/, transformer/, pretrain.json")
     for key, value in PRETRAIN.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     sub.add_parser("classifiers", help="the reward's and the judge's accuracy on the held-out real digits")

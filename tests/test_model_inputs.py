@@ -13,7 +13,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
 import models
-import models_qwen
+import models_nano
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -23,7 +23,7 @@ ARGS = dict(height=32, width=32, cfg_scale=1.0, guidance=None, model_path=None)
 @pytest.fixture
 def nano(tmp_path):
     """A copy of the shipped nano directory (vae/, transformer/), to damage."""
-    shutil.copytree(models_qwen.NANO_DIR, tmp_path / "nano", ignore=shutil.ignore_patterns("*.png"))
+    shutil.copytree(models_nano.NANO_DIR, tmp_path / "nano", ignore=shutil.ignore_patterns("*.png"))
     return tmp_path / "nano"
 
 
