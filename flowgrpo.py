@@ -405,12 +405,14 @@ def main(a: Args) -> list[dict]:
 def said_once(status: int | str) -> int | str:
     """What this rank says as it ends. Every rank meets the same bad input, and torchrun stops the others once one
     ends, so a rank other than 0 holds its message back a while: rank 0 says it, torchrun stops this rank meanwhile
-    (silently), and only a failure of this rank alone is said, after the wait, naming the rank."""
+    (silently), and only a failure of this rank alone is said, after the wait, naming the rank. The wait is long (a
+    minute) because on a loaded machine the ranks meet the same error seconds apart; a rank failing alone leaves the
+    others blocked in a collective for longer than that anyway."""
     rank = int(os.environ.get("RANK", 0))
     if not isinstance(status, str) or rank == 0:
         return status
     try:
-        time.sleep(10)
+        time.sleep(60)
     except KeyboardInterrupt:  # torchrun's SIGTERM: another rank ended first and said why
         return 1
     return f"rank {rank}: {status}"

@@ -1,17 +1,14 @@
-"""The laptop tasks' models (nano.py, nano_compose.py): Qwen-Image's classes at toy size with the tiny model's frozen
-text encoder, tokenizer and scheduler, their VAE and transformer pretrained here and shipped in assets/ (diffusers'
-format, float16). `--model nano` asks for one handwritten digit at 16×16; `--model nano-compose` for GenEval's
-compositions of digits in colour at 32×32."""
+"""The laptop tasks' models (nano.py): Qwen-Image's classes at toy size with the tiny model's frozen text encoder,
+tokenizer and scheduler, their VAE and transformer pretrained here and shipped in assets/ (diffusers' format,
+float16). `--model nano` asks for one handwritten digit at 16×16."""
 import os
 
 import torch
 
-from models_base import Spec
 from models_qwen import QwenImage, build_tiny_qwen_pipeline
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 NANO_DIR = os.path.join(ASSETS, "nano")  # `python nano.py pretrain` writes it
-NANO_COMPOSE_DIR = os.path.join(ASSETS, "nano-compose")  # `python nano_compose.py pretrain` writes it
 
 
 def build_nano_pipeline(path: str | None = NANO_DIR, vae=None, transformer=None):
@@ -39,16 +36,3 @@ class NanoQwenImage(QwenImage):
     def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> QwenImage:
         return cls(build_nano_pipeline(path or cls.default_path), device, torch.float32)
 
-
-class NanoComposeQwenImage(NanoQwenImage):
-    """`nano-compose`: the same classes pretrained here on compositions of handwritten digits in colour, GenEval's
-    categories at toy size (nano_compose.py, docs/algorithm.md §16); its canvas is CANVAS pixels a side, no other."""
-    default_path = NANO_COMPOSE_DIR
-    pretrained_by = "nano_compose.py"
-    CANVAS = 32  # pixels a side: nano_compose.SIDE
-
-    @classmethod
-    def check_size(cls, model: str, spec: Spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
-        if (height, width) != (cls.CANVAS, cls.CANVAS):
-            raise ValueError(f"--model {model} draws {cls.CANVAS}×{cls.CANVAS} images, its task's canvas (the judge and "
-                             f"the reward read that size): --height {cls.CANVAS} --width {cls.CANVAS}, got {height}×{width}")

@@ -291,17 +291,22 @@ def load(path: str | None = None, lora: str | None = None):
 
 
 @torch.no_grad()
-def sample(pipe, per_digit: int, steps: int = 10, chunk: int = 100) -> tuple[torch.Tensor, np.ndarray]:
-    """(images (10·per_digit, 3, 16, 16) in [0, 1], digits (10·per_digit,)): diffusers' own QwenImagePipeline call
-    (the ODE, Euler, as the loop's evaluation); image i shows digit i mod 10 from seed EVAL_SEED + i, for any model."""
-    digits = np.tile(np.arange(10), per_digit)
-    texts, images = prompt_texts(), []
-    for c in range(0, len(digits), chunk):
-        ids = range(c, min(c + chunk, len(digits)))
+def sample(pipe, texts: list[str], side: int, steps: int = 10, chunk: int = 100) -> torch.Tensor:
+    """Images (N, 3, side, side) in [0, 1] of prompts `texts`: diffusers' own QwenImagePipeline call (the ODE, Euler,
+    as the loop's evaluation), image i from seed EVAL_SEED + i, for any model: every laptop task's held-out draws."""
+    images = []
+    for c in range(0, len(texts), chunk):
+        ids = range(c, min(c + chunk, len(texts)))
         gens = [torch.Generator().manual_seed(EVAL_SEED + i) for i in ids]
-        images.append(pipe([texts[digits[i]] for i in ids], true_cfg_scale=1.0, height=SIDE, width=SIDE,
+        images.append(pipe([texts[i] for i in ids], true_cfg_scale=1.0, height=side, width=side,
                            num_inference_steps=steps, generator=gens, output_type="pt").images.float())
-    return torch.cat(images), digits
+    return torch.cat(images)
+
+
+def sample_digits(pipe, per_digit: int, steps: int = 10) -> tuple[torch.Tensor, np.ndarray]:
+    """(images (10·per_digit, 3, 16, 16), digits (10·per_digit,)): image i shows digit i mod 10 (sample)."""
+    digits = np.tile(np.arange(10), per_digit)
+    return sample(pipe, [prompt_texts()[d] for d in digits], SIDE, steps), digits
 
 
 def diversity(images: torch.Tensor, digits: np.ndarray) -> float:
@@ -311,7 +316,7 @@ def diversity(images: torch.Tensor, digits: np.ndarray) -> float:
 
 def evaluate(pipe, per_digit: int = 50, steps: int = 10) -> dict:
     """Judge accuracy, mean reward and diversity of `per_digit` samples of each digit on the held-out seeds."""
-    images, digits = sample(pipe, per_digit, steps)
+    images, digits = sample_digits(pipe, per_digit, steps)
     u8 = quantised(images)
     return {"images": len(digits), "judge_accuracy": float(judge_scores(u8, digits).mean()),
             "reward_mean": float(reward_scores(u8, digits).mean()), "diversity": diversity(images, digits)}
@@ -323,25 +328,31 @@ def grid(run_dir: str, out: str, per_digit: int = 8, cell: int = 48) -> dict:
     """A PNG of the base model's samples (left) and the run's (right, its exported LoRA) from the same held-out
     seeds: one row per digit, a green frame where the judge reads the prompted digit, red where it does not."""
     from PIL import Image, ImageDraw, ImageFont
-    font, pad, gap = ImageFont.load_default(size=13), 4, 24
+    font, gap = ImageFont.load_default(size=13), 24
     canvas = Image.new("RGB", (24 + 2 * per_digit * cell + gap, 22 + 10 * cell), "white")
     draw, result = ImageDraw.Draw(canvas), {}
     for side, lora in enumerate((None, run_lora(run_dir))):
-        images, digits = sample(load(lora=lora), per_digit)
+        images, digits = sample_digits(load(lora=lora), per_digit)
         right = judge_scores(quantised(images), digits)
         result["before" if side == 0 else "after"] = float(right.mean())
         x0 = 24 + side * (per_digit * cell + gap)
         draw.text((x0, 3), f"{'before (base)' if side == 0 else 'after (RL)'}: the judge reads {right.mean():.0%} of "
                   f"these {len(right)}", fill="black", font=font)
         for i, (img, d, ok) in enumerate(zip(images, digits, right)):
-            x, y = x0 + (i // 10) * cell, 22 + d * cell
-            draw.rectangle((x, y, x + cell - 1, y + cell - 1), fill="#2a2" if ok else "#d22")
-            tile = Image.fromarray(quantised(img[None])[0]).resize((cell - 2 * pad, cell - 2 * pad), Image.NEAREST)
-            canvas.paste(tile, (x + pad, y + pad))
+            framed(canvas, img, x0 + (i // 10) * cell, 22 + d * cell, cell, ok)
     for d in range(10):
         draw.text((6, 22 + d * cell + cell // 2 - 7), str(d), fill="black", font=font)
     canvas.save(out)
     return result
+
+
+def framed(canvas, image: torch.Tensor, x: int, y: int, cell: int, ok: bool, pad: int = 4) -> None:
+    """Paste image (3, H, W) in [0, 1] into a cell × cell square of `canvas` at (x, y), framed green where the judge
+    says it is right, red where it does not (the before/after grids)."""
+    from PIL import Image, ImageDraw
+    ImageDraw.Draw(canvas).rectangle((x, y, x + cell - 1, y + cell - 1), fill="#2a2" if ok else "#d22")
+    tile = Image.fromarray(quantised(image[None])[0]).resize((cell - 2 * pad, cell - 2 * pad), Image.NEAREST)
+    canvas.paste(tile, (x + pad, y + pad))
 
 
 def run_lora(run_dir: str) -> str:

@@ -3,7 +3,7 @@
 `load_prompts(spec)` takes a path ending in `.txt` (one prompt per line, blank lines skipped) or `.jsonl`
 (one `{"prompt": ..., **metadata}` object per line; the metadata is handed to the reward), or a built-in
 name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: a `.jsonl` may say it, line by line
-(`"split": "train"` or `"eval"`, as the nano-compose set does); otherwise, with fewer than 20 prompts the eval set is
+(`"split": "train"` or `"eval"`, a GenEval-style split); otherwise, with fewer than 20 prompts the eval set is
 the whole file (too few to hold any out), else every 10th prompt (the 10th, 20th, ...) is held out for eval and
 never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
 splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses.

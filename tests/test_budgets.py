@@ -19,7 +19,7 @@ BUDGETS = {
     "models_base.py": 250,  # what every adapter shares
     "model_files.py": 150,  # a model directory's files read within bounds before anything is built from them
     "models_qwen.py": 200, "models_sd3.py": 200, "models_flux.py": 200, "models_wan.py": 200,  # one family each
-    "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here
+    "models_nano.py": 200,  # the laptop task's model: Qwen-Image's classes pretrained here
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, EMA, the old policy, process groups
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     # the checkpoint format and its checks; raised from 250: every count, size, depth and name read back is bounded
@@ -35,7 +35,6 @@ BUDGETS = {
     "rundir.py": 200,  # a run directory belongs to one run: claimed, locked, refused to another, resumed
     "nano.py": 450,  # the digits task and what the laptop tasks share (data, pretraining, held-out sampling)
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
-    "nano_compose.py": 450,  # the compositional task: canvas, prompts, judge, reward, its base
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
     "bench_gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows
     "bench_soak.py": 400,  # the reward server under load and attack

@@ -21,7 +21,7 @@ import startup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NANO = flowgrpo.RECIPES["nano"]
-ITERATIONS = 60  # the RL test's run: long enough to lift the judge on every seed measured (docs/algorithm.md §15)
+ITERATIONS = 30  # the RL test's run: half the recipe's 60, enough to lift the judge well clear of its noise
 
 
 def test_the_split_is_stratified_and_seeded_and_both_classifiers_read_held_out_digits():
@@ -114,11 +114,13 @@ def one_thread():
 
 
 def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_path, one_thread):
-    """`flowgrpo.py --model nano` (the recipe) through the CLI, then the base model and the run's exported LoRA on the
+    """`flowgrpo.py --model nano` (the recipe, for 30 iterations) through the CLI, then the base model and the run's exported LoRA on the
     same 500 held-out seeds (nano's evaluation), read by the judge training never saw. Noise: the paired standard
     error of the change, sqrt(var(after_i − before_i) / n) over the 500 images, ~2 points. The margin asked: 3 of
-    it and at least 5 points; this run (seed 0) gains 12.2 points (5.5 of its noise), and every seed of the recipe
-    measured cleared the margin (docs/algorithm.md §15), so a machine whose floats round differently is no risk.
+    it and at least 5 points. This run, 30 iterations at seed 0, gains 9.6 points (45.2% → 54.8%, 5.2 of its noise;
+    measured 2026-12-02); the recipe's 60 gain 12.2 (5.5), and every seed of the recipe cleared the margin at 60
+    (docs/algorithm.md §15). A machine whose floats round differently draws other images: the 4-point room above the
+    margin is there for that.
     Every first update is exactly on-policy, the clip acts in the second, and the grid shows the change."""
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "nano", "--run-dir", str(run), "--iterations",
@@ -130,9 +132,9 @@ def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_
     assert np.mean([r["train/clipfrac"] > 0 for r in rows]) > 0.5  # the clip range acts (in the second step)
     assert all(r["perf/rollout_passes"] == 32 * 10 and r["perf/train_passes"] == 32 * 9 for r in rows)  # counted
     assert all(r["perf/cpu_s"] > 0 for r in rows)
-    images, digits = nano.sample(nano.load(), 50)
+    images, digits = nano.sample_digits(nano.load(), 50)
     before = nano.judge_scores(nano.quantised(images), digits)
-    images, _ = nano.sample(nano.load(lora=str(run / "lora")), 50)
+    images, _ = nano.sample_digits(nano.load(lora=str(run / "lora")), 50)
     after = nano.judge_scores(nano.quantised(images), digits)
     gain, noise = after.mean() - before.mean(), (after - before).std() / np.sqrt(len(digits))
     assert gain > max(3 * noise, 0.05), f"judge accuracy {before.mean():.1%} -> {after.mean():.1%}, noise {noise:.1%}"
