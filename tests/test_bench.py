@@ -1,6 +1,7 @@
-"""bench.py, bench_gpu.py and bench_soak.py at their smallest sizes through their CLIs, and bench_gpu.py's FLOP formula
-against torch's counter. No timing thresholds: these check that every row is produced and every figure is a finite
-positive number, not how fast anything is."""
+"""bench.py, bench_gpu.py and bench_soak.py at their smallest sizes, and bench_gpu.py's FLOP formula against torch's
+counter. No timing thresholds: these check that every row is produced and every figure is a finite positive number, not
+how fast anything is. bench.py and bench_soak.py run as scripts; bench_gpu.py's main runs in this process (its import
+is the heaviest of the three), and its --sp rows start the script itself on each rank."""
 import dataclasses
 import math
 import os
@@ -14,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import bench_gpu
+import engine as eng
 import flowgrpo
 import rollout
 
@@ -25,6 +27,18 @@ def run_bench(*flags: str, timeout: int = 240, script: str = "bench.py") -> str:
                          timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+def run_bench_gpu(capsys, *flags: str) -> str:
+    """What `python bench_gpu.py *flags` prints, from its main in this process. It sets torch's thread count to 1 on
+    CPU and builds an engine (a process group of one): both put back after."""
+    threads = torch.get_num_threads()
+    try:
+        bench_gpu.main(list(flags))
+    finally:
+        torch.set_num_threads(threads)
+        eng.shutdown()
+    return capsys.readouterr().out
 
 
 def table_rows(text: str) -> dict[str, list[float]]:
@@ -57,16 +71,16 @@ def test_cpu_table_smallest(tmp_path):
     assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows
 
 
-def test_sp_rows_smallest():
+def test_sp_rows_smallest(capsys):
     """bench_gpu.py's --sp 2 ÷ --sp 1 rows on CPU at their smallest (2 gloo ranks, 64²), as the CPU table had them."""
-    rows = table_rows(run_bench("--sp", "2", "--quick", script="bench_gpu.py"))
+    rows = table_rows(run_bench_gpu(capsys, "--sp", "2", "--quick"))
     for name in ("SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"):
         assert name in rows, (name, list(rows))
 
 
-def test_random_init_dry_run():
+def test_random_init_dry_run(capsys):
     """The GPU benchmark's path (random-weight model, text encoder bypassed, offload) at toy size on CPU."""
-    rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick", script="bench_gpu.py"))
+    rows = table_rows(run_bench_gpu(capsys, "--model", "tiny", "--random-init", "--quick"))
     for name in ("images/s per device, end to end", "rollout share of the iteration", "MFU", "peak memory, no offload",
                  "reward wait share of the iteration", "training share of the iteration",
                  "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"):

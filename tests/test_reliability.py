@@ -1,6 +1,7 @@
 """The trainer under a second attack review: a run directory locked by its run, checkpoints that are only regular
 files with a checked meta.json, resume branches and prompt sets, flag and knob bounds, SIGTERM and a full disk,
-and what a run says when it cannot learn. Through the real CLI where the promise is the CLI's."""
+and what a run says when it cannot learn. Through the real CLI where the promise is the CLI's or the process's;
+elsewhere flowgrpo.main or its first check (startup.check_args) in this process, without a process's ~10 s start."""
 import dataclasses
 import errno
 import json
@@ -15,14 +16,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoint
+import engine as eng
 import flowgrpo
 import rewards
 import runlog
 import startup
-from tiny_setup import stop, tiny_setup
+from tiny_setup import main_here, stop, tiny_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")} | {
@@ -39,6 +42,29 @@ def cli(*flags, wait=True, launcher=(sys.executable,), env=None):
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=600)
 
 
+def here(*flags) -> list[dict]:
+    """`cli(*flags)` in this process (tiny_setup.main_here), raising what the CLI would say in a line; its rows."""
+    return main_here(*TINY, *flags)
+
+
+def refusal(call, *args, seconds=120) -> Exception | None:
+    """What call(*args) raised (None if nothing), run in a thread that may take `seconds`: a hang (a FIFO opened for
+    reading blocks) fails the test instead of stopping the suite."""
+    raised = []
+
+    def run():
+        try:
+            call(*args)
+            raised.append(None)
+        except Exception as e:
+            raised.append(e)
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert raised, f"{call.__name__} still running after {seconds} s: it hangs"
+    return raised[0]
+
+
 def iterations(run) -> list[int]:
     return [json.loads(line)["iteration"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
@@ -49,12 +75,12 @@ def test_two_runs_started_at_once_into_one_new_run_dir_exactly_one_proceeds(tmp_
     iteration was logged. The first to start claims it with an OS lock; the other is refused (naming the holder, or,
     if it starts after the first ended, the run the directory holds)."""
     run = tmp_path / "run"
-    procs = [cli("--run-dir", run, "--iterations", 2, wait=False) for _ in range(2)]
+    procs = [cli("--run-dir", run, "--iterations", 1, wait=False) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert sorted(p.returncode for p in procs) == [0, 1], [err[-2000:] for _, err in outs]
     refused = next(err for p, (_, err) in zip(procs, outs) if p.returncode)
     assert "is in use by the run on host" in refused or "already holds a run" in refused, refused[-2000:]
-    assert iterations(run) == [0, 1]
+    assert iterations(run) == [0]
 
 
 def test_a_held_run_dir_is_refused_at_once_naming_the_holder_and_freed_when_it_dies(tmp_path):
@@ -71,7 +97,8 @@ def test_a_held_run_dir_is_refused_at_once_naming_the_holder_and_freed_when_it_d
     finally:
         holder.kill()  # a lock left by a dead process: released by the OS
         holder.wait()
-    assert cli("--run-dir", run, "--iterations", 1).returncode == 0
+    here("--run-dir", run, "--iterations", 1)  # raises what the CLI would say if refused
+    assert iterations(run) == [0]
 
 
 def test_temporary_names_are_unique_to_their_writer(tmp_path):
@@ -90,8 +117,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     (root / "prompts.txt").write_text("".join(f"a photo of thing {i}\n" for i in range(6)))
     flags = ["--prompts", root / "prompts.txt", "--checkpoint-every", 1, "--keep-checkpoints", 3]
-    out = cli("--run-dir", root / "run", "--iterations", 3, *flags)
-    assert out.returncode == 0, out.stderr[-3000:]
+    here("--run-dir", root / "run", "--iterations", 3, *flags)
     return root / "run", [str(f) for f in flags]
 
 
@@ -101,19 +127,29 @@ def copy_checkpoint(trained, tmp_path, name="iter_000001") -> Path:
     return copy
 
 
-@pytest.mark.parametrize("victim, plant, needle", [
-    ("rng_rank0.safetensors", os.mkfifo, "rng_rank0.safetensors is not a regular file (mode p"),
-    ("dcp/.metadata", lambda p: os.symlink("/dev/zero", p), "dcp/.metadata is not a regular file (mode l"),
-    ("meta.json", os.mkfifo, "meta.json is corrupt"),
-])
-def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(trained, tmp_path, victim, plant, needle):
+def link_to_dev_zero(path: str) -> None:
+    os.symlink("/dev/zero", path)
+
+
+def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(trained, tmp_path):
     """The manifest check and meta.json read every file with a plain open(): a FIFO hung --resume (45 s and
-    counting), a link to /dev/zero spun on it (30 CPU-s). Now only regular files are opened, without blocking."""
-    bad = copy_checkpoint(trained, tmp_path)
-    os.remove(bad / victim)
-    plant(str(bad / victim))
-    out = cli("--resume", bad, "--run-dir", tmp_path / "r", "--iterations", 4, *trained[1])  # 600 s: a hang fails
-    assert out.returncode == 1 and f"{bad}/{needle}" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    counting), a link to /dev/zero spun on it (30 CPU-s). Now only regular files are opened, without blocking. Each
+    through what flowgrpo.main checks first (check_args, in a thread: a hang fails); the first also through the CLI."""
+    for victim, plant, needle in [
+        ("rng_rank0.safetensors", os.mkfifo, "rng_rank0.safetensors is not a regular file (mode p"),
+        ("dcp/.metadata", link_to_dev_zero, "dcp/.metadata is not a regular file (mode l"),
+        ("meta.json", os.mkfifo, "meta.json is corrupt"),
+    ]:
+        bad = copy_checkpoint(trained, tmp_path / victim.replace("/", "_"))
+        os.remove(bad / victim)
+        plant(str(bad / victim))
+        flags = ["--resume", bad, "--run-dir", tmp_path / "r", "--iterations", 4, *trained[1]]
+        if victim == "rng_rank0.safetensors":
+            out = cli(*flags)  # 600 s: a hang fails
+            assert out.returncode == 1 and f"{bad}/{needle}" in out.stderr.splitlines()[-1], out.stderr[-2000:]
+            assert "Traceback" not in out.stderr
+        error = refusal(startup.check_args, startup.parse_args(flowgrpo.Args, [*TINY, *map(str, flags)]))
+        assert isinstance(error, ValueError) and f"{bad}/{needle}" in str(error), error
 
 
 def edit(directory: Path, change) -> None:
@@ -141,19 +177,20 @@ def test_meta_json_is_checked_field_by_field(trained, tmp_path, change, needle):
         checkpoint.resolve_resume(str(bad), None, {})
 
 
-def test_resuming_an_older_checkpoint_in_place_sets_its_successors_aside(trained, tmp_path):
+def test_resuming_an_older_checkpoint_in_place_sets_its_successors_aside(trained, tmp_path, capsys):
     """Resuming iteration 0's checkpoint in place, then `--resume auto`, used to continue the abandoned branch
     (iter_000002: metrics [0, 1, 3]). Its successors are moved aside now, kept, and said so."""
     run = tmp_path / "run"
     shutil.copytree(trained[0], run)
-    out = cli("--run-dir", run, "--resume", run / "checkpoints" / "iter_000000", "--iterations", 2, *trained[1])
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "iter_000001" in out.stdout and "iter_000002" in out.stdout and "set aside" in out.stdout, out.stdout
+    capsys.readouterr()
+    here("--run-dir", run, "--resume", run / "checkpoints" / "iter_000000", "--iterations", 2, *trained[1])
+    said = capsys.readouterr().out
+    assert "iter_000001" in said and "iter_000002" in said and "set aside" in said, said
     aside = sorted(p.name.split(".")[0] for p in (run / "checkpoints").glob("*.abandoned-*"))
     assert aside == ["iter_000001", "iter_000002"]
-    out = cli("--run-dir", run, "--resume", "auto", "--iterations", 4, *trained[1])
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert iterations(run) == [0, 1, 2, 3]
+    # 3 iterations: had auto picked the abandoned iter_000002, nothing would be left to train (refused)
+    here("--run-dir", run, "--resume", "auto", "--iterations", 3, *trained[1])
+    assert iterations(run) == [0, 1, 2]
 
 
 def test_a_changed_prompt_file_is_named_on_resume(trained):
@@ -187,10 +224,10 @@ def test_flags_out_of_any_sensible_range_are_refused_naming_them(change, needle)
 
 
 def test_a_deeply_nested_jsonl_and_a_fifo_prompt_file_are_named(tmp_path):
+    """Both by what flowgrpo.main checks first, as a ValueError (the CLI's one line, no traceback)."""
     (tmp_path / "deep.jsonl").write_text('{"prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    out = cli("--prompts", tmp_path / "deep.jsonl", "--run-dir", tmp_path / "r")
-    assert out.returncode == 1 and "deep.jsonl:1: not valid JSON (nested too deep)" in out.stderr, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
+    with pytest.raises(ValueError, match=r"deep.jsonl:1: not valid JSON \(nested too deep\)"):
+        startup.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts=str(tmp_path / "deep.jsonl")))
     os.mkfifo(tmp_path / "fifo.txt")
     with pytest.raises(FileNotFoundError, match="fifo.txt is not a regular file"):
         startup.check_args(dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts=str(tmp_path / "fifo.txt")))

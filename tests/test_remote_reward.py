@@ -27,6 +27,7 @@ import checkpoint  # noqa: E402
 import reward_http  # noqa: E402
 import reward_server  # noqa: E402
 import rewards  # noqa: E402
+from test_nft_awm import train_here  # noqa: E402
 from tiny_setup import stop  # noqa: E402
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -510,26 +511,31 @@ def last_checkpoint_iteration(run):
     return checkpoint.verify_checkpoint(last)["loop"]["iteration"]
 
 
-def test_training_run_whose_reward_server_dies_fails_clearly_and_keeps_its_checkpoint(tmp_path):
-    """The real loop with `--reward remote=URL`: the server is killed after the first checkpoints; the run
-    retries, stops with an error naming the server, and its newest complete checkpoint still resumes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(ROOT / "rewards.py"), "serve", "--reward", "brightness", "--port",
-                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = tmp_path / "run"
-    env = {**os.environ, "FLOWGRPO_REMOTE_RETRIES": "2", "FLOWGRPO_REMOTE_BACKOFF": "0.2", "WANDB_MODE": "offline"}
+def test_training_run_whose_reward_server_dies_fails_clearly_and_keeps_its_checkpoint(tmp_path, serve, monkeypatch):
+    """The real loop with `--reward remote=URL` (flowgrpo.main, in this process: test_nft_awm.train_here): the server
+    (reward_server's, in a thread; its own process stopped: test_cli_server_stopped_mid_run_retries_then_names_url)
+    is stopped after the first checkpoints; the run retries, stops with an error naming the server, and its newest
+    complete checkpoint still resumes."""
+    url, server = serve("brightness")
+    monkeypatch.setenv("FLOWGRPO_REMOTE_RETRIES", "2")
+    monkeypatch.setenv("FLOWGRPO_REMOTE_BACKOFF", "0.2")
+    run, done = tmp_path / "run", threading.Event()
+
+    def stop_server():  # once checkpoint 1 is complete, or the run ended without one (then the test fails below)
+        while not (run / "checkpoints" / "iter_000001" / "meta.json").exists() and not done.wait(0.05):
+            pass
+        server.shutdown()
+        server.server_close()
+    stopper = threading.Thread(target=stop_server, daemon=True)
+    stopper.start()
     try:
-        assert "serving reward" in server.stdout.readline()
-        trainer = start_trainer(port, run, env)
-        wait_for_checkpoint(trainer, run, 1)
+        with pytest.raises(RuntimeError, match=f"remote reward server {url}/score failed 3 times"):
+            train_here("--model", "tiny", "--reward", f"remote={url}", "--iterations", "30", "--checkpoint-every", "1",
+                       "--group-size", "2", "--prompts-per-iteration", "2", "--micro-batch", "2", "--eval-every", "0",
+                       "--run-dir", str(run))
     finally:
-        server.kill()
-        server.wait()
-    _, err = trainer.communicate(timeout=300)
-    assert trainer.returncode != 0
-    assert f"remote reward server http://127.0.0.1:{port}/score failed 3 times" in err
+        done.set()
+        stopper.join(10)
     assert last_checkpoint_iteration(run) >= 1
 
 

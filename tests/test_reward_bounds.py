@@ -5,12 +5,12 @@ import contextlib
 import io
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
 import sys
 import threading
-import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,6 +23,7 @@ from PIL import Image
 import reward_http
 import reward_server
 import rewards
+from test_nft_awm import train_here
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_PROXY = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")}
@@ -232,14 +233,13 @@ def test_a_total_reward_that_overflows_stops_with_the_reward_named(huge):
 
 
 def test_a_run_whose_rewards_overflow_stops_naming_the_reward(huge, tmp_path):
-    """Before: reward/mean inf, the loss NaN, every optimizer step skipped, and the run exited 0."""
-    flags = ["--model", "tiny", "--reward", f"remote={huge}", "--iterations", "2", "--group-size", "2",
-             "--prompts-per-iteration", "2", "--micro-batch", "2", "--eval-every", "0", "--no-wandb"]
-    out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), *flags, "--run-dir", str(tmp_path / "run")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=NO_PROXY)
-    assert out.returncode == 1, out.stderr[-3000:]
-    error = out.stderr.strip().splitlines()[-1]
-    assert error.startswith(f"flowgrpo.py: error: --reward remote={huge}: this iteration's rewards"), out.stderr[-3000:]
+    """Before: reward/mean inf, the loss NaN, every optimizer step skipped, and the run exited 0. Now the loop
+    (flowgrpo.main, in this process: test_nft_awm.train_here) stops with a ValueError naming the reward, which
+    flowgrpo.py prints in one line, exiting 1 (as test_knobs_are_refused_by_the_cli_before_anything_is_built sees)."""
+    with pytest.raises(ValueError, match="^" + re.escape(f"--reward remote={huge}: this iteration's rewards")):
+        train_here("--model", "tiny", "--reward", f"remote={huge}", "--iterations", "2", "--group-size", "2",
+                   "--prompts-per-iteration", "2", "--micro-batch", "2", "--eval-every", "0",
+                   "--run-dir", str(tmp_path / "run"))
 
 
 @pytest.mark.parametrize("name, value", [("FLOWGRPO_REMOTE_TIMEOUT", "inf"), ("FLOWGRPO_REMOTE_RETRIES", "1e999"),
@@ -253,12 +253,17 @@ def test_every_knob_is_checked_at_start_up_like_a_flag(monkeypatch, name, value)
         rewards.check_reward_spec("brightness,remote=http://192.0.2.1:8000,judge:match=http://192.0.2.1:8001")
 
 
-def test_knobs_are_refused_by_the_cli_before_anything_is_built(tmp_path):
-    omni = ["--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9"]
-    for env, flags, needle in [({"FLOWGRPO_REMOTE_TIMEOUT": "inf"}, ["--reward", "remote=http://127.0.0.1:9"],
-                                "FLOWGRPO_REMOTE_TIMEOUT='inf'"),
-                               ({"FLOWGRPO_ROLLOUT_TIMEOUT": "inf"}, omni, "FLOWGRPO_ROLLOUT_TIMEOUT")]:
-        out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), *flags, "--run-dir", str(tmp_path / "r")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=NO_PROXY | env)
-        assert out.returncode == 1 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
-        assert "batch arithmetic" not in out.stdout and not (tmp_path / "r").exists()
+def test_knobs_are_refused_by_the_cli_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """Through the CLI (one line, exit 1) for the reward's knob; the rollout's in this process (test_nft_awm.train_here:
+    the same start-up, without a new interpreter's imports). Neither makes the run directory."""
+    out = subprocess.run([sys.executable, str(ROOT / "flowgrpo.py"), "--reward", "remote=http://127.0.0.1:9",
+                          "--run-dir", str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=NO_PROXY | {"FLOWGRPO_REMOTE_TIMEOUT": "inf"})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("flowgrpo.py: error: ") and \
+        "FLOWGRPO_REMOTE_TIMEOUT='inf'" in out.stderr, out.stderr[-2000:]
+    assert "batch arithmetic" not in out.stdout and not (tmp_path / "r").exists()
+    monkeypatch.setenv("FLOWGRPO_ROLLOUT_TIMEOUT", "inf")
+    with pytest.raises(ValueError, match="FLOWGRPO_ROLLOUT_TIMEOUT"):
+        train_here("--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "r"))
+    assert "batch arithmetic" not in capsys.readouterr().out and not (tmp_path / "r").exists()

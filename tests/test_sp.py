@@ -1,8 +1,9 @@
 """Ulysses sequence parallelism (`--sp`, sequence_parallel.py) on CPU, gloo, 2 and 4 ranks: the split model's
 rollout, velocities and LoRA gradients equal the unsplit model's to float32 rounding (tiny Qwen-Image, tiny FLUX and
 tiny-wan's video tokens);
-CLI runs with --sp 2 take the same steps as one process and resume bit for bit; impossible --sp values are refused at
-start-up, naming the flag and the numbers.
+training runs with --sp 2 (on 2 ranks in the comparisons' processes; on 4 through the CLI and torchrun) take the same
+steps as one process and resume bit for bit; impossible --sp values are refused at start-up, naming the flag and the
+numbers.
 
 `--model tiny` has 3 attention heads, which --sp 2 cannot split (refused below): these tests use the same classes with
 4 heads (`build_tiny_qwen_pipeline(heads=4)`, through --model-path for the CLI)."""
@@ -27,6 +28,7 @@ import rollout
 import startup
 from test_engine import (ENV, ROOT, SMALL, assert_same, flat, free_port, lora, relative_difference, rows,
                          train_state, without_perf)
+from test_nft_awm import train_here
 
 KEYS = {"reward/mean", "train/policy_loss", "train/grad_norm", "eval/reward_mean"}  # compared with 1 process
 PROMPTS = ["a cat", "a cat", "a photo of a red bicycle", "a photo of a red bicycle"]  # 11 Qwen tokens: padded to 12
@@ -136,9 +138,9 @@ def compare(family: Family, **engine_kw) -> dict:
     return r
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, runs: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
+                      WORLD_SIZE="2", OMP_NUM_THREADS="1")  # (flowgrpo.main then keeps the 1 thread set here)
     torch.set_num_threads(1)
     results = {name: compare(family) for name, family in FAMILIES.items()}
     bf16 = dataclasses.replace(FAMILIES["qwen"], cfg=1.0)
@@ -146,22 +148,52 @@ def _worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    for argv in runs:  # in the process group joined above, as under torchrun
+        flowgrpo.main(startup.parse_args(flowgrpo.Args, argv))
     eng.shutdown()
     eng.exit_process(0)  # as flowgrpo.py ends (engine.exit_process: why)
 
 
-def run_split_vs_unsplit(directory) -> dict:
-    """The comparisons of `_worker` on 2 ranks (gloo on CPU; on a machine with 2 GPUs, NCCL: tests/test_gpu.py)."""
+def run_split_vs_unsplit(directory, runs=()) -> dict:
+    """The comparisons of `_worker` on 2 ranks (gloo on CPU; on a machine with 2 GPUs, NCCL: tests/test_gpu.py), then
+    the trainings `runs` (flowgrpo.py argument lists: flowgrpo.main on each rank), one after another on the same 2
+    ranks: one start-up (a process's imports, most of a tiny run's cost) for all."""
     out = os.path.join(str(directory), "results.json")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), out, list(runs)), nprocs=2)
     results = json.load(open(out))
     print("\n" + "\n".join(f"{k}: {v}" for k, v in results.items()))
     return results
 
 
+# The runs the training section checks: 2 iterations (the second starts from trained weights and AdamW state, which a
+# resumed run loads), checkpointed at the end (SMALL); DiffusionNFT with its reference KL.
+GRPO = ("--iterations", "2")
+NFT = ("--iterations", "2", "--algorithm", "nft", "--kl-beta", "0.01")
+
+
+def sp_argv(pipeline, run_dir, *flags) -> list[str]:
+    """flowgrpo.py's arguments for a run on the 4-head pipeline, evaluated after the first iteration and at the end."""
+    return [*SMALL, "--model-path", str(pipeline), "--eval-every", "3", "--eval-images", "4", "--run-dir", str(run_dir),
+            *flags]
+
+
 @pytest.fixture(scope="module")
-def split_vs_unsplit(tmp_path_factory):
-    return run_split_vs_unsplit(tmp_path_factory.mktemp("sp"))
+def two_ranks(tmp_path_factory, pipeline):
+    """All of this file's work on 2 ranks, in one pair of processes: the comparisons, then GRPO with --sp 2 and
+    activation checkpointing, that run resumed from its checkpoint after the first iteration (in a directory of its
+    own), and DiffusionNFT with --sp 2. -> (the comparisons, the run directories)."""
+    directory = tmp_path_factory.mktemp("sp")
+    runs = {name: directory / name for name in ("sp2", "resumed", "nft")}
+    sp2 = (*GRPO, "--sp", "2", "--activation-checkpointing", "--checkpoint-every", "1")  # also after the first
+    resume = ("--resume", str(runs["sp2"] / "checkpoints" / "iter_000000"))
+    argvs = [sp_argv(pipeline, runs["sp2"], *sp2), sp_argv(pipeline, runs["resumed"], *sp2, *resume),
+             sp_argv(pipeline, runs["nft"], *NFT, "--sp", "2")]
+    return run_split_vs_unsplit(directory, argvs), runs
+
+
+@pytest.fixture(scope="module")
+def split_vs_unsplit(two_ranks):
+    return two_ranks[0]
 
 
 def check_float32(r: dict, family: str) -> None:
@@ -200,13 +232,16 @@ def test_split_training_under_mixed_precision_and_checkpointing(split_vs_unsplit
     assert r["velocity"] < 3e-2 * r["velocity_scale"] and r["grad_rel"] < 5e-2, r
 
 
-# ---- the CLI: --sp 2 on 2 ranks, and --sp 2 on 4 ranks (2 data-parallel groups), against one process ----------------
+# ---- training with --sp 2 on 2 ranks, and --sp 2 on 4 ranks (2 data-parallel groups), against one process ----------
 
 def launch(run_dir, pipeline, *flags, ranks=1):
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={ranks}"]
-    cmd = launcher + [os.path.join(ROOT, "flowgrpo.py"), *SMALL, "--model-path", str(pipeline), "--eval-every", "3",
-                      "--eval-images", "4", "--run-dir", str(run_dir), *flags]
+    """A run on the 4-head pipeline (sp_argv): on `ranks` ranks through the CLI (torchrun; its output returned), or
+    in this process (test_nft_awm.train_here: one thread, as each rank)."""
+    argv = sp_argv(pipeline, run_dir, *flags)
+    if ranks == 1:
+        return train_here(*argv)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           os.path.join(ROOT, "flowgrpo.py"), *argv]
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
@@ -219,44 +254,41 @@ def pipeline(tmp_path_factory):
     return path
 
 
-def test_cli_sp2_takes_the_steps_of_one_process_and_resumes_exactly(pipeline, tmp_path):
+def test_cli_sp2_takes_the_steps_of_one_process_and_resumes_exactly(pipeline, two_ranks, tmp_path):
     """As test_engine.test_two_ranks_match_one_process, with its bound (1e-3 relative on the LoRA): 1 process; --sp 2 on
-    2 ranks with activation checkpointing; --sp 2 on 4 ranks (2 data-parallel groups of 2); and the 2-rank run resumed
-    from its checkpoint after 2 iterations, bit for bit."""
-    runs = {name: tmp_path / name for name in ("one", "sp2", "dp2sp2", "resumed")}
-    launch(runs["one"], pipeline, "--iterations", "4")
-    out = launch(runs["sp2"], pipeline, "--iterations", "4", "--sp", "2", "--activation-checkpointing", ranks=2)
-    assert "ranks=1, images_per_rank=8" in out.stdout  # the batch arithmetic counts data-parallel ranks
-    out = launch(runs["dp2sp2"], pipeline, "--iterations", "2", "--sp", "2", ranks=4)  # 4 processes on 2 cores: short
-    assert "ranks=2, images_per_rank=4" in out.stdout
-    launch(runs["resumed"], pipeline, "--iterations", "4", "--sp", "2", "--activation-checkpointing", "--resume",
-           str(runs["sp2"] / "checkpoints" / "iter_000001"), ranks=2)  # from iteration 2, in a directory of its own
-    one = rows(runs["one"])
-    for name, ckpt in (("sp2", "iter_000003"), ("dp2sp2", "iter_000001")):
+    2 ranks with activation checkpointing (two_ranks: flowgrpo.main on each rank, as torchrun runs it); --sp 2 on 4
+    ranks (2 data-parallel groups of 2), through the CLI and torchrun; and the 2-rank run resumed from its checkpoint
+    after the first iteration, bit for bit."""
+    runs = two_ranks[1] | {name: tmp_path / name for name in ("one", "dp2sp2")}
+    launch(runs["one"], pipeline, *GRPO)
+    out = launch(runs["dp2sp2"], pipeline, *GRPO, "--sp", "2", ranks=4)
+    assert "ranks=2, images_per_rank=4" in out.stdout  # the batch arithmetic counts data-parallel ranks
+    arith = json.loads((runs["sp2"] / "args.json").read_text())["batch_arithmetic"]
+    assert (arith["ranks"], arith["images_per_rank"]) == (1, 8), arith
+    one, ckpt = rows(runs["one"]), "iter_000001"
+    for name in ("sp2", "dp2sp2"):
         split = rows(runs[name])
-        assert [r["iteration"] for r in split] == list(range(int(ckpt[-1]) + 1))
+        assert [r["iteration"] for r in split] == [0, 1]
         assert split[0]["reward/mean"] == pytest.approx(one[0]["reward/mean"], rel=1e-6)
         for a, b in zip(one, split):
             assert b["train/logp_gap"] == 0
-            for key in KEYS & a.keys() & b.keys():  # eval after iterations 0 and 3 (and at the end)
+            for key in KEYS & a.keys() & b.keys():  # eval after iterations 0 and 1 (the end)
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["iteration"], key, a[key], b[key])
+        assert "eval/reward_mean" in split[1]
         rel, worst = relative_difference(lora(runs["one"], ckpt), lora(runs[name], ckpt))
         print(f"{name}: LoRA vs 1 process {rel:.3g} relative (max |Δ| {worst:.3g})")
         assert rel < 1e-3, f"{name}: LoRA differs from 1 process by {rel:.3g} relative (max |Δ| {worst:.3g})"
     assert_same(lora(runs["sp2"]), lora(runs["resumed"]), exact=True)
-    ckpt = "iter_000003"
     assert_same(train_state(runs["sp2"], ckpt, tmp_path), train_state(runs["resumed"], ckpt, tmp_path), exact=True)
     assert [without_perf(r) for r in rows(runs["resumed"])] == [without_perf(r) for r in rows(runs["sp2"])]
 
 
-def test_cli_nft_sp2_takes_the_steps_of_one_process(pipeline, tmp_path):
+def test_cli_nft_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, tmp_path):
     """DiffusionNFT (--algorithm nft, with its reference KL) through the split model: the ODE rollout under the old
-    policy, the forward-process update on the re-noised final latents. --sp 2 on 2 ranks takes the steps of one
-    process: the metrics, and the trained weights and the old policy in the checkpoint within the 1e-3 bound."""
-    runs = {name: tmp_path / name for name in ("one", "sp2")}
-    flags = ("--iterations", "2", "--algorithm", "nft", "--kl-beta", "0.01")
-    launch(runs["one"], pipeline, *flags)
-    launch(runs["sp2"], pipeline, *flags, "--sp", "2", ranks=2)
+    policy, the forward-process update on the re-noised final latents. --sp 2 on 2 ranks (two_ranks) takes the steps
+    of one process: the metrics, and the trained weights and the old policy in the checkpoint within the 1e-3 bound."""
+    runs = {"one": tmp_path / "one", "sp2": two_ranks[1]["nft"]}
+    launch(runs["one"], pipeline, *NFT)
     one, split = rows(runs["one"]), rows(runs["sp2"])
     assert len(split) == 2 and split[0]["reward/mean"] == pytest.approx(one[0]["reward/mean"], rel=1e-6)
     for a, b in zip(one, split):
@@ -312,12 +344,10 @@ def test_wan_checkpoints_heads_are_read_from_their_config(tmp_path, heads, sp, r
         startup.check_args(a)
 
 
-def test_sp_must_divide_the_world_and_is_refused_before_anything_is_built(pipeline, tmp_path):
+def test_sp_must_divide_the_world_and_is_refused_before_anything_is_built(pipeline, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--sp 2 must divide the number of ranks, 3 \(torchrun"):
         eng.data_parallel_size(3, 2)
     assert eng.data_parallel_size(4, 2) == 2
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), *SMALL, "--model-path", str(pipeline),
-                          "--sp", "2", "--run-dir", str(tmp_path / "r")], cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode != 0 and "--sp 2 must divide the number of ranks, 1" in out.stderr, out.stderr[-2000:]
-    assert "batch arithmetic" not in out.stdout and not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match="--sp 2 must divide the number of ranks, 1"):  # flowgrpo.main, this process
+        train_here(*SMALL, "--model-path", str(pipeline), "--sp", "2", "--run-dir", str(tmp_path / "r"))
+    assert "batch arithmetic" not in capsys.readouterr().out and not (tmp_path / "r").exists()

@@ -59,10 +59,13 @@ def test_run_directories_get_names_nothing_has_to_quote():
     assert rundir.safe_name("tiny-remote=http://127.0.0.1:8000/x") == "tiny-remote_http_127.0.0.1_8000_x"
 
 
-def test_help_names_every_built_in_prompt_set_and_what_eval_images_are():
-    out = subprocess.run([sys.executable, "flowgrpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env=ENV | {"COLUMNS": "200"})
-    assert "(ocr, general, digits)" in out.stdout and "image i shows eval prompt i mod" in out.stdout, out.stdout
+def test_help_names_every_built_in_prompt_set_and_what_eval_images_are(capsys, monkeypatch):
+    """flowgrpo.py's parse of `--help`, in this process (tests/test_loop.py::test_run_sh_recipes_launch runs it)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as e:
+        startup.parse_args(flowgrpo.Args, ["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "(ocr, general, digits)" in out and "image i shows eval prompt i mod" in out, out
 
 
 def test_a_run_ends_by_telling_its_judge_and_draws_it(tmp_path, capsys):
@@ -155,9 +158,12 @@ def test_a_finished_run_is_reused_only_if_made_with_the_same_flags(tmp_path, mon
         nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200)
 
 
-def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path):
-    for cmd in (["grid", str(tmp_path)], ["evaluate", str(tmp_path)]):
-        out = subprocess.run([sys.executable, "nano.py", *cmd], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 2 and out.stderr.strip().startswith("nano.py: error:") and \
-            len(out.stderr.strip().splitlines()) == 1 and "no exported LoRA" in out.stderr, out.stderr
+def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path, capsys):
+    """`grid` through the script, `evaluate` through its main in this process: exit 2 and one line."""
+    out = subprocess.run([sys.executable, "nano.py", "grid", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    with pytest.raises(SystemExit) as e:
+        nano.main(["evaluate", str(tmp_path)])
+    for code, err in ((out.returncode, out.stderr), (e.value.code, capsys.readouterr().err)):
+        assert code == 2 and err.strip().startswith("nano.py: error:") and len(err.strip().splitlines()) == 1 and \
+            "no exported LoRA" in err, err

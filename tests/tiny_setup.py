@@ -1,16 +1,39 @@
-"""A shared starting point for in-process loop and engine tests, and a way to stop a trainer that says where it was
-(not a conftest: tests/omni has its own)."""
+"""A shared starting point for in-process loop and engine tests, the training script run in this process, and a way to
+stop a trainer that says where it was (not a conftest: tests/omni has its own)."""
+import os
 import signal
 import subprocess
 import time
+from unittest import mock
 
 import psutil
 import torch
 
 import engine as eng
+import flowgrpo
 import models
 import rollout
+import rundir
 import scheduler as sch
+import startup
+
+
+def main_here(*argv) -> list[dict]:
+    """`python flowgrpo.py --no-wandb *argv`, run by flowgrpo.main in this process: the same training, files and server
+    requests without a new interpreter's imports (most of a tiny run's cost). One thread, as a launched test process
+    (OMP_NUM_THREADS=1, so main leaves the count as it is); the global RNG seeded afresh and given back after; and what
+    flowgrpo.py does as it ends (leave the process group, let go of the run directory). The rows it logged; a refusal
+    is raised as the error whose line the CLI prints."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return flowgrpo.main(startup.parse_args(flowgrpo.Args, ["--no-wandb", *map(str, argv)]))
+    finally:
+        eng.shutdown()
+        rundir.release_run_dirs()
+        torch.set_num_threads(threads)
 
 
 def tiny_setup(lora_alpha=8, lr=5e-2, advantages=(1.0, -1.0, 0.5, -0.5)):

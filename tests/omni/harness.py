@@ -1,7 +1,8 @@
 """Start, query and stop a real `vllm serve … --omni` on 127.0.0.1 (the vLLM-Omni tier's harness).
 
 An OmniServer runs in its own session (process group), is waited for with GET /health and a deadline, and
-`stop()` ends the whole group by PID: SIGTERM, then SIGKILL after a grace period.
+`stop()` ends the whole group by PID: SIGTERM, then SIGKILL after a grace period. A Forwarder is a second address of
+a server, to kill instead of the server; train_here runs flowgrpo.py's training in this process.
 """
 import importlib.util
 import json
@@ -9,18 +10,50 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import torch
+
+from tiny_setup import main_here
+
 ROOT = Path(__file__).resolve().parents[2]
 OMNI_VENV = Path(os.environ.get("OMNI_VENV", ROOT / ".venv-omni"))
 
-HEALTH_TIMEOUT_S = 300  # measured ~15-30 s on 2 cores; generous for a loaded CI machine
+HEALTH_TIMEOUT_S = 600  # measured ~15-30 s on 2 cores idle, 221 s at a load of 8: generous for a loaded CI machine
 STOP_GRACE_S = 30
 # Loopback only: never route 127.0.0.1 through a proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# A TCP forwarder (python -c FORWARDER LISTEN_PORT TARGET_PORT): each connection to 127.0.0.1:LISTEN_PORT is piped to
+# 127.0.0.1:TARGET_PORT, both ways, until both sides are done.
+FORWARDER = """
+import socket, sys, threading
+
+def pipe(src, dst):
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+def connection(client, target):
+    with client, socket.create_connection(target) as server:
+        upstream = threading.Thread(target=pipe, args=(client, server), daemon=True)
+        upstream.start()
+        pipe(server, client)
+        upstream.join()
+
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+while True:
+    client, _ = listener.accept()
+    threading.Thread(target=connection, args=(client, ("127.0.0.1", int(sys.argv[2]))), daemon=True).start()
+"""
 
 
 def _load_serve_tiny():
@@ -52,9 +85,11 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 120.0
         return status, text
 
 
+train_here = main_here  # `python flowgrpo.py --no-wandb *flags`, in this process (tests/tiny_setup.py)
+
+
 def set_lora_b(model, seed):
     """A policy that differs from the base model (LoRA B = 0 is the base): B ~ N(0, 0.05²), or 0 for seed None."""
-    import torch
     gen = None if seed is None else torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.transformer.named_parameters():
@@ -143,3 +178,13 @@ class OmniServer:
             self._log.close()
         if self.group_alive():
             raise RuntimeError(f"processes of the vllm serve group {self.pgid} survived SIGKILL")
+
+
+class Forwarder(OmniServer):
+    """A second address of `target`'s server: a TCP forwarder process in its own process group, waited for and stopped
+    as an OmniServer. Killing it is, to a client, that server dying (its connections reset, new ones refused),
+    without starting another server (~30 s of CPU)."""
+
+    def __init__(self, target: OmniServer, log_path: Path):
+        port = free_port()
+        self._start([sys.executable, "-c", FORWARDER, str(port), str(target.port)], port, log_path)

@@ -28,12 +28,15 @@ def load_tiny_vl():
 
 class JudgeServer(OmniServer):
     """vLLM's OpenAI server (no --omni) of the tiny VL model, in its own process group; waited for and stopped as
-    OmniServer does (GET /health with a deadline; SIGTERM, then SIGKILL)."""
+    OmniServer does (GET /health with a deadline; SIGTERM, then SIGKILL). VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the
+    `uni` executor that serve_command asks for (vLLM's CPU platform otherwise swaps in the `mp` one): the model runs
+    in the engine's process, one process fewer to start (measured: 91 -> 74 CPU-seconds to healthy)."""
 
     def __init__(self, model_dir: Path, log_path: Path):
         port = free_port()
         self._start(load_tiny_vl().serve_command(str(model_dir), port, str(OMNI_VENV)), port, log_path,
-                    VLLM_CPU_KVCACHE_SPACE="1")  # GiB of KV cache: plenty for 1024-token requests
+                    VLLM_CPU_KVCACHE_SPACE="1",  # GiB of KV cache: plenty for 1024-token requests
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
 
 @pytest.fixture(scope="module")
