@@ -130,9 +130,35 @@ NEEDS_MEANS = {g for g, f in LOG_RATIOS.items() if f is guard_log_ratio}  # --gu
 KL_FORMS = {"public": sch.kl_public, "exact": sch.kl_exact}  # --kl-form
 
 
+def clip_surrogate(adv, ratio, mean, std, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate max(−A·r, −A·clip(r, 1 ± ε)), (b,), and where the clip acts (b,) bool."""
+    clipped = ratio.clamp(1 - a.clip_range, 1 + a.clip_range)
+    return torch.maximum(-adv * ratio, -adv * clipped), (ratio - 1).abs() > a.clip_range
+
+
+def dppo_surrogate(adv, ratio, mean, std, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flow-DPPO's trust region (docs/algorithm.md §10), (b,): the unclipped −A·r, replaced by a constant 0 where
+    the transition's exact KL to the behaviour one exceeds --dppo-threshold and r has already moved the way A pushes
+    it (r > 1 with A > 0, r < 1 with A < 0); and where it was replaced, (b,) bool."""
+    kl = sch.kl_exact(mean, mb.means[:, j], std, None, a.sde_type)  # (b,): mean((μ − μ_old)²)/(2·std²)
+    pushed = ((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0))
+    masked = (kl >= a.dppo_threshold) & pushed
+    return torch.where(masked, torch.zeros((), dtype=ratio.dtype, device=ratio.device), -adv * ratio), masked
+
+
+TRUST_REGIONS = {"clip": clip_surrogate, "dppo": dppo_surrogate}  # --trust-region
+
+
+def needs_means(a) -> bool:
+    """Whether the update reads the behaviour policy's transition means (Batch.means), which a vLLM-Omni server
+    does not return."""
+    return a.guard in NEEDS_MEANS or a.trust_region == "dppo"
+
+
 def policy_loss(model, engine, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, dict]:
-    """PPO-clip loss (and optional KL) of trained transition j for a micro-batch of b images, image i weighted by
-    mb.weights[i] (none: 1; --zero-advantage drop gives A = 0 images weight 0)."""
+    """PPO's loss (and optional KL) of trained transition j for a micro-batch of b images, under the trust region
+    --trust-region names, image i weighted by mb.weights[i] (none: 1; --zero-advantage drop gives A = 0 images weight
+    0)."""
     x, x_next, sigma, sigma_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
     kw = dict(sigma_max=mb.sigma_max, noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
     v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
@@ -141,10 +167,10 @@ def policy_loss(model, engine, mb: rollout.Batch, j: int, a) -> tuple[torch.Tens
     ratio = torch.exp(LOG_RATIOS[a.guard](logp, mean, std, mb, j, a))
     adv = mb.advantages
     w = torch.ones_like(adv) if mb.weights is None else mb.weights
-    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range))  # (b,)
+    surrogate, acted = TRUST_REGIONS[a.trust_region](adv, ratio, mean, std, mb, j, a)  # (b,), (b,) bool
     loss = (w * surrogate).mean() / REWEIGHTS[a.guard](sigma, sigma_next)
     # detached tensors, read once per iteration: an .item() here would sync the GPU every step
-    stats = {"gap": delta.detach().abs().mean(), "clipfrac": ((ratio - 1).abs() > a.clip_range).float().mean(),
+    stats = {"gap": delta.detach().abs().mean(), "clipfrac": acted.float().mean(),
              "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(())}
     if a.kl_beta > 0:
         with torch.no_grad(), engine.reference():
@@ -357,6 +383,8 @@ def check_sde(a) -> None:
     """Flow-GRPO's sampler flags (scheduler.check_variants)."""
     sch.check_variants(a.num_steps, a.window, a.window_range, sde_type=a.sde_type, noise_level=a.noise_level,
                        window_schedule=a.window_schedule, ode_solver=a.ode_solver)
+    need(a.trust_region == "clip" or a.guard == "none", f"--trust-region {a.trust_region} replaces the ratio clip "
+         f"that --guard {a.guard} reshapes: choose one (no public code combines them)")
 
 
 def check_forward(a) -> None:
@@ -391,7 +419,7 @@ def check_awm(a) -> None:
 # far around the public values (--nft-beta 0.1 to 1, --old-kl 1, --kl-beta 1e-4 to 0.04, --adv-clip 5, --clip-range
 # 2e-6 to 2e-3). Beyond, every optimizer step is skipped (the gradient norm not finite), the loss is NaN, or it is 0.
 FLAG_RANGES = {"nft_beta": (1e-6, 1e6), "old_kl": (0.0, 1e6), "kl_beta": (0.0, 1e6), "adv_clip": (1e-6, 1e4),
-               "clip_range": (0.0, 1e6)}
+               "clip_range": (0.0, 1e6), "dppo_threshold": (0.0, 1e6)}
 
 
 def check_flags(a, recipe) -> None:
@@ -412,7 +440,8 @@ def check_flags(a, recipe) -> None:
 # ---- the table's rows ---------------------------------------------------------------------------------
 
 SDE_FLAGS = frozenset({"sde_type", "noise_level", "window", "window_range", "window_schedule", "slide_every",
-                       "branch", "guard", "cps_density", "clip_range", "zero_advantage", "kl_form"})
+                       "branch", "guard", "cps_density", "clip_range", "zero_advantage", "kl_form", "trust_region",
+                       "dppo_threshold"})
 FORWARD_FLAGS = frozenset({"old_decay", "old_every", "train_timesteps", "train_timestep_range"})
 
 

@@ -145,6 +145,11 @@ class Args:
     points, or DPM-Solver++(2M) on every step"""
     guard: Literal["none", "full", "ratio-norm", "reweight"] = "none"
     """GRPO-Guard (`full`): its ratio normalisation and its per-step gradient reweight (1/|dt|); or one alone"""
+    trust_region: Literal["clip", "dppo"] = "clip"
+    """PPO's clip of the ratio at 1 ± --clip-range, or Flow-DPPO's mask: a step's −A·ratio is dropped where its exact
+    KL to the behaviour transition exceeds --dppo-threshold and the ratio already moved the way A pushes it"""
+    dppo_threshold: float = 1e-5
+    """Flow-DPPO's KL threshold, per latent element of a transition (UniRL's kl_mask_threshold)"""
     cps_density: Literal["public", "exact"] = "public"
     """the cps log-density in the ratio: Flow-GRPO's −mean((x' − μ)²), or the exact Gaussian one as for sde"""
     ema_decay: float = 0.0

@@ -46,6 +46,7 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
     "CPS, window 2": ("--sde-type", "cps", "--window", "2"),
     "full mode + KL 0.04": ("--kl-beta", "0.04"),
     "full mode + EMA 0.9": ("--ema-decay", "0.9", "--ema-every", "1"),
+    "Flow-DPPO (mask 1e-5)": ("--trust-region", "dppo"),  # UniRL's threshold, untuned; full mode as the recipe's rows
     # the forward-process algorithms (docs/algorithm.md §12) on their public samplers and old-policy schedules, scaled to
     # 10 steps: DiffusionNFT's sd3_pickscore (9 trained steps, beta 1), AWM's 6 strata (of [0, 9) here, [0, 12) of 14)
     "DiffusionNFT": ("--algorithm", "nft", "--ode-solver", "dpm2-full", "--nft-beta", "1", "--old-decay", "nft1",

@@ -39,7 +39,7 @@ RECIPES: dict[str, dict] = {
                        prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,
                        cfg_scale=4.0, noise_level=1.2, window=2, window_range=(0, 5), clip_range=1e-4, lr=3e-4,
                        lora_rank=64, lora_alpha=128, mixed_precision=True, activation_checkpointing=True,
-                       zero_advantage="keep", checkpoint_every=20),
+                       zero_advantage="keep", checkpoint_every=30, eval_every=30),
     # Flow-GRPO's public config general_ocr_sd3 and scripts/train_sd3.py
     "sd3.5-medium": dict(model="sd3.5-medium", iterations=300, prompts="ocr", reward="ocr", group_size=24,
                          prompts_per_iteration=48, micro_batch=9, height=512, width=512, num_steps=10, eval_steps=40,
@@ -60,6 +60,16 @@ RECIPES: dict[str, dict] = {
                                std="group", lr=1e-4, lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
                                mixed_precision=True, ema_decay=0.9, ema_every=8, ema_repeat=4, checkpoint_every=30,
                                eval_every=30),
+    # Flow-DPPO as UniRL's public recipe examples/diffusion/sd3/sd3_flowdppo.yaml trains SD3.5-M (its FlowDPPO/
+    # config.yaml annotates it): Flow-GRPO's rollout and advantages, the clip replaced by the KL-and-advantage mask,
+    # 3 trained steps in the first half, 2 optimizer steps a batch; every sample trained (its loss has no zero-advantage
+    # filter). Departure: its 3 steps are drawn anywhere in [0, 5), here a contiguous window (docs/algorithm.md §10)
+    "sd3.5-medium-dppo": dict(model="sd3.5-medium", iterations=300, prompts="general", reward="pickscore",
+                              group_size=16, prompts_per_iteration=48, micro_batch=8, optimizer_steps=2, height=512,
+                              width=512, num_steps=10, eval_steps=40, cfg_scale=1.0, noise_level=0.7, window=3,
+                              window_range=(0, 5), trust_region="dppo", dppo_threshold=1e-5, zero_advantage="keep",
+                              lr=3e-4, weight_decay=0.0, lora_rank=32, lora_alpha=64,
+                              lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True),
     # forward-process algorithms (docs/algorithm.md §12): DiffusionNFT's public configs sd3_ocr and sd3_pickscore
     # (config/nft.py), ODE rollouts of its all-steps DPM-Solver++(2M), 9 of the 10 steps trained per image
     "sd3.5-medium-nft-ocr": dict(SD3_FORWARD, algorithm="nft", prompts="ocr", reward="ocr", prompts_per_iteration=48,
@@ -94,7 +104,7 @@ RECIPES: dict[str, dict] = {
     "wan2.1-t2v-1.3b": dict(model="wan2.1-t2v-1.3b", iterations=300, prompts="ocr", reward="ocr", group_size=4,
                             prompts_per_iteration=4, micro_batch=8, height=240, width=416, num_frames=33, num_steps=20,
                             eval_steps=50, cfg_scale=4.5, negative_prompt="", sde_type="dance", noise_level=0.3,
-                            std="group", clip_range=1e-3, kl_beta=0.004, lr=1e-4, lora_rank=32,
+                            std="group", clip_range=1e-3, kl_beta=0.004, kl_form="exact", lr=1e-4, lora_rank=32,
                             lora_alpha=64, lora_targets=LORA_TARGETS["tiny-wan"], mixed_precision=True,
                             activation_checkpointing=True, ema_decay=0.9, ema_every=8, checkpoint_every=60,
                             eval_every=30),

@@ -79,9 +79,9 @@ def check_args(a) -> tuple[str, dict] | None:
     need(not a.branch or a.window > 0, "--branch needs a window (--window > 0): the group branches at its start")
     need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
          f"got {a.ema_decay}, {a.ema_every}")
-    need(a.rollout == "local" or not (a.branch or a.guard in algorithms.NEEDS_MEANS or a.ode_solver != "euler"),
-         "--branch, --ode-solver dpm2 or dpm2-full and --guard full/ratio-norm need --rollout local (the vLLM-Omni "
-         "pipeline has none yet)")
+    need(a.rollout == "local" or not (a.branch or algorithms.needs_means(a) or a.ode_solver != "euler"),
+         "--branch, --ode-solver dpm2 or dpm2-full, --guard full/ratio-norm and --trust-region dppo need --rollout "
+         "local (the vLLM-Omni pipeline has none yet)")
     need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
          "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}

@@ -340,9 +340,14 @@ def test_variants_together_keep_on_policy_rank_invariance_and_exact_resume(tmp_p
 
 def test_flux_two_ranks_match_one_process_and_resume_exactly(tmp_path):
     """A second model family through the same engine (only the adapter's block list differs): FLUX's tiny recipe,
-    its guidance embedding on, with DanceGRPO's EMA."""
-    one_two_resumed(tmp_path, "--model", "tiny-flux", "--ema-decay", "0.995", "--ema-every", "2", "--ema-form",
-                    "dance")  # after SMALL's `--model tiny`: the last one picks the recipe; DanceGRPO's EMA
+    its guidance embedding on, with DanceGRPO's EMA and Flow-DPPO's trust region (at threshold 0 its mask acts on
+    every pair whose ratio moved with its advantage: in the second optimizer step of each iteration)."""
+    runs = one_two_resumed(tmp_path, "--model", "tiny-flux", "--ema-decay", "0.995", "--ema-every", "2", "--ema-form",
+                           "dance", "--trust-region", "dppo", "--dppo-threshold", "0")  # after SMALL's `--model
+    # tiny`: the last one picks the recipe
+    masked = [r["train/clipfrac"] for r in rows(runs["one"])]
+    print(f"\nFlow-DPPO's mask, the fraction of pairs removed per iteration: {masked}")
+    assert all(0 < m <= 0.5 for m in masked), f"Flow-DPPO's mask should act in the second optimizer step: {masked}"
 
 
 # ---- a run directory belongs to one run ------------------------------------------------------------

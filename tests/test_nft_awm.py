@@ -418,7 +418,12 @@ def test_tiny_run_learns(algorithm, flags, iterations, tmp_path):
     (dict(algorithm="awm", train_timesteps=5), "--train-timesteps 5: AWM cuts"),
     (dict(algorithm="nft", train_timestep_range=(2, 5)), r"--train-timestep-range \[2, 5\)"),
     (dict(algorithm="nft", nft_beta=0.0), r"--nft-beta must be in \[1e-06, 1e\+06\], got 0"),
-    (dict(algorithm="awm", old_every=0), "--old-every must be >= 1")])
+    (dict(algorithm="awm", old_every=0), "--old-every must be >= 1"),
+    (dict(algorithm="nft", trust_region="dppo"), "--trust-region: not used by --algorithm nft"),
+    (dict(trust_region="dppo", guard="full"), "--trust-region dppo replaces the ratio clip that --guard full reshapes"),
+    (dict(trust_region="dppo", dppo_threshold=-1e-5), r"--dppo-threshold must be in \[0, 1e\+06\], got -1e-05"),
+    (dict(trust_region="dppo", rollout="vllm-omni", rollout_url="http://127.0.0.1:1"),
+     "--trust-region dppo need --rollout local")])
 def test_flags_an_algorithm_does_not_use_are_refused(change, needle):
     with pytest.raises(ValueError, match=needle):
         startup.check_args(dataclasses.replace(TINY, **change))
@@ -426,7 +431,7 @@ def test_flags_an_algorithm_does_not_use_are_refused(change, needle):
 
 def test_the_public_recipes_pass_their_checks_and_the_cli_names_refused_flags():
     for name in ("sd3.5-medium-nft-ocr", "sd3.5-medium-nft-pickscore", "qwen-image-nft-ocr", "sd3.5-medium-awm-ocr",
-                 "sd3.5-medium-awm-pickscore"):
+                 "sd3.5-medium-awm-pickscore", "sd3.5-medium-dppo"):
         startup.check_args(flowgrpo.RECIPES[name])
     out = cli(*SMALL, "--algorithm", "nft", "--window", "2", "--clip-range", "0.5")
     assert out.returncode != 0 and "batch arithmetic" not in out.stdout

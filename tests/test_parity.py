@@ -6,6 +6,7 @@ The public functions are re-typed below in this project's own code, each naming 
         zhtmike/flow_grpo, whose history up to that commit is the upstream's)
   MIX   Tencent-Hunyuan/MixGRPO, commit e5cdd6a427778d8c8b2e7a48ce16972141adbe7c
   DANCE XueZeyue/DanceGRPO, commit 15cc71d53cc2e6e18a68ee607d5fb6ba9a99e344
+  UNIRL Tencent-Hunyuan/UniRL, commit 1cc88b62c2d756049d059378838b62ec60976529
 A stand-in transformer (a linear velocity with a trained "adapter") gives both sides the very same velocities: what
 is compared is everything after the transformer (step math, advantages, ratios, clip, KL, zero-advantage handling,
 GRPO-Guard, gradient accumulation, EMA, MixGRPO-Flash's step selection).
@@ -25,6 +26,7 @@ import flowgrpo
 import models_flux
 import models_qwen
 import models_sd3
+import models_wan
 import rollout
 import scheduler as sch
 from tiny_setup import random_walk
@@ -109,6 +111,27 @@ def fg_micro_batch_loss(adv, log_prob, old_log_prob, mean, old_mean, mean_ref, s
         return policy_loss, ratio, None, divisor
     kl = ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, mean.ndim)), keepdim=True) / (2 * std_dev_t**2)
     return policy_loss + beta * torch.mean(kl), ratio, kl.reshape(-1), divisor
+
+
+def unirl_sigma_t(sigmas, steps, eta):
+    """UNIRL unirl/algorithms/flowdppo.py (`FlowDPPO._compute_sigma_t`, add_kl_coefficient true): the scale its KL
+    divides by, std_dev_t·sqrt(−dt) of each trained step, with σ̃ = sigmas[1] where σ = 1. (S',)"""
+    s, s_next = sigmas[list(steps)], sigmas[[i + 1 for i in steps]]
+    std_dev_t = torch.sqrt(s / (1.0 - torch.where(s == 1.0, sigmas[1], s))) * eta
+    return std_dev_t * torch.sqrt(-(s_next - s))
+
+
+def unirl_dppo_loss(new_logp, old_logp, new_means, old_means, adv, sigma_t, threshold):
+    """UNIRL unirl/algorithms/flowdppo.py (`_gaussian_kl_div`, `_flowdppo_kl_adv_loss`, and the `.mean()` of its
+    caller `compute_loss_and_backward`) on one micro-batch: log-probs and advantages (B, S'), means (B, S', ...),
+    sigma_t (S',). Returns (loss, the removed (image, step) pairs (B, S'))."""
+    ratio = torch.exp(new_logp - old_logp)
+    sigma = sigma_t.reshape(1, -1, *([1] * (new_means.ndim - 2)))
+    kl = ((new_means - old_means) ** 2 / (2 * sigma**2)).mean(dim=tuple(range(2, new_means.ndim)))  # (B, S')
+    high = ~(kl < threshold)
+    removed = (high & (ratio > 1.0) & (adv > 0)) | (high & (ratio < 1.0) & (adv < 0))
+    loss = torch.where(~removed, -adv * ratio, torch.zeros((), dtype=ratio.dtype))
+    return loss.mean(), removed
 
 
 class FgEMA:
@@ -340,6 +363,67 @@ def test_keep_recipes_take_the_public_loss_on_the_very_same_micro_batch():
             close(recipe, f"micro-batch loss at trained step {i}", ours, theirs)
 
 
+# ---- Flow-DPPO: UniRL's mask in place of the clip --------------------------------------------------------------------
+
+def test_flow_dppo_recipe_computes_unirls_loss_its_mask_and_gradient():
+    """`--trust-region dppo` (the sd3.5-medium-dppo recipe's loss flags; 2 prompts × 8 images, 2 optimizer steps of 2
+    micro-batches of 4) against UniRL's FlowDPPO on the same micro-batches: the old log-probs the rollout's, the old
+    means the policy's before it moved (its pre-update replay), its sigma_t, KL, mask and mean, each micro-batch's loss
+    scaled by 1/2 (its accumulation). The threshold lies between the moved policy's two middle KLs, so that the mask
+    removes some (image, step) pairs and keeps others, none at its edge."""
+    a = dataclasses.replace(flowgrpo.RECIPES["sd3.5-medium-dppo"], prompts_per_iteration=2, group_size=8, micro_batch=4)
+    assert (a.trust_region, a.dppo_threshold, a.zero_advantage, a.guard, a.kl_beta) == ("dppo", 1e-5, "keep", "none", 0)
+    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**SCHEDULERS["sd3.5-medium"]), a.num_steps, 1024)
+    steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=5)
+    n, shape, g = 16, (4, 4, 4), torch.Generator().manual_seed(2)
+    stub = Stub(shape[-1])
+    batch = sample(stub, a, sigmas, steps, n, shape)
+    batch.advantages = torch.randn(n, generator=g)
+
+    def replay():  # their replay of the trained steps: log-probs (n, S'), means (n, S', ...)
+        out = [fg_sde_step(stub.velocity(batch.latents[:, j], sigmas[i].expand(n), batch.cond, 1, 0, 0),
+                           batch.latents[:, j], sigmas[i], sigmas[i + 1], float(sigmas[1]), a.noise_level,
+                           batch.latents[:, j + 1]) for j, i in enumerate(steps)]
+        return torch.stack([o[0] for o in out], 1), torch.stack([o[1] for o in out], 1)
+
+    with torch.no_grad():
+        old_means = replay()[1]
+        stub.B.add_(torch.randn(stub.B.shape, generator=g) * 2e-3)  # the policy moves
+        new_logp, new_means = replay()
+    sigma_t = unirl_sigma_t(sigmas, steps, a.noise_level)
+    kl = ((new_means - old_means) ** 2 / (2 * sigma_t.reshape(1, -1, 1, 1, 1) ** 2)).mean(dim=(2, 3, 4))
+    middle = kl.flatten().sort().values[kl.numel() // 2 - 1:kl.numel() // 2 + 1]  # the two middle KLs
+    a = dataclasses.replace(a, dppo_threshold=middle.mean().item())  # between them: no pair at the edge
+
+    engine = StubEngine(stub)  # ours: train_on, one gradient per optimizer step (the policy stays where it moved)
+    algorithms.train_on(stub, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), progress=False)
+    removed = []
+    for k in range(2):
+        total = 0.0
+        for part in torch.arange(8 * k, 8 * (k + 1)).chunk(2):
+            logp, means = replay()
+            loss, gone = unirl_dppo_loss(logp[part], batch.log_probs[part], means[part], old_means[part],
+                                         batch.advantages[part, None].expand(-1, len(steps)), sigma_t,
+                                         a.dppo_threshold)
+            total, removed = total + loss / 2, removed + [gone]
+            mb = batch.chunk(int(part[0]), int(part[-1]) + 1)
+            for j, i in enumerate(steps):  # ours, step by step: the transition std and the mask
+                with torch.no_grad():
+                    v = stub.velocity(mb.latents[:, j], sigmas[i].expand(4), mb.cond, 1, 0, 0)
+                    _, lp, mu, std = sch.step(v, mb.latents[:, j], sigmas[i], sigmas[i + 1], sigma_max=mb.sigma_max,
+                                              noise_level=a.noise_level, x_next=mb.latents[:, j + 1])
+                    close("sd3.5-medium-dppo", "sigma_t", std.reshape(-1), sigma_t[j:j + 1])
+                    ratio = torch.exp(algorithms.LOG_RATIOS[a.guard](lp, mu, std, mb, j, a))
+                    _, ours = algorithms.TRUST_REGIONS[a.trust_region](mb.advantages, ratio, mu, std, mb, j, a)
+                    assert torch.equal(ours, gone[:, j]), f"step {i}: ours {ours}, UniRL's {gone[:, j]}"
+        grad = torch.autograd.grad(total, stub.B)[0]
+        close("sd3.5-medium-dppo", f"gradient of optimizer step {k + 1}", engine.grads[k], grad, rtol=1e-4,
+              atol=1e-6 * grad.abs().max())
+    fraction = torch.cat(removed).float().mean().item()
+    print(f"\nFlow-DPPO: {fraction:.2f} of the (image, step) pairs removed")
+    assert 0.1 < fraction < 0.5, f"the inputs should remove some pairs and keep others (removed {fraction:.2f})"
+
+
 # ---- the KL forms -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sde_type,level", [("sde", 0.7), ("cps", 0.8)])
@@ -368,6 +452,26 @@ def test_kl_forms_against_train_sd3s_kl(sde_type, level):
     expected = [1.0] * 9 if sde_type == "cps" else (1 / (sigmas[:9] - sigmas[1:10])).tolist()
     assert ratios == pytest.approx(expected, rel=1e-4), ratios
     print(f"\nexact / public KL per step ({sde_type}): {[round(r, 2) for r in ratios]}")
+
+
+def test_wan_recipes_kl_is_train_wan2_1s_over_the_transition_variance():
+    """Flow-GRPO's Wan script divides its KL by the whole transition variance: `(std_dev_t * dt_ref) ** 2`, where its
+    compute_log_prob returns sqrt(−dt) as `dt` (yifan123/flow_grpo scripts/train_wan2_1.py at 32b48fd, the loss block
+    of its training loop; flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py `sde_step_with_logprob` with
+    return_dt_and_std_dev_t, read in zhtmike/flow_grpo at def7b84). The wan2.1-t2v-1.3b recipe's KL on its own
+    sampler's steps (dance, η 0.3, 20 steps) is that, which SD3's form (`public`, std_dev_t² alone) is not."""
+    a = flowgrpo.RECIPES["wan2.1-t2v-1.3b"]
+    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models_wan.WAN_SCHEDULER), a.num_steps, 1024)
+    g = torch.Generator().manual_seed(0)
+    for i in range(a.num_steps - 1):
+        v, v_ref, x, x_next = (torch.randn(2, 4, 3, 4, 4, generator=g) for _ in range(4))  # (B, C, F', h, w)
+        kw = dict(sigma_max=float(sigmas[1]), noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
+        _, _, mean, std = sch.step(v, x, sigmas[i], sigmas[i + 1], **kw)
+        _, _, mean_ref, _ = sch.step(v_ref, x, sigmas[i], sigmas[i + 1], **kw)
+        std_dev_t, sqrt_dt = std / torch.sqrt(sigmas[i] - sigmas[i + 1]), torch.sqrt(sigmas[i] - sigmas[i + 1])
+        theirs = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3, 4), keepdim=True) / (2 * (std_dev_t * sqrt_dt) ** 2)
+        ours = algorithms.KL_FORMS[a.kl_form](mean, mean_ref, std, sigmas[i + 1] - sigmas[i], a.sde_type)
+        close("wan2.1-t2v-1.3b", f"KL at step {i}", ours, theirs.reshape(-1), rtol=1e-5)
 
 
 # ---- zero-advantage samples: a mask, normalised over the optimizer step ---------------------------------------------
