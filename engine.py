@@ -176,15 +176,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Engine:
-    """Trains `model.transformer` in place: LoRA → activation checkpointing → sequence parallelism → compile → FSDP2 →
-    AdamW. `dp_rank`, `dp_size`: the data-parallel rank and size, which the loop splits images by (an --sp group's
-    ranks hold the same images)."""
+    """Trains `model.transformer` in place: LoRA → activation checkpointing → sequence parallelism → compile → FSDP2
+    (where it shards; `shard=True` forces it on a world of one) → AdamW. `dp_rank`, `dp_size`: the data-parallel rank
+    and size, which the loop splits images by (an --sp group's ranks hold the same images)."""
 
     def __init__(self, model, *, lora_rank: int, lora_alpha: float, lora_targets, lr: float, weight_decay: float,
                  max_grad_norm: float, seed: int, full_finetune: bool = False, activation_checkpointing: bool = False,
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
                  shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8, ema_repeat: int = 1,
-                 ema_form: str = "flow-grpo", sp: int = 1, old_policy: bool = False):
+                 ema_form: str = "flow-grpo", sp: int = 1, old_policy: bool = False, shard: bool | None = None):
         self.rank, self.world_size, self.device = init_distributed()
         self.mesh = seqpar.device_mesh(self.world_size, sp, self.device)  # (dp, 1, sp); FSDP2 shards over all of it
         self.dp_rank, self.dp_size = self.mesh.get_local_rank("dp"), self.mesh.size(0)
@@ -215,17 +215,20 @@ class Engine:
             for block in model.blocks:
                 block.compile()
         # 4–5. Shard each block, then the root (its remaining parameters: embeddings, norms, projections),
-        #      so a block's parameters are gathered just before it runs and freed right after.
+        #      so a block's parameters are gathered just before it runs and freed right after. Only where sharding
+        #      does something (`shard` None: several ranks, CPU offload, --sp, or bf16 compute, which FSDP2's policy
+        #      casts): over a world of one FSDP2 shards nothing, and its hooks and copies cost about a fifth of an
+        #      update on CPU (bench.py: training ÷ plain PyTorch update), so the module stays plain.
+        self.sharded = (self.world_size > 1 or offload or sp > 1 or mixed_precision) if shard is None else shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
             else MixedPrecisionPolicy()
         kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload
                   else OffloadPolicy())  # pinned memory needs an accelerator
-        for block in model.blocks:
-            fully_shard(block, **kw)
-        fully_shard(net, **kw)
+        for module in [*model.blocks, net] if self.sharded else []:
+            fully_shard(module, **kw)
         if sp > 1:  # an --sp rank's gradient is a partial sum over its tokens: sum them, average over data parallelism
             seqpar.sum_over_sequence([*model.blocks, net], self.dp_size)
-        if shard_text_encoder:  # frozen, only forwards: shard it to save memory on every rank
+        if shard_text_encoder and self.sharded:  # frozen, only forwards: shard it to save memory on every rank
             for module in model.text_encoder_shards():
                 fully_shard(module)
         named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
@@ -281,11 +284,12 @@ class Engine:
             yield
             return
         with shadow.swapped():
-            self.model.transformer.reshard()
+            reshard = self.model.transformer.reshard if self.sharded else (lambda: None)  # a plain module: nothing kept
+            reshard()
             try:
                 yield
             finally:
-                self.model.transformer.reshard()  # before the restore: after it, the trained ones are gathered anew
+                reshard()  # before the restore: after it, the trained ones are gathered anew
 
     @contextlib.contextmanager
     def reference(self):

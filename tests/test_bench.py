@@ -65,7 +65,9 @@ def test_cpu_table_smallest(tmp_path):
                  "tiny-sd3: rollout ÷ diffusers", "tiny-sd3: training ÷ bare fwd+bwd", "tiny-flux: rollout ÷ diffusers",
                  "tiny-flux: training ÷ bare fwd+bwd", "training per image, nft ÷ grpo full mode",
                  "training per image, nft ÷ grpo window 2", "rollout per image, ODE (euler) without log-probs ÷ SDE",
-                 "rollout per image, ODE (dpm2-full) without log-probs ÷ SDE", "ranks: peak RSS per rank, 2 ÷ 1"):
+                 "rollout per image, ODE (dpm2-full) without log-probs ÷ SDE", "ranks: peak RSS per rank, 2 ÷ 1",
+                 "training ÷ plain PyTorch update", "tiny-sd3: training ÷ plain PyTorch update",
+                 "tiny-flux: training ÷ plain PyTorch update"):
         assert name in rows, (name, list(rows))
     written = md.read_text()
     assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows

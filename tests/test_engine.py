@@ -177,6 +177,20 @@ def test_resume_with_two_ranks(two_ranks, tmp_path):
     assert [without_perf(r) for r in rows(run)] == [without_perf(r) for r in rows(two_ranks)]
 
 
+def test_a_checkpoint_resumes_on_another_number_of_ranks(straight, two_ranks, tmp_path):
+    """One process trains a plain module (FSDP2 would shard nothing), 2 ranks train DTensor shards: a checkpoint of
+    either resumes on the other (DCP converts between the two). The second iteration then runs as in the other
+    launch: within test_two_ranks_match_one_process's bound of the run it continues, and of the other."""
+    runs = {"1 as 2": tmp_path / "one_as_two", "2 as 1": tmp_path / "two_as_one"}
+    launch(runs["1 as 2"], "--iterations", "2", "--resume", straight / "checkpoints" / "iter_000000", ranks=2)
+    train(runs["2 as 1"], "--iterations", "2", "--resume", two_ranks / "checkpoints" / "iter_000000")
+    for name, run in runs.items():
+        assert rows(run)[1]["reward/mean"] == pytest.approx(rows(straight)[1]["reward/mean"], rel=1e-5)
+        for other in (straight, two_ranks):
+            rel, worst = relative_difference(lora(other), lora(run))
+            assert rel < 1e-3, f"{name}: LoRA differs from {other.name}'s by {rel:.3g} relative (max |Δ| {worst:.3g})"
+
+
 def test_two_nodes_on_one_machine_match_two_ranks(two_ranks, tmp_path):
     """Two torchrun launchers (--nnodes=2, one process each) meeting at a rendezvous on 127.0.0.1."""
     run, port = tmp_path / "nodes", free_port()

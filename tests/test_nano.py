@@ -137,6 +137,7 @@ def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_
     images, _ = nano.sample_digits(nano.load(lora=str(run / "lora")), 50)
     after = nano.judge_scores(nano.quantised(images), digits)
     gain, noise = after.mean() - before.mean(), (after - before).std() / np.sqrt(len(digits))
+    print(f"\njudge accuracy {before.mean():.1%} -> {after.mean():.1%}: {gain / noise:.1f} times the noise {noise:.1%}")
     assert gain > max(3 * noise, 0.05), f"judge accuracy {before.mean():.1%} -> {after.mean():.1%}, noise {noise:.1%}"
     shown = nano.grid(str(run), str(tmp_path / "grid.png"))
     assert (tmp_path / "grid.png").stat().st_size > 10_000 and shown["after"] > shown["before"], shown

@@ -286,7 +286,8 @@ def test_old_and_ema_weights_reach_the_root_module_under_fsdp2():
     velocity, and the trained velocity must come back bit for bit."""
     model = models.load_model("tiny", None, "cpu", seed=0)
     engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2, weight_decay=0,
-                        max_grad_norm=1.0, seed=0, full_finetune=True, ema_decay=0.9, ema_every=1, old_policy=True)
+                        max_grad_norm=1.0, seed=0, full_finetune=True, ema_decay=0.9, ema_every=1, old_policy=True,
+                        shard=True)  # FSDP2 in a world of one, as on several ranks
     blocks = {id(p) for block in model.blocks for p in block.parameters()}
     c, x = model.conditioning(["a cat", "a dog"], " ", 1.0), torch.randn(2, 16, 16, generator=torch.Generator())
 

@@ -334,10 +334,11 @@ def test_dpm2_changes_only_the_tail(tiny):
 
 @pytest.fixture(scope="module")
 def full_finetune():
-    """The tiny model fully fine-tuned under FSDP2 (a world of one): the root module has trained weights too."""
+    """The tiny model fully fine-tuned under FSDP2 (a world of one, sharded as on several ranks): the root module has
+    trained weights too."""
     model = models.load_model("tiny", None, "cpu", seed=0)
     engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2, weight_decay=0,
-                        max_grad_norm=1.0, seed=0, full_finetune=True)
+                        max_grad_norm=1.0, seed=0, full_finetune=True, shard=True)
     names = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
     return model, engine, names
 

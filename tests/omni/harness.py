@@ -94,7 +94,7 @@ def set_lora_b(model, seed):
     with torch.no_grad():
         for name, p in model.transformer.named_parameters():
             if "lora_B" in name:
-                p.zero_() if gen is None else p.normal_(0.0, 0.05, generator=gen)  # in place: p is a DTensor
+                p.zero_() if gen is None else p.normal_(0.0, 0.05, generator=gen)  # in place (a DTensor under FSDP2)
 
 
 def _log_tail(path: Path, n: int = 60) -> str:

@@ -104,7 +104,7 @@ def test_an_ode_rollout_returns_the_local_final_latents_sampled_with_the_old_pol
         with torch.no_grad():
             for s, (n, _) in zip(engine.old.shadow, named):
                 if "lora_B" in n:
-                    s.to_local().normal_(0.0, 0.05, generator=torch.Generator().manual_seed(6))
+                    eng._local(s).normal_(0.0, 0.05, generator=torch.Generator().manual_seed(6))
         backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
         with engine.old_weights():
             backend.sync(engine, 0)
