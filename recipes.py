@@ -63,7 +63,7 @@ RECIPES: dict[str, dict] = {
     # Flow-DPPO as UniRL's public recipe examples/diffusion/sd3/sd3_flowdppo.yaml trains SD3.5-M (its FlowDPPO/
     # config.yaml annotates it): Flow-GRPO's rollout and advantages, the clip replaced by the KL-and-advantage mask,
     # 3 trained steps in the first half, 2 optimizer steps a batch; every sample trained (its loss has no zero-advantage
-    # filter). Departure: its 3 steps are drawn anywhere in [0, 5), here a contiguous window (docs/algorithm.md §10)
+    # filter). Departure: its 3 steps are drawn anywhere in [0, 5), here a contiguous window (docs/algorithm.md §8, 19)
     "sd3.5-medium-dppo": dict(model="sd3.5-medium", iterations=300, prompts="general", reward="pickscore",
                               group_size=16, prompts_per_iteration=48, micro_batch=8, optimizer_steps=2, height=512,
                               width=512, num_steps=10, eval_steps=40, cfg_scale=1.0, noise_level=0.7, window=3,
