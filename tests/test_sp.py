@@ -169,6 +169,7 @@ def run_split_vs_unsplit(directory, runs=()) -> dict:
 # resumed run loads), checkpointed at the end (SMALL); DiffusionNFT with its reference KL.
 GRPO = ("--iterations", "2")
 NFT = ("--iterations", "2", "--algorithm", "nft", "--kl-beta", "0.01")
+DPPO = ("--iterations", "2", "--trust-region", "dppo", "--dppo-threshold", "0")  # at 0 the mask acts in every update
 
 
 def sp_argv(pipeline, run_dir, *flags) -> list[str]:
@@ -181,13 +182,13 @@ def sp_argv(pipeline, run_dir, *flags) -> list[str]:
 def two_ranks(tmp_path_factory, pipeline):
     """All of this file's work on 2 ranks, in one pair of processes: the comparisons, then GRPO with --sp 2 and
     activation checkpointing, that run resumed from its checkpoint after the first iteration (in a directory of its
-    own), and DiffusionNFT with --sp 2. -> (the comparisons, the run directories)."""
+    own), DiffusionNFT and Flow-DPPO's trust region with --sp 2. -> (the comparisons, the run directories)."""
     directory = tmp_path_factory.mktemp("sp")
-    runs = {name: directory / name for name in ("sp2", "resumed", "nft")}
+    runs = {name: directory / name for name in ("sp2", "resumed", "nft", "dppo")}
     sp2 = (*GRPO, "--sp", "2", "--activation-checkpointing", "--checkpoint-every", "1")  # also after the first
     resume = ("--resume", str(runs["sp2"] / "checkpoints" / "iter_000000"))
     argvs = [sp_argv(pipeline, runs["sp2"], *sp2), sp_argv(pipeline, runs["resumed"], *sp2, *resume),
-             sp_argv(pipeline, runs["nft"], *NFT, "--sp", "2")]
+             sp_argv(pipeline, runs["nft"], *NFT, "--sp", "2"), sp_argv(pipeline, runs["dppo"], *DPPO, "--sp", "2")]
     return run_split_vs_unsplit(directory, argvs), runs
 
 
@@ -300,6 +301,19 @@ def test_cli_nft_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, tmp_pat
         rel, worst = relative_difference(mine, theirs)
         print(f"nft --sp 2, {part}*: {rel:.3g} relative to 1 process (max |Δ| {worst:.3g})")
         assert mine and rel < 1e-3, f"{part}*: --sp 2 is {rel:.3g} relative from 1 process (max |Δ| {worst:.3g})"
+
+
+def test_cli_dppo_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, tmp_path):
+    """Flow-DPPO's mask (--trust-region dppo) reads the behaviour means, which each rank of an --sp group holds whole:
+    --sp 2 on 2 ranks (two_ranks) removes the same pairs and takes the steps of one process (the 1e-3 bound)."""
+    runs = {"one": tmp_path / "one", "sp2": two_ranks[1]["dppo"]}
+    launch(runs["one"], pipeline, *DPPO)
+    one, split = rows(runs["one"]), rows(runs["sp2"])
+    assert [r["train/clipfrac"] for r in split] == [r["train/clipfrac"] for r in one] and one[1]["train/clipfrac"] > 0
+    for a, b in zip(one, split):
+        assert b["train/logp_gap"] == 0 and b["reward/mean"] == pytest.approx(a["reward/mean"], rel=1e-6)
+    rel, worst = relative_difference(lora(runs["one"]), lora(runs["sp2"]))
+    assert rel < 1e-3, f"dppo --sp 2: LoRA {rel:.3g} relative from 1 process (max |Δ| {worst:.3g})"
 
 
 # ---- refusals, at start-up ----------------------------------------------------------------------------------------
