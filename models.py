@@ -18,7 +18,7 @@ import checkpoint
 import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
-from models_nano import NanoQwenImage
+from models_nano import NanoComposeQwenImage, NanoQwenImage
 from models_qwen import QwenImage
 from models_sd3 import SD3
 from models_wan import Wan
@@ -26,6 +26,7 @@ from models_wan import Wan
 SPECS = {
     "tiny": Spec(QwenImage, "QwenImagePipeline", 8),
     "nano": Spec(NanoQwenImage, "QwenImagePipeline", 8, trained_parts=("vae", "transformer")),
+    "nano-compose": Spec(NanoComposeQwenImage, "QwenImagePipeline", 8, trained_parts=("vae", "transformer")),
     "qwen-image": Spec(QwenImage, "QwenImagePipeline", 16),
     "tiny-sd3": Spec(SD3, "StableDiffusion3Pipeline", 8),
     "sd3.5-medium": Spec(SD3, "StableDiffusion3Pipeline", 16),
@@ -115,7 +116,7 @@ def check_model_path(model: str, path: str) -> None:
     missing = [p for p in parts if not os.path.lexists(os.path.join(path, p, "config.json"))]
     if parts and missing:
         raise ValueError(f"--model-path {path}: no {'/, '.join(missing)}/ with a config.json; --model {model} reads "
-                         f"the directory that `python nano.py pretrain --out DIR` writes")
+                         f"the directory that `python {adapter_class(model).pretrained_by} pretrain --out DIR` writes")
     for part in parts:
         check_trained_part(model, path, part)
     if parts:

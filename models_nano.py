@@ -36,3 +36,18 @@ class NanoQwenImage(QwenImage):
     def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> QwenImage:
         return cls(build_nano_pipeline(path or cls.default_path), device, torch.float32)
 
+
+
+class NanoComposeQwenImage(NanoQwenImage):
+    """`nano-compose`: GenEval's questions at 32×32 (nano_compose.py, docs/tasks.md): the same classes, a VAE 4× down
+    to 32 channels and a transformer of 16 tokens, pretrained on rendered compositions; only 32×32, what its judge
+    reads."""
+    default_path = os.path.join(ASSETS, "nano-compose")
+    pretrained_by = "nano_compose.py"
+    side = 32
+
+    @classmethod
+    def check_size(cls, model: str, spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
+        if (height, width) != (cls.side, cls.side):
+            raise ValueError(f"--model {model} draws {cls.side}×{cls.side} images (its canvas, which its judge and "
+                             f"reward read): --height {cls.side} --width {cls.side}, got {height}×{width}")

@@ -31,10 +31,11 @@ from tqdm import tqdm
 
 import flowgrpo
 import nano
+import nano_compose
 import rundir
 import startup
 
-TASKS = {"nano": nano}  # --task: a module per laptop task
+TASKS = {"nano": nano, "nano-compose": nano_compose}  # --task: a module per laptop task
 METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later algorithm is one more row
     "Flow-GRPO, full mode": (),
     "window 2": ("--window", "2"),
@@ -118,8 +119,9 @@ def curve(task, run_dir: str) -> dict:
              "seconds": [r["perf/cpu_s"] for r in rows]}
     at = [i for i, r in enumerate(rows) if f"eval/{task.JUDGE}/mean" in r]
     judged = {c: np.array([rows[i][f"eval/{task.JUDGE}/{c}/mean"] for i in at]) for c in task.CATEGORIES}
+    overall = np.mean(list(judged.values()), 0) if judged else np.array([rows[i][f"eval/{task.JUDGE}/mean"] for i in at])
     return {k: np.cumsum(v)[at] for k, v in spent.items()} | {
-        "judge": np.array([rows[i][f"eval/{task.JUDGE}/mean"] for i in at]), "categories": judged,
+        "judge": overall, "categories": judged,  # with categories, their mean (GenEval's overall)
         "per_iteration": {k: float(np.mean(v)) for k, v in spent.items()}}
 
 
@@ -206,17 +208,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=list(TASKS), default="nano", help="the laptop task (its --model name)")
     ap.add_argument("--out", help="where the runs go (default: runs/<task>-compare); finished ones are reused")
-    ap.add_argument("--seeds", type=int, default=5)  # the defaults: BENCHMARKS.md's table
+    ap.add_argument("--seeds", type=int, help="seeds per method (default: the task's SEEDS, else 5)")
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-images", type=int, default=200)
-    ap.add_argument("--methods", nargs="*", choices=list(METHODS), default=list(METHODS))
+    ap.add_argument("--methods", nargs="*", choices=list(METHODS), help="default: the task's COMPARED, else all")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each one torch thread)")
     ap.add_argument("--per-prompt", type=int, default=50, help="held-out images per prompt of each final evaluation")
     ap.add_argument("--markdown", help="also write the table, with the command, date and machine, to this file")
     ap.add_argument("--plot", help="the curves' PNG (default: assets/<task>/compare.png)")
     a = ap.parse_args(argv)
     task, out = TASKS[a.task], a.out or os.path.join("runs", f"{a.task}-compare")
+    a.seeds = getattr(task, "SEEDS", 5) if a.seeds is None else a.seeds  # the defaults: BENCHMARKS.md's tables
+    a.methods = list(getattr(task, "COMPARED", METHODS)) if a.methods is None else a.methods
     for flag, value in (("--seeds", a.seeds), ("--iterations", a.iterations), ("--eval-every", a.eval_every),
                         ("--eval-images", a.eval_images), ("--jobs", a.jobs), ("--per-prompt", a.per_prompt)):
         if value < 1:

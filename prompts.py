@@ -6,7 +6,8 @@ name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: a `.jso
 (`"split": "train"` or `"eval"`, a GenEval-style split); otherwise, with fewer than 20 prompts the eval set is
 the whole file (too few to hold any out), else every 10th prompt (the 10th, 20th, ...) is held out for eval and
 never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
-splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses.
+splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses;
+`compose` (the nano-compose task's) is a shipped `.jsonl` with its own split.
 """
 import json
 from dataclasses import dataclass
@@ -78,11 +79,15 @@ def _hold_out(pairs, every: int) -> PromptSet:
     return PromptSet([x for i, x in enumerate(pairs) if i % every != every - 1], pairs[every - 1::every])
 
 _DIGITS = [(f"a handwritten digit {d}", {}) for d in range(10)]  # nano.py: digit d at index d
+_COMPOSE = Path(__file__).parent / "assets" / "nano-compose" / "prompts.jsonl"
 BUILTIN = {
     "ocr": lambda: PromptSet([(s.format(p), {}) for s in _SCENES for p in _TRAIN_PHRASES],
                              [(s.format(p), {}) for s in _SCENES[::4] for p in _EVAL_PHRASES]),
     "general": lambda: _hold_out([(p, {}) for p in _GENERAL], 6),
     "digits": lambda: PromptSet(list(_DIGITS), list(_DIGITS)),
+    # nano_compose.py's GenEval-shaped set, as `python nano_compose.py prompts` wrote it: its own held-out split and
+    # each prompt's category ("tag": the evaluation's per-category means)
+    "compose": lambda: _by_split(read_prompt_file(_COMPOSE), "compose"),
 }
 
 def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:

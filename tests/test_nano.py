@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import flowgrpo
 import models
@@ -18,6 +17,7 @@ import nano
 import rewards
 import rollout
 import startup
+import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NANO = flowgrpo.RECIPES["nano"]
@@ -69,13 +69,7 @@ def test_pretraining_on_a_few_steps_lowers_its_losses_and_loads_as_nano(tmp_path
     assert vae["last_mse"] < 0.8 * vae["first_mse"], vae  # measured: 0.39 -> ~0.26
     assert transformer["last_loss"] < transformer["first_loss"], transformer
     assert "vae: steps 30" in run.stdout and "transformer: steps 20" in run.stdout and "base model:" in run.stdout
-    startup.check_args(dataclasses.replace(NANO, model_path=str(out)))  # --model nano --model-path OUT starts
-    model = models.load_model("nano", str(out), "cpu")
-    saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")  # what loads is what was written
-    assert all(torch.equal(v.float(), model.transformer.state_dict()[k]) for k, v in saved.items())
-    images = rollout.sample_ode(model, ["a handwritten digit 3"] * 2, num_steps=4, height=16, width=16, cfg_scale=1.0,
-                                negative_prompt=" ", seed=0, chunk=2)
-    assert images.shape == (2, 3, 16, 16) and bool(torch.isfinite(images).all())
+    tiny_setup.check_pretrained("nano", out, "a handwritten digit 3", 16)
     with pytest.raises(ValueError, match="--model-path .*: no vae/, transformer/ with a config.json"):
         models.check_model_path("nano", str(tmp_path))
 

@@ -68,7 +68,7 @@ def test_missing_empty_and_unknown_prompt_specs(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=f"{name} has no prompts"):
             prompts.load_prompts(str(tmp_path / name))
-    with pytest.raises(ValueError, match=r"expected a \.txt or \.jsonl file or one of \['digits', 'general', 'ocr'\]"):
+    with pytest.raises(ValueError, match=r"expected a \.txt or \.jsonl file or one of \['compose', 'digits', 'general', 'ocr'\]"):
         prompts.load_prompts("prompts.csv")
     (tmp_path / "dir.txt").mkdir()  # a directory with a file's name is not "missing"
     with pytest.raises(FileNotFoundError, match="dir.txt is a directory"):

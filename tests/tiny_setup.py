@@ -1,5 +1,6 @@
 """A shared starting point for in-process loop and engine tests, the training script run in this process, and a way to
 stop a trainer that says where it was (not a conftest: tests/omni has its own)."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -105,3 +106,16 @@ def stop(proc, sig, seconds: float = 60) -> tuple[str, str]:
             p.kill()
         out, err = proc.communicate()
         raise AssertionError(f"still running {seconds} s after {signal.Signals(sig).name}; its threads:\n{err[-8000:]}")
+
+
+def check_pretrained(model: str, out, prompt: str, side: int) -> None:
+    """A laptop task's `pretrain --out OUT` output: --model MODEL --model-path OUT starts, loads exactly the weights
+    written (float16 on disk) and draws finite side × side images of `prompt`."""
+    from safetensors.torch import load_file
+    startup.check_args(dataclasses.replace(flowgrpo.RECIPES[model], model_path=str(out)))
+    adapter = models.load_model(model, str(out), "cpu")
+    saved = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(v.float(), adapter.transformer.state_dict()[k]) for k, v in saved.items())
+    images = rollout.sample_ode(adapter, [prompt] * 2, num_steps=4, height=side, width=side, cfg_scale=1.0,
+                                negative_prompt=" ", seed=0, chunk=2)
+    assert images.shape == (2, 3, side, side) and bool(torch.isfinite(images).all())

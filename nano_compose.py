@@ -1,0 +1,614 @@
+"""The nano-compose task: GenEval's questions at toy size, drawn with real handwritten digits in colour.
+
+    python nano_compose.py judge [--per-category 500]   # the judge and the reward on held-out renders, noise, wrong prompts
+    python nano_compose.py prompts [--out FILE]          # write the prompt set (train and held out, with categories)
+    python nano_compose.py pretrain [--out DIR]          # the base model: VAE, then transformer, with its gates' figures
+    python nano_compose.py evaluate [--model-path DIR]   # the judge per category on the held-out prompts and seeds
+
+A 32×32 image, black background, glyphs from scikit-learn's `load_digits` (nano.py's split: train 1,437, held out
+360) in a palette of named colours (white where the prompt names none). Prompts follow TEMPLATES exactly:
+
+    single       a 7                      exactly one digit, and it is 7
+    two          a 3 and a 5              exactly two digits, {3, 5}
+    counting     three 4s                 exactly three digits, all 4
+    colours      a red 2                  one digit, 2, in red
+    position     a 1 left of a 9          two digits, 1's centre left of 9's
+    attribution  a red 1 and a blue 6     two digits, each in its own colour
+    number       the number 407           three digits in one row, in that order
+
+Why 32: the smallest side at which every category is drawn with glyphs that stay readable — "the number ddd" needs
+three 10–11 px glyphs side by side with 3 px between their ink (their ink is 7–10 px wide), "four ds" a 2×2 grid of
+16-px cells, the position words a few pixels between two centres on either axis; 16×16 holds one glyph (nano.py).
+
+The judge (`judge_scores`, never a reward) is a program in GenEval's manner: find the digits (connected ink, merged
+while their boxes nearly touch, specks and blobs dropped), read each (an RBF SVM on its crop stretched to 12×12), its
+colour (the nearest palette entry to its mean colour) and its centre, and check the prompt's condition. The reward
+(`reward_scores`) is built differently and smoother: its own ink threshold, a logistic regression on square crops
+averaged to 8×8, soft colour and position terms, partial credit; so reward hacking shows as reward up, judge flat.
+Both read uint8 images (N, H, W, 3). docs/tasks.md has what each measured.
+"""
+import functools
+import itertools
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import numpy as np
+import torch
+
+import models_nano
+import nano
+
+SIDE = 32  # image side in pixels
+SET_SEED = 0  # which combinations the held-out prompt set keeps for itself
+BASE_DIR = os.path.join(models_nano.ASSETS, "nano-compose")  # the shipped base model (`python nano_compose.py pretrain`)
+PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_compose.py prompts`)
+PALETTE = {"white": (255, 255, 255), "red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255),
+           "yellow": (255, 255, 0)}  # every entry has a channel at 255: the brightest channel is a glyph's ink
+COLOURS = ("red", "green", "blue", "yellow")  # the named colours; white is the colour of a digit named without one
+RELATIONS = ("left of", "right of", "above", "below")
+COUNTS = {"two": 2, "three": 3, "four": 4}
+CATEGORIES = ("single", "two", "counting", "colours", "position", "attribution", "number")
+_C, _R = "|".join(COLOURS), "|".join(RELATIONS)
+TEMPLATES = {  # category -> the one template its prompts follow (a full match)
+    "single": re.compile(r"a (\d)"), "two": re.compile(r"a (\d) and a (\d)"),
+    "counting": re.compile(r"(two|three|four) (\d)s"), "colours": re.compile(rf"a ({_C}) (\d)"),
+    "position": re.compile(rf"a (\d) ({_R}) a (\d)"), "attribution": re.compile(rf"a ({_C}) (\d) and a ({_C}) (\d)"),
+    "number": re.compile(r"the number (\d)(\d)(\d)")}
+INK, REWARD_INK = 80, 64  # a pixel is ink where its brightest channel exceeds this (of 255): the judge's, the reward's
+GLYPH_SIZES = (10, 11, 12)  # a glyph is its 8×8 digit upscaled bilinearly to one of these sides
+NUMBER_SIZES = (10, 11)  # "the number ddd": three in a row, all of one of these sizes
+GAP = 3  # empty pixels at least between the ink boxes of two glyphs of a render (the judge merges boxes ≤ 1 apart)
+OFFSET = 3  # the judge's position: centres more than this many pixels apart in the named direction
+ROW = 4  # the judge's "one row": the three centres within this many pixels vertically
+# What the method comparison (nano_compare.py) reads of a task: its --model, the judge's reward label, its categories.
+MODEL, JUDGE = "nano-compose", "compose_judge"
+COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "Flow-DPPO (mask 1e-5)", "DiffusionNFT", "AWM")
+SEEDS = 3  # the comparison's rows and seeds: the methods that matter, within its 3-hour budget on 2 cores
+
+
+# ---- prompts -----------------------------------------------------------------------------------------
+
+def parse(prompt: str) -> dict:
+    """A prompt -> its `category`, `digits` (counting repeats d), `colours` (one per digit, None where unnamed) and
+    `relation` (position). Raises ValueError, naming the fix, for a prompt outside TEMPLATES."""
+    for category, template in TEMPLATES.items():
+        if (m := template.fullmatch(prompt)) is None:
+            continue
+        g = m.groups()
+        if category == "counting":
+            return {"category": category, "digits": (int(g[1]),) * COUNTS[g[0]], "colours": (None,) * COUNTS[g[0]]}
+        if category == "position":
+            return {"category": category, "digits": (int(g[0]), int(g[2])), "colours": (None, None), "relation": g[1]}
+        named = [x for x in g if x in COLOURS]  # colours and attribution name one colour per digit
+        digits = tuple(int(x) for x in g if x.isdigit())
+        return {"category": category, "digits": digits, "colours": tuple(named) or (None,) * len(digits)}
+    raise ValueError(f"nano-compose: prompt {prompt!r} follows none of the task's templates; write e.g. 'a red 3 and "
+                     "a blue 5' (nano_compose.TEMPLATES), or use the task's set: --prompts compose")
+
+
+def all_prompts() -> dict[str, list[str]]:
+    """Every prompt of every category: the task's whole prompt space (10 + 90 + 30 + 40 + 360 + 1,080 + 1,000)."""
+    pairs = [(a, b) for a in range(10) for b in range(10) if a != b]  # the two digits of a prompt always differ
+    return {"single": [f"a {d}" for d in range(10)], "two": [f"a {a} and a {b}" for a, b in pairs],
+            "counting": [f"{n} {d}s" for n in COUNTS for d in range(10)],
+            "colours": [f"a {c} {d}" for c in COLOURS for d in range(10)],
+            "position": [f"a {a} {r} a {b}" for r in RELATIONS for a, b in pairs],
+            "attribution": [f"a {c} {a} and a {e} {b}" for c in COLOURS for e in COLOURS if c != e for a, b in pairs],
+            "number": [f"the number {n:03d}" for n in range(1000)]}
+
+
+@functools.lru_cache(maxsize=2)
+def prompt_sets(seed: int = SET_SEED, per_category: int = 20) -> tuple[dict, dict]:
+    """(train, held_out): {category: [prompt, ...]}. Held out from `seed`, never trained on (pretraining or RL): 9 of
+    the 45 digit pairs (two, position, attribution), 2 digits per named colour (8 of the 40 colour–digit bindings),
+    2 digits per count (6 of 30) and 200 of the 1,000 numbers; train is every prompt free of those. The held-out set
+    is `per_category` prompts of each category (single: its 10): half of them novel (holding a held-out combination;
+    counting has 6), the rest drawn from train, so novel and seen can be read apart."""
+    rng = np.random.default_rng(seed)
+    pairs = [(a, b) for a in range(10) for b in range(a + 1, 10)]
+    held_pairs = {pairs[i] for i in rng.choice(len(pairs), 9, replace=False)}
+    perm = rng.permutation(10)
+    held_bindings = {(c, int(d)) for i, c in enumerate(COLOURS) for d in perm[2 * i:2 * i + 2]}
+    perm = rng.permutation(10)
+    held_counts = {(n, int(d)) for i, n in enumerate(COUNTS.values()) for d in perm[2 * i:2 * i + 2]}
+    held_numbers = set(rng.choice(1000, 200, replace=False).tolist())
+
+    def novel(prompt: str) -> bool:
+        spec = parse(prompt)
+        d = spec["digits"]
+        return ((spec["category"] in ("two", "position", "attribution") and tuple(sorted(d)) in held_pairs)
+                or any((c, x) in held_bindings for c, x in zip(spec["colours"], d))
+                or (spec["category"] == "counting" and (len(d), d[0]) in held_counts)
+                or (spec["category"] == "number" and int("".join(map(str, d))) in held_numbers))
+    train, held_out = {}, {}
+    for category, texts in all_prompts().items():
+        train[category] = [p for p in texts if not novel(p)]
+        new = [p for p in texts if novel(p)]
+        k = min(len(new), per_category // 2)
+        picks = [new[i] for i in sorted(rng.choice(len(new), k, replace=False))] if k else []
+        seen = train[category] if category == "single" else [
+            train[category][i] for i in sorted(rng.choice(len(train[category]), per_category - k, replace=False))]
+        held_out[category] = picks + seen
+    return train, held_out
+
+
+def prompt_lines() -> list[dict]:
+    """The prompt file's lines: every train prompt, then the held-out ones, each with its split and category."""
+    train, held_out = prompt_sets()
+    return [{"prompt": p, "split": split, "tag": c} for split, sets in (("train", train), ("eval", held_out))
+            for c in CATEGORIES for p in sets[c]]
+
+
+# ---- glyphs and renders ------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=2)
+def glyphs(held_out: bool) -> dict:
+    """One split's glyphs at every size: {size: (ink (N, s, s) float32 in [0, 1], ink boxes (N, 4) as y0, y1, x0, x1
+    inclusive)}, with "labels" (N,) and "by_digit" (the indices of each digit). Bilinear, as nano.render."""
+    x_train, x_test, y_train, y_test = nano.split()
+    x8, labels = (x_test, y_test) if held_out else (x_train, y_train)
+    out = {"labels": labels, "by_digit": [np.flatnonzero(labels == d) for d in range(10)]}
+    for s in sorted({*GLYPH_SIZES, *NUMBER_SIZES}):
+        x = torch.as_tensor(x8, dtype=torch.float32)[:, None] / 16
+        ink = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", align_corners=False)[:, 0]
+        ink = ink.clamp(0, 1).numpy()
+        rows, cols = (mask := np.round(ink * 255) > INK).any(2), mask.any(1)
+        out[s] = (ink, np.stack([rows.argmax(1), s - 1 - rows[:, ::-1].argmax(1), cols.argmax(1),
+                                 s - 1 - cols[:, ::-1].argmax(1)], 1))
+    return out
+
+
+def _separated(a, b, gap: int = GAP) -> bool:
+    """Boxes (y0, y1, x0, x1) with at least `gap` empty pixels between them on one axis."""
+    return max(b[0] - a[1], a[0] - b[1], b[2] - a[3], a[2] - b[3]) - 1 >= gap
+
+
+def _centre(box) -> tuple[float, float]:
+    return (box[0] + box[1]) / 2, (box[2] + box[3]) / 2  # (y, x)
+
+
+def _offset(relation: str, a, b) -> float:
+    """How far centre a (y, x) lies on the named side of centre b, in pixels (negative: the other side)."""
+    (ya, xa), (yb, xb) = a, b
+    return {"left of": xb - xa, "right of": xa - xb, "above": yb - ya, "below": ya - yb}[relation]
+
+
+def _layout(rng, spec: dict, dims: list) -> list | None:
+    """Top-left corners (y, x) of ink boxes of sizes `dims` [(h, w)], placed as the category places them, or None
+    when this draw failed (the caller draws again)."""
+    if spec["category"] == "number":  # one row, left to right, the slack spread over the margin and the two gaps
+        slack = SIDE - sum(w for _, w in dims) - 2 * GAP
+        if slack < 0:
+            return None
+        cuts = np.sort(rng.integers(0, slack + 1, 3))
+        xs = [int(cuts[0]), int(cuts[0] + dims[0][1] + GAP + cuts[1] - cuts[0])]
+        xs.append(int(xs[1] + dims[1][1] + GAP + cuts[2] - cuts[1]))
+        tallest = max(h for h, _ in dims)
+        cy = rng.uniform(tallest / 2, SIDE - tallest / 2)
+        corners = [(int(round(cy - h / 2 + rng.integers(-1, 2))), x) for (h, _), x in zip(dims, xs)]
+    elif spec["category"] == "counting":  # jittered cells of a 2×2 grid
+        corners = [(16 * (c // 2) + int(rng.integers(0, 16 - h + 1)), 16 * (c % 2) + int(rng.integers(0, 16 - w + 1)))
+                   for c, (h, w) in zip(rng.permutation(4), dims)]
+    else:
+        corners = [(int(rng.integers(0, SIDE - h + 1)), int(rng.integers(0, SIDE - w + 1))) for h, w in dims]
+    boxes = [(y, y + h - 1, x, x + w - 1) for (y, x), (h, w) in zip(corners, dims)]
+    if any(min(b) < 0 or max(b) >= SIDE for b in boxes):
+        return None
+    if not all(_separated(a, b) for a, b in itertools.combinations(boxes, 2)):
+        return None
+    if spec["category"] == "position":  # d1 on the named side of d2 by 6 px or more, that axis the dominant one
+        a, b = _centre(boxes[0]), _centre(boxes[1])
+        along = _offset(spec["relation"], a, b)
+        across = abs(a[1] - b[1]) if spec["relation"] in ("above", "below") else abs(a[0] - b[0])
+        if along < 2 * OFFSET or across > along:
+            return None
+    return corners
+
+
+def render(prompts: list[str], held_out: bool = False, seed: int = 0, any_colour: bool = False) -> np.ndarray:
+    """One correct composition per prompt, uint8 (N, SIDE, SIDE, 3), from the train or held-out glyphs; instances,
+    sizes and places drawn from `seed` (the same prompts and seed give the same images). `any_colour`: each glyph in a
+    colour drawn from the whole palette instead (the VAE's training images, so that every colour is common)."""
+    rng, g = np.random.default_rng(seed), glyphs(held_out)
+    out = np.zeros((len(prompts), SIDE, SIDE, 3), dtype=np.float32)
+    for i, spec in enumerate(map(parse, prompts)):
+        for attempt in itertools.count():
+            if attempt % 50 == 0:  # some glyphs never fit together (three wide ones in a row): draw others
+                picks = [int(rng.choice(g["by_digit"][d])) for d in spec["digits"]]
+            number = spec["category"] == "number"
+            sizes = [int(rng.choice(NUMBER_SIZES))] * 3 if number else [int(rng.choice(GLYPH_SIZES)) for _ in picks]
+            boxes = [g[s][1][k] for s, k in zip(sizes, picks)]
+            if (corners := _layout(rng, spec, [(b[1] - b[0] + 1, b[3] - b[2] + 1) for b in boxes])) is not None:
+                break
+        colours = [_NAMES[rng.integers(len(_NAMES))] for _ in picks] if any_colour else spec["colours"]
+        for (y, x), s, k, box, colour in zip(corners, sizes, picks, boxes, colours):
+            top, left = y - box[0], x - box[2]  # the glyph's s × s square, placed so that its ink box is at (y, x)
+            ys, xs = slice(max(top, 0), min(top + s, SIDE)), slice(max(left, 0), min(left + s, SIDE))
+            patch = g[s][0][k][ys.start - top:ys.stop - top, xs.start - left:xs.stop - left]
+            rgb = np.asarray(PALETTE[colour or "white"], dtype=np.float32) / 255
+            out[i, ys, xs] = np.maximum(out[i, ys, xs], patch[..., None] * rgb)
+    return np.round(out * 255).astype(np.uint8)
+
+
+# ---- finding and reading the digits of an image ------------------------------------------------------
+
+def find(image: np.ndarray, ink: int = INK, speck: int = 8, blob: int = 16) -> list[dict]:
+    """The digits of one uint8 image (H, W, 3): 8-connected ink (brightest channel > `ink`), components merged while
+    their boxes are ≤ 1 pixel apart on both axes, then specks (< `speck` pixels) and blobs (a side > `blob`) dropped.
+    Each: `box` (y0, y1, x0, x1 inclusive), `pixels`, `mask` (its ink) and `ink` (all of the image's)."""
+    from scipy import ndimage
+    labels, _ = ndimage.label(image.max(-1) > ink, structure=np.ones((3, 3)))
+    objs = [{"box": (sl[0].start, sl[0].stop - 1, sl[1].start, sl[1].stop - 1), "pixels": int((labels[sl] == k).sum()),
+             "labels": [k]} for k, sl in enumerate(ndimage.find_objects(labels), 1)]
+    while pair := next(((a, b) for a, b in itertools.combinations(objs, 2) if _near(a["box"], b["box"])), None):
+        a, b = pair
+        objs.remove(b)
+        (ay0, ay1, ax0, ax1), (by0, by1, bx0, bx1) = a["box"], b["box"]
+        a["box"] = (min(ay0, by0), max(ay1, by1), min(ax0, bx0), max(ax1, bx1))
+        a["pixels"], a["labels"] = a["pixels"] + b["pixels"], a["labels"] + b["labels"]
+    keep = [o for o in objs if o["pixels"] >= speck and max(o["box"][1] - o["box"][0], o["box"][3] - o["box"][2]) < blob]
+    for o in keep:
+        o["mask"], o["ink"] = np.isin(labels, o["labels"]), labels > 0
+    return keep
+
+
+def _near(a, b) -> bool:
+    """Boxes at most 1 empty pixel apart on both axes (they overlap once each grows by 1 pixel)."""
+    return max(b[0] - a[1], a[0] - b[1]) - 1 <= 1 and max(b[2] - a[3], a[2] - b[3]) - 1 <= 1
+
+
+def crop(image: np.ndarray, obj: dict, side: int, stretch: bool) -> np.ndarray:
+    """An object's crop of the brightest channel (its box grown by 1 pixel, other digits' ink zeroed), stretched to
+    side × side (bilinear, antialiased: the judge's) or padded to a square and averaged to side × side (the
+    reward's), scaled to peak 1: (side²,) float32. Colour does not enter."""
+    y0, y1, x0, x1 = obj["box"]
+    bright = image.max(-1).astype(np.float32) / 255
+    bright[obj["ink"] & ~obj["mask"]] = 0
+    region = np.pad(bright, 1)[y0:y1 + 3, x0:x1 + 3]  # rows y0 − 1 … y1 + 1 of the image, zero outside it
+    if not stretch:
+        (h, w), m = region.shape, max(region.shape)
+        region = np.pad(region, (((m - h) // 2, m - h - (m - h) // 2), ((m - w) // 2, m - w - (m - w) // 2)))
+    kw = dict(mode="bilinear", antialias=True, align_corners=False) if stretch else dict(mode="area")
+    small = torch.nn.functional.interpolate(torch.from_numpy(region)[None, None], size=(side, side), **kw).numpy().ravel()
+    return small / max(small.max(), 1e-6)
+
+
+_NAMES = list(PALETTE)
+_CHROMA = np.array([PALETTE[c] for c in _NAMES], dtype=np.float64) / 255  # (5, 3), peak 1 each
+
+
+def read(images: np.ndarray, reader: str) -> list[list[dict]]:
+    """Every image's digits (`find` at the reader's threshold), each with the judge's `digit` or the reward's `p`
+    (10,) digit probabilities, its `chroma` (3,) (the ink's mean colour, brightness-weighted, peak 1), `colour` (the
+    nearest palette name) and `centre` (y, x)."""
+    found = [find(im, INK if reader == "judge" else REWARD_INK) for im in images]
+    flat = [(im, o) for im, objs in zip(images, found) for o in objs]
+    if not flat:
+        return found
+    judge, reward = classifiers()
+    if reader == "judge":
+        read_out = judge.predict(np.stack([crop(im, o, 12, True) for im, o in flat]))
+    else:
+        read_out = reward.predict_proba(np.stack([crop(im, o, 8, False) for im, o in flat]))
+    for (im, o), r in zip(flat, read_out):
+        o["digit" if reader == "judge" else "p"] = int(r) if reader == "judge" else r
+        px = im[o["mask"]].astype(np.float64)  # (P, 3)
+        mean = (px * px.max(1, keepdims=True)).sum(0) / max(px.max(1).sum(), 1e-6)
+        o["chroma"] = mean / max(mean.max(), 1e-6)
+        o["colour"] = _NAMES[int(np.square(_CHROMA - o["chroma"]).sum(1).argmin())]
+        o["centre"] = _centre(o["box"])
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def classifiers():
+    """(judge, reward), fitted on crops of the train glyphs alone as `find` and `crop` make them (white, at every
+    size; a glyph `find` splits is left out): an RBF SVM on crops stretched to 12×12 and a logistic regression on
+    square crops averaged to 8×8. Deterministic; seconds, once per process."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.svm import SVC
+    from threadpoolctl import threadpool_limits
+    g, images, labels = glyphs(False), [], []
+    for s in sorted({*GLYPH_SIZES, *NUMBER_SIZES}):
+        for k, ink in enumerate(g[s][0]):
+            im = np.zeros((SIDE, SIDE, 3), dtype=np.uint8)
+            im[4:4 + s, 4:4 + s] = np.round(ink * 255).astype(np.uint8)[..., None]
+            images.append(im)
+            labels.append(g["labels"][k])
+    found = [find(im) for im in images]
+    kept = [(im, objs[0], y) for im, objs, y in zip(images, found, labels) if len(objs) == 1]
+    y = np.array([k[2] for k in kept])
+    with threadpool_limits(1):  # small problems: more BLAS threads only wait on each other
+        judge = SVC(kernel="rbf", C=10.0, gamma="scale").fit(np.stack([crop(im, o, 12, True) for im, o, _ in kept]), y)
+        reward = LogisticRegression(max_iter=5000).fit(np.stack([crop(im, o, 8, False) for im, o, _ in kept]), y)
+    return judge, reward
+
+
+# ---- the judge and the reward ------------------------------------------------------------------------
+
+def judge_one(objs: list[dict], spec: dict) -> bool:
+    """Whether the digits the judge read of one image satisfy the prompt's condition (the table above)."""
+    want, colours, category = spec["digits"], spec["colours"], spec["category"]
+    if len(objs) != len(want):
+        return False
+    if category == "number":
+        objs = sorted(objs, key=lambda o: o["centre"][1])
+        xs, ys = [o["centre"][1] for o in objs], [o["centre"][0] for o in objs]
+        in_row = max(ys) - min(ys) <= ROW and all(b - a > OFFSET for a, b in zip(xs, xs[1:]))
+        return in_row and tuple(o["digit"] for o in objs) == want
+    for order in itertools.permutations(objs):
+        if all(o["digit"] == d and (c is None or o["colour"] == c) for o, d, c in zip(order, want, colours)):
+            if category != "position" or _offset(spec["relation"], order[0]["centre"], order[1]["centre"]) > OFFSET:
+                return True
+    return False
+
+
+def judge_scores(images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    """The judge: 1.0 where the image satisfies its prompt's condition, else 0.0, (N,)."""
+    specs = [parse(p) for p in prompts]
+    return np.array([float(judge_one(objs, s)) for objs, s in zip(read(images, "judge"), specs)])
+
+
+def reward_one(objs: list[dict], spec: dict) -> float:
+    """One image's reward: the best assignment of found digits to the prompt's, each scoring p(its digit) × p(its
+    colour) (a softmax over palette distances), summed and divided by max(wanted, found) (a missing or extra digit
+    costs its share), times a soft position or row term. In [0, 1]; 0 when nothing is found."""
+    want, colours, category = spec["digits"], spec["colours"], spec["category"]
+    best = 0.0
+    for order in itertools.permutations(objs, min(len(objs), len(want))):
+        if category == "number" and any(a["centre"][1] > b["centre"][1] for a, b in zip(order, order[1:])):
+            continue  # a number is read left to right
+        score = 0.0
+        for o, d, c in zip(order, want, colours):
+            q = np.exp(-np.square(_CHROMA - o["chroma"]).sum(1) / 0.1)
+            score += o["p"][d] * (1.0 if c is None else q[_NAMES.index(c)] / q.sum())
+        score /= max(len(want), len(objs))
+        if category == "position" and len(order) == 2:
+            score /= 1 + np.exp((OFFSET - _offset(spec["relation"], order[0]["centre"], order[1]["centre"])) / 1.5)
+        if category == "number" and len(order) > 1:
+            score /= 1 + np.exp(np.ptp([o["centre"][0] for o in order]) - ROW - 1)  # a sigmoid of the row's slack
+        best = max(best, score)
+    return float(best)
+
+
+def reward_scores(images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    """The reward (`reward_one`) of each image for its prompt, (N,) in [0, 1]."""
+    specs = [parse(p) for p in prompts]
+    return np.array([reward_one(objs, s) for objs, s in zip(read(images, "reward"), specs)])
+
+
+def compose():
+    """`--reward compose`: the smooth scorer (`reward_one`): per-digit classifier probabilities, soft colour and place."""
+    classifiers()  # fitted now (seconds): at start-up, not in the first rollout
+    return lambda images, prompts, metadata: reward_scores(images, prompts)
+
+
+def compose_judge():
+    """`--reward compose_judge`: 1 where the judge finds the prompt's condition met, else 0. The task's recipe gives it
+    weight 0: logged beside the reward (and per category at evaluation), never optimised."""
+    classifiers()
+    return lambda images, prompts, metadata: judge_scores(images, prompts)
+
+
+REWARDS = {"compose": (compose, parse), "compose_judge": (compose_judge, parse)}  # rewards.py's registry reads it
+
+
+# ---- the base model: pretrained here (`python nano_compose.py pretrain`), shipped in assets/nano-compose ------------
+
+# Qwen-Image's classes (docs/tasks.md): a VAE 4× down to 8×8×32 latents (1.93 M parameters; the judge reads its
+# reconstructions of held-out renders at ≥ 90% in every category) and a transformer of 16 tokens (2×2 patches).
+VAE = dict(base_dim=16, z_dim=32, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, False])
+TRANSFORMER = dict(patch_size=2, in_channels=128, out_channels=32, num_layers=6, attention_head_dim=32,
+                   num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 12, 12))
+PRETRAIN = dict(seed=0, pool_size=20000, vae_steps=1500, vae_batch=32, vae_lr=2e-3, bright=10.0, kl_weight=1e-4,
+                transformer_steps=10000, transformer_batch=64, transformer_lr=1e-3, warmup=200, clip=1.0, ema=0.995,
+                curve_every=1000, curve_per_category=30)
+
+
+def pool(n: int, seed: int, held_out: bool = False, any_colour: bool = False) -> tuple[np.ndarray, list[str]]:
+    """n renders (`render`), the categories in turn, each prompt uniform within its category's train (or held-out)
+    set: (uint8 (n, SIDE, SIDE, 3), prompts)."""
+    sets, rng = prompt_sets()[held_out], np.random.default_rng(seed)
+    prompts = [sets[c][rng.integers(len(sets[c]))] for c in itertools.islice(itertools.cycle(CATEGORIES), n)]
+    return render(prompts, held_out, seed, any_colour), prompts
+
+
+def to_x(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> (N, 3, H, W) in [−1, 1], as the VAE takes images."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
+def by_category(scores: np.ndarray, prompts: list[str]) -> dict:
+    """{category: mean score}, and "overall": their mean (GenEval's)."""
+    cats = np.array([parse(p)["category"] for p in prompts])
+    means = {c: float(scores[cats == c].mean()) for c in CATEGORIES if (cats == c).any()}
+    return means | {"overall": float(np.mean(list(means.values())))}
+
+
+def pretrain(out: str, per_cat: int = 50, *, seed: int, pool_size: int, vae_steps: int, vae_batch: int, vae_lr: float,
+             bright: float, kl_weight: float, transformer_steps: int, transformer_batch: int, transformer_lr: float,
+             warmup: int, clip: float, ema: float, curve_every: int, curve_per_category: int) -> dict:
+    """Train the VAE, then the transformer, on train renders; write them to `out` (vae/, transformer/: diffusers'
+    format, float16) for `--model nano-compose --model-path out`; return what each stage reached (out/pretrain.json)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    report = {"command": " ".join(["python nano_compose.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}
+
+    # 1. VAE on renders whose every glyph takes a random palette colour (so that no colour is rare), the error weighed
+    #    1 + bright·ink (the canvas is mostly black: unweighted, black is the best first answer), the decoder read before
+    #    its clamp, lr warmed up over 50 steps then cosine to a tenth; gate (a): the judge on held-out reconstructions
+    start, x = time.process_time(), to_x(pool(pool_size, seed, any_colour=True)[0])
+    vae = AutoencoderKLQwenImage(**VAE, latents_mean=[0.0] * VAE["z_dim"], latents_std=[1.0] * VAE["z_dim"])
+    losses = nano.train_vae(
+        vae, lambda n, g: x[torch.randint(len(x), (n,), generator=g)], vae_steps, vae_batch, vae_lr, kl_weight, gen,
+        weigh=lambda b: (w := 1 + bright * (b.amax(1, keepdim=True) + 1) / 2) / w.mean(), clip=clip, unclamped=True,
+        schedule=lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / vae_steps, 1)))))
+    held, held_prompts = pool(100 * len(CATEGORIES), 10_000 + seed, held_out=True)
+    with torch.no_grad():
+        recon = nano.decode(vae, nano.latents(vae, to_x(held), chunk=500)[0][:, :, None])[:, :, 0]
+    judged = judge_scores(nano.quantised((recon + 1) / 2), held_prompts)
+    nano.reached(report, "vae", steps=vae_steps, first_mse=np.mean(losses[:10]), last_mse=np.mean(losses[-20:]),
+                 cpu_seconds=time.process_time() - start, **{f"judge_on_reconstructions/{k}": v
+                                                             for k, v in by_category(judged, held_prompts).items()})
+
+    # 2. Transformer: rectified flow on the latents of other train renders (nano.train_transformer), each with its prompt
+    start, (images, prompts) = time.process_time(), pool(pool_size, 1000 + seed)
+    mu_z, std_z = nano.latents(vae, to_x(images), chunk=500)  # (N, 8, 16, 16)
+    vae.register_to_config(latents_mean=mu_z.mean((0, 2, 3)).tolist(), latents_std=mu_z.std((0, 2, 3)).tolist())
+    texts = sorted(set(prompts))
+    labels = torch.tensor([texts.index(p) for p in prompts])
+    pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
+    pipe.set_progress_bar_config(disable=True)
+    report["curve"], measuring = [], [0.0]  # gate (b): the EMA weights judged every curve_every steps; their CPU time
+
+    def measure(step: int) -> None:
+        t = time.process_time()
+        report["curve"].append({"step": step, "cpu_seconds": t - start - measuring[0],
+                                **evaluate(pipe, curve_per_category)})
+        measuring[0] += time.process_time() - t
+        print("curve:", json.dumps({k: round(float(v), 4) for k, v in report["curve"][-1].items()}), flush=True)
+    losses = nano.train_transformer(pipe, mu_z, std_z, labels, texts, SIDE, transformer_steps, transformer_batch,
+                                    transformer_lr, ema, gen, warmup=warmup, clip=clip, measure=measure,
+                                    measure_every=curve_every)
+    nano.reached(report, "transformer", steps=transformer_steps, first_loss=np.mean(losses[:10]),
+                 last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start - measuring[0])
+
+    # 3. Write, then measure what was written: gate (c), the held-out prompts' judge per category
+    nano.save_parts(out, vae=vae, transformer=pipe.transformer)
+    nano.reached(report, "base model", **evaluate(load(out), per_cat))
+    with open(os.path.join(out, "pretrain.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def load(path: str | None = None, lora: str | None = None):
+    """The nano-compose pipeline (the shipped weights, or `path`), with a run's exported LoRA directory if given."""
+    return nano.load(path or BASE_DIR, lora)
+
+
+def held_out_prompts(per_cat: int) -> list[str]:
+    """`per_cat` held-out prompts of each category (its list in turn), category by category."""
+    held_out = prompt_sets()[1]
+    return [held_out[c][i % len(held_out[c])] for c in CATEGORIES for i in range(per_cat)]
+
+
+def evaluate(pipe, per_cat: int = 50, steps: int = 10) -> dict:
+    """ODE samples of the held-out prompts (`held_out_prompts`) from the held-out seeds (nano.sample), judged: per
+    category, `judge_accuracy` (their mean, GenEval's overall), on the novel prompts and on the seen ones; the mean
+    reward; the diversity across each prompt's images (nano.diversity)."""
+    prompts = held_out_prompts(per_cat)
+    pixels = nano.sample(pipe, prompts, SIDE, steps)
+    images = nano.quantised(pixels)
+    judged, seen = judge_scores(images, prompts), {p for v in prompt_sets()[0].values() for p in v}
+    novel, cats = np.array([p not in seen for p in prompts]), by_category(judged, prompts)
+    overall, repeated = cats.pop("overall"), [p for p in set(prompts) if prompts.count(p) > 1]
+    keep = np.isin(prompts, repeated)  # the diversity of prompts drawn more than once
+    return {"images": len(prompts), **cats, "judge_accuracy": overall, "novel": judged[novel].mean(),
+            "seen": judged[~novel].mean(), "reward_mean": reward_scores(images, prompts).mean()} | (
+        {"diversity": nano.diversity(pixels[torch.from_numpy(keep)], np.array(prompts)[keep])} if keep.any() else {})
+
+
+def grid(run_dir: str, out: str, per_cat: int = 6, cell: int = 64) -> dict:
+    """A PNG of the base model's samples (left) and the run's (right, its exported LoRA) of the same held-out prompts
+    and seeds: one row per category, each image's prompt under it, framed green where the judge says it is right."""
+    from PIL import Image, ImageDraw, ImageFont
+    font, small, gap, text = ImageFont.load_default(size=13), ImageFont.load_default(size=9), 24, 14
+    prompts, result = held_out_prompts(per_cat), {}
+    canvas = Image.new("RGB", (80 + 2 * per_cat * cell + gap, 22 + len(CATEGORIES) * (cell + text)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for side, lora in enumerate((None, nano.run_lora(run_dir))):
+        images = nano.sample(load(lora=lora), prompts, SIDE)
+        right = judge_scores(nano.quantised(images), prompts)
+        result["before" if side == 0 else "after"] = by_category(right, prompts)["overall"]
+        x0 = 80 + side * (per_cat * cell + gap)
+        draw.text((x0, 3), f"{'before (base)' if side == 0 else 'after (RL)'}: the judge finds {right.mean():.0%} of "
+                  f"these {len(right)} right", fill="black", font=font)
+        for i, (img, prompt, ok) in enumerate(zip(images, prompts, right)):
+            x, y = x0 + (i % per_cat) * cell, 22 + (i // per_cat) * (cell + text)
+            nano.framed(canvas, img, x, y, cell, ok)
+            draw.text((x + cell // 2, y + cell + 1), prompt.removeprefix("the number "), fill="black", font=small,
+                      anchor="ma")
+    for r, category in enumerate(CATEGORIES):
+        draw.text((4, 22 + r * (cell + text) + cell // 2 - 7), category, fill="black", font=font)
+    canvas.save(out)
+    return result
+
+
+# ---- measuring the judge and the reward --------------------------------------------------------------
+
+def condition(prompt: str) -> tuple:
+    """What a prompt asks, equal for equivalent wordings ("a 3 and a 5" = "a 5 and a 3", "a 1 left of a 9" = "a 9
+    right of a 1"): a wrong prompt for an image is one whose condition differs."""
+    spec = parse(prompt)
+    d, c = spec["digits"], spec["colours"]
+    if spec["category"] == "position":
+        flip = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+        return min((d[0], spec["relation"], d[1]), (d[1], flip[spec["relation"]], d[0]))
+    if spec["category"] in ("two", "attribution"):
+        return (spec["category"], *sorted(zip(d, map(str, c))))
+    return (spec["category"], d, c)
+
+
+def measure(per_category: int = 500, seed: int = 1) -> dict:
+    """The judge and the reward on `per_category` renders of each category (its held-out prompts in turn, held-out
+    glyphs), on uniform noise, and against a wrong prompt of the same category (one with another condition)."""
+    held_out, every = prompt_sets()[1], all_prompts()
+    rng = np.random.default_rng(seed)
+    result = {}
+    for category in CATEGORIES:
+        prompts = [held_out[category][i % len(held_out[category])] for i in range(per_category)]
+        images = render(prompts, held_out=True, seed=seed)
+        wrong = []
+        for p in prompts:
+            while condition(q := every[category][rng.integers(len(every[category]))]) == condition(p):
+                pass
+            wrong.append(q)
+        noise = rng.integers(0, 256, images.shape, dtype=np.uint8)
+        result[category] = {f"{name}{suffix}": float(fn(x, ps).mean()) for name, fn in (
+            ("judge", judge_scores), ("reward", reward_scores)) for suffix, x, ps in (
+            ("", images, prompts), ("_wrong", images, wrong), ("_noise", noise, prompts))}
+    return result
+
+
+def main(argv=None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pretrain", help="train the base model (defaults: the shipped budget) and write it to --out")
+    p.add_argument("--out", default=BASE_DIR, help="directory for vae/, transformer/, pretrain.json")
+    for key, value in PRETRAIN.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    e = sub.add_parser("evaluate", help="the base model (or --model-path) per category on the held-out prompts")
+    e.add_argument("--model-path", help="a directory `pretrain` wrote (default: the shipped one)")
+    for q in (p, e):
+        q.add_argument("--per-category", type=int, default=50, help="held-out images per category")
+    j = sub.add_parser("judge", help="the judge and the reward on held-out renders, noise and wrong prompts")
+    j.add_argument("--per-category", type=int, default=500, help="renders of each category")
+    j.add_argument("--seed", type=int, default=1)
+    w = sub.add_parser("prompts", help="write the prompt set: train and held out, each line with its category")
+    w.add_argument("--out", default=PROMPTS)
+    a = ap.parse_args(argv)
+    if a.per_category < 1:
+        ap.exit(2, f"nano_compose.py: error: --per-category must be >= 1, got {a.per_category}\n")
+    if a.cmd == "pretrain":
+        pretrain(a.out, a.per_category, **{k: getattr(a, k) for k in PRETRAIN})
+    elif a.cmd == "evaluate":
+        print(json.dumps(evaluate(load(a.model_path), a.per_category)))
+    elif a.cmd == "judge":
+        for category, figures in measure(a.per_category, a.seed).items():
+            print(category, json.dumps({k: round(v, 4) for k, v in figures.items()}), flush=True)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out + ".tmp", "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in prompt_lines())
+        os.replace(a.out + ".tmp", a.out)
+        print(f"{a.out}: " + ", ".join(f"{s} {sum(x['split'] == s for x in prompt_lines())}" for s in ("train", "eval")))
+
+
+if __name__ == "__main__":
+    main()

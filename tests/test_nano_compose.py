@@ -1,0 +1,177 @@
+"""The nano-compose task (nano_compose.py): its prompt sets, renders, the judge on constructed compositions with known
+answers (every category, both ways), the reward built differently from the judge, and the reward's prompt check."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import flowgrpo
+import nano
+import nano_compose as nc
+import rewards
+import startup
+import tiny_setup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One known composition per category, then prompts it satisfies (1) and prompts it does not (0): a wrong digit, a
+# wrong count, a wrong colour, the wrong side, swapped colours, the number's digits in another order.
+KNOWN = {
+    "single": ("a 3", {"a 3": 1, "a 8": 0, "a 3 and a 8": 0, "two 3s": 0}),
+    "two": ("a 3 and a 5", {"a 3 and a 5": 1, "a 5 and a 3": 1, "a 3 and a 6": 0, "a 3": 0, "the number 035": 0}),
+    "counting": ("three 4s", {"three 4s": 1, "two 4s": 0, "four 4s": 0, "three 7s": 0}),
+    "colours": ("a red 2", {"a red 2": 1, "a 2": 1, "a blue 2": 0, "a yellow 2": 0, "a red 7": 0}),
+    "position": ("a 1 left of a 9", {"a 1 left of a 9": 1, "a 9 right of a 1": 1, "a 1 right of a 9": 0,
+                                     "a 9 left of a 1": 0, "a 1 left of a 8": 0}),
+    "attribution": ("a red 1 and a blue 6", {"a red 1 and a blue 6": 1, "a blue 6 and a red 1": 1,
+                                             "a blue 1 and a red 6": 0, "a red 1 and a green 6": 0}),
+    "number": ("the number 407", {"the number 407": 1, "the number 704": 0, "the number 470": 0, "a 4 and a 7": 0}),
+}
+RENDERS = 10  # renders of each known composition (held-out glyphs, seeds 0..9)
+
+
+def test_the_prompt_sets_hold_out_novel_combinations_and_the_shipped_file_is_theirs():
+    train, held_out = nc.prompt_sets()
+    assert {c: len(v) for c, v in train.items()} == {"single": 10, "two": 72, "counting": 24, "colours": 32,
+                                                     "position": 288, "attribution": 570, "number": 800}
+    seen = {p for v in train.values() for p in v}
+    every = [p for v in held_out.values() for p in v]
+    novel = [p for p in every if p not in seen]
+    assert len(every) == 130 and len(novel) / len(every) >= 0.2, (len(novel), len(every))  # at least a fifth
+    for category, prompts in nc.all_prompts().items():  # every prompt parses back to its own category
+        assert {nc.parse(p)["category"] for p in prompts} == {category}
+    with open(nc.PROMPTS) as f:  # the shipped set is what `python nano_compose.py prompts` writes
+        assert [json.loads(line) for line in f] == nc.prompt_lines()
+
+
+def test_renders_are_seeded_separated_and_held_out_glyphs_differ_from_train():
+    prompts = [KNOWN[c][0] for c in nc.CATEGORIES]
+    a, b = nc.render(prompts, held_out=True, seed=3), nc.render(prompts, held_out=True, seed=3)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (7, 32, 32, 3) and a.dtype == np.uint8
+    assert not np.array_equal(a, nc.render(prompts, held_out=False, seed=3))
+    for image, prompt in zip(a, prompts):  # as many separate digits as the prompt names, in its colours
+        spec = nc.parse(prompt)
+        objs = nc.read(image[None], "judge")[0]
+        assert len(objs) == len(spec["digits"]), (prompt, len(objs))
+        assert sorted(o["colour"] for o in objs) == sorted(c or "white" for c in spec["colours"])
+
+
+@pytest.mark.parametrize("category", nc.CATEGORIES)
+def test_the_judge_on_known_compositions_both_ways(category):
+    drawn, answers = KNOWN[category]
+    images = np.concatenate([nc.render([drawn], held_out=True, seed=s) for s in range(RENDERS)])
+    for prompt, want in answers.items():
+        got = nc.judge_scores(images, [prompt] * RENDERS)
+        # the judge reads 97-99% of held-out renders right (nano_compose.py judge): allow one miss in ten, never more
+        assert (got == want).sum() >= RENDERS - 1, (drawn, prompt, want, got)
+
+
+def test_the_judge_and_the_reward_on_held_out_renders_noise_and_wrong_prompts():
+    figures = nc.measure(per_category=40, seed=1)
+    for category, f in figures.items():
+        assert f["judge"] >= 0.9 and f["judge_noise"] == 0 and f["judge_wrong"] <= 0.05, (category, f)
+        assert f["reward"] >= 0.7 and f["reward_noise"] <= 0.01 and f["reward_wrong"] <= 0.3, (category, f)
+
+
+def test_the_reward_is_smooth_where_the_judge_is_binary():
+    """Half right is half a reward and no judge's point; a fainter, darker image keeps the judge's answer but moves
+    the reward; a colour between two palette entries splits the colour term."""
+    images = np.concatenate([nc.render(["a 3 and a 5"], held_out=True, seed=s) for s in range(RENDERS)])
+    half = nc.reward_scores(images, ["a 3 and a 6"] * RENDERS)
+    assert nc.judge_scores(images, ["a 3 and a 6"] * RENDERS).sum() == 0
+    assert 0.3 < half.mean() < 0.6, half  # one of two digits right: about half the full score
+    full = nc.reward_scores(images, ["a 3 and a 5"] * RENDERS)
+    assert (full > half + 0.2).all(), (full, half)
+    faint = (images * 0.6).astype(np.uint8)  # ink peaks at 153: both still find the digits
+    np.testing.assert_array_equal(nc.judge_scores(faint, ["a 3 and a 5"] * RENDERS),
+                                  nc.judge_scores(images, ["a 3 and a 5"] * RENDERS))
+    assert np.abs(nc.reward_scores(faint, ["a 3 and a 5"] * RENDERS) - full).max() > 1e-3
+    orange = nc.render(["a red 2"], held_out=True, seed=0)
+    orange[..., 1] = orange[..., 0] // 2  # red ink turned orange: between red and yellow
+    r_red, r_yellow = (nc.reward_scores(orange, [p])[0] for p in ("a red 2", "a yellow 2"))
+    assert 0.05 < r_red < 0.95 and 0.05 < r_yellow < 0.95 and r_red + r_yellow > 0.5, (r_red, r_yellow)
+
+
+def test_the_compose_reward_through_the_registry_and_its_prompt_check():
+    reward = rewards.make_reward("compose=1,compose_judge=0")
+    prompts = [KNOWN[c][0] for c in nc.CATEGORIES]
+    images = nc.render(prompts, held_out=True, seed=0)
+    pixels = images.transpose(0, 3, 1, 2).astype(np.float32) / 255  # as the loop hands images: (B, 3, H, W) in [0, 1]
+    total, parts = reward(torch.from_numpy(pixels), prompts)
+    np.testing.assert_array_equal(total, parts["compose"])  # the judge has weight 0
+    np.testing.assert_array_equal(parts["compose_judge"], nc.judge_scores(images, prompts))
+    with pytest.raises(ValueError, match="follows none of the task's templates.*e.g. 'a red 3 and a blue 5'"):
+        rewards.check_prompts_for_reward("compose=1", ["a 3", "a purple 3"])
+    with pytest.raises(ValueError, match="templates"):
+        rewards.check_prompts_for_reward("digit=1,compose_judge=0", ["a handwritten digit 3"])
+    rewards.check_prompts_for_reward("compose", [line["prompt"] for line in nc.prompt_lines()])  # the task's own set
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """`python nano_compose.py pretrain` on a few steps and a small pool: (its directory, its stdout)."""
+    out = tmp_path_factory.mktemp("compose") / "base"
+    run = subprocess.run([sys.executable, "nano_compose.py", "pretrain", "--out", str(out), "--pool-size", "140",
+                          "--vae-steps", "30", "--transformer-steps", "4", "--per-category", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out, run.stdout
+
+
+def test_pretraining_on_a_few_steps_writes_a_model_that_loads_as_nano_compose(pretrained):
+    out, stdout = pretrained
+    report = json.loads((out / "pretrain.json").read_text())
+    vae, transformer, base = report["vae"], report["transformer"], report["base model"]
+    assert vae["last_mse"] < 0.8 * vae["first_mse"], vae
+    assert {f"judge_on_reconstructions/{c}" for c in (*nc.CATEGORIES, "overall")} <= vae.keys()  # gate (a)'s figures
+    assert np.isfinite(transformer["last_loss"]) and base["images"] == 7 and set(nc.CATEGORIES) <= base.keys(), base
+    assert "vae: steps 30" in stdout and "transformer: steps 4" in stdout and "base model:" in stdout
+    tiny_setup.check_pretrained("nano-compose", out, "a red 3 and a blue 5", 32)  # starts, loads what was written
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(height=16, width=16), "--model nano-compose draws 32×32 images .*: --height 32 --width 32, got 16×16"),
+    (dict(prompts="digits"), "follows none of the task's templates"),
+    (dict(model_path="/no/such/compose"), "no vae/, transformer/ with a config.json; .*`python nano_compose.py "
+                                          "pretrain --out DIR`"),
+])
+def test_nano_compose_start_up_checks_name_the_problem(pretrained, change, needle):
+    recipe = dataclasses.replace(flowgrpo.RECIPES["nano-compose"], model_path=str(pretrained[0]))
+    with pytest.raises(ValueError, match=needle):
+        startup.check_args(dataclasses.replace(recipe, **change))
+
+
+def test_the_vae_trains_on_the_decoder_before_its_clamp():
+    """nano.decode_unclamped is diffusers' decode less its final clamp: equal to it once clamped, and it keeps a
+    gradient where the clamp has none (a channel pushed below −1 can come back)."""
+    from diffusers import AutoencoderKLQwenImage
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(**nc.VAE)
+    with torch.no_grad():
+        vae.decoder.conv_out.weight.mul_(10)  # a random decoder stays within ±0.7: push some outputs beyond ±1
+    z = torch.randn(2, nc.VAE["z_dim"], 1, 8, 8, requires_grad=True)
+    raw = nano.decode_unclamped(vae, z)
+    torch.testing.assert_close(raw.clamp(-1, 1), nano.decode(vae, z), rtol=0, atol=0)
+    beyond = raw.detach().abs() > 1
+    assert beyond.any()  # the case the clamp loses
+    (grad,) = torch.autograd.grad((raw * beyond).sum(), z)
+    (none,) = torch.autograd.grad((nano.decode(vae, z) * beyond).sum(), z)
+    assert grad.abs().sum() > 0 and none.abs().sum() == 0
+
+
+def test_the_comparison_rows_cover_every_algorithm():
+    """The comparison's rows (nano_compose.COMPARED, chosen to fit its budget) exist and include every --algorithm: a
+    later algorithm is a row of nano_compare.METHODS and belongs here too."""
+    import algorithms
+    import nano_compare
+    assert set(nc.COMPARED) <= set(nano_compare.METHODS) and nano_compare.TASKS["nano-compose"] is nc
+    flags = [nano_compare.METHODS[m] for m in nc.COMPARED]
+    named = {f[f.index("--algorithm") + 1] if "--algorithm" in f else "grpo" for f in flags}
+    assert named == set(algorithms.ALGORITHMS), named
+
