@@ -189,7 +189,7 @@ def main(argv=None):
         result = sp_measure(o, o.sp_worker)
         if result["main"]:
             print("SP-RESULT", json.dumps(result))
-        return
+        eng.exit_process(0)  # a rank that ran collectives ends without the interpreter's teardown (engine.exit_process)
     if o.sp:
         sp_rows(t, o, o.sp)
     else:  # --random-init: the public recipe, one group per iteration; tiny: at the tiny model's sizes
