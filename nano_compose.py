@@ -513,16 +513,17 @@ def evaluate(pipe, per_cat: int = 50, steps: int = 10) -> dict:
         {"diversity": nano.diversity(pixels[torch.from_numpy(keep)], np.array(prompts)[keep])} if keep.any() else {})
 
 
-def grid(run_dir: str, out: str, per_cat: int = 6, cell: int = 64) -> dict:
-    """A PNG of the base model's samples (left) and the run's (right, its exported LoRA) of the same held-out prompts
-    and seeds: one row per category, each image's prompt under it, framed green where the judge says it is right."""
+def grid(run_dir: str, out: str, per_cat: int = 6, cell: int = 64, model_path: str | None = None) -> dict:
+    """A PNG of the base model's samples (left; the shipped one or `model_path`) and the run's (right, its exported
+    LoRA) of the same held-out prompts and seeds: one row per category, each image's prompt under it, framed green
+    where the judge says it is right."""
     from PIL import Image, ImageDraw, ImageFont
     font, small, gap, text = ImageFont.load_default(size=13), ImageFont.load_default(size=9), 24, 14
     prompts, result = held_out_prompts(per_cat), {}
     canvas = Image.new("RGB", (80 + 2 * per_cat * cell + gap, 22 + len(CATEGORIES) * (cell + text)), "white")
     draw = ImageDraw.Draw(canvas)
     for side, lora in enumerate((None, nano.run_lora(run_dir))):
-        images = nano.sample(load(lora=lora), prompts, SIDE)
+        images = nano.sample(load(model_path, lora), prompts, SIDE)
         right = judge_scores(nano.quantised(images), prompts)
         result["before" if side == 0 else "after"] = by_category(right, prompts)["overall"]
         x0 = 80 + side * (per_cat * cell + gap)
