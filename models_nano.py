@@ -37,7 +37,6 @@ class NanoQwenImage(QwenImage):
         return cls(build_nano_pipeline(path or cls.default_path), device, torch.float32)
 
 
-
 class NanoComposeQwenImage(NanoQwenImage):
     """`nano-compose`: GenEval's questions at 32×32 (nano_compose.py, docs/tasks.md): the same classes, a VAE 4× down
     to 32 channels and a transformer of 16 tokens, pretrained on rendered compositions; only 32×32, what its judge

@@ -44,7 +44,7 @@ import nano
 
 SIDE = 32  # image side in pixels
 SET_SEED = 0  # which combinations the held-out prompt set keeps for itself
-BASE_DIR = os.path.join(models_nano.ASSETS, "nano-compose")  # the shipped base model (`python nano_compose.py pretrain`)
+BASE_DIR = models_nano.NanoComposeQwenImage.default_path  # the base model's directory (`python nano_compose.py pretrain`)
 PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_compose.py prompts`)
 PALETTE = {"white": (255, 255, 255), "red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255),
            "yellow": (255, 255, 0)}  # every entry has a channel at 255: the brightest channel is a glyph's ink
