@@ -39,7 +39,7 @@ class NanoQwenImage(QwenImage):
 
 class NanoComposeQwenImage(NanoQwenImage):
     """`nano-compose`: GenEval's questions at 32×32 (nano_compose.py, docs/tasks.md): the same classes, a VAE 4× down
-    to 32 channels and a transformer of 16 tokens, pretrained on rendered compositions; only 32×32, what its judge
+    to 8 channels and a transformer of 16 tokens, pretrained on rendered compositions; only 32×32, what its judge
     reads."""
     default_path = os.path.join(ASSETS, "nano-compose")
     pretrained_by = "nano_compose.py"
