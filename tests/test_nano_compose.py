@@ -1,5 +1,6 @@
 """The nano-compose task (nano_compose.py): its prompt sets, renders, the judge on constructed compositions with known
-answers (every category, both ways), the reward built differently from the judge, and the reward's prompt check."""
+answers (every category, both ways), the reward built differently from the judge, the reward's prompt check, the
+pretraining on a few steps, and a seeded RL run on the shipped base judged on held-out prompts."""
 import dataclasses
 import json
 import os
