@@ -2,6 +2,7 @@ import os
 import sys
 
 import pytest
+import torch
 from xdist.scheduler import LoadScopeScheduling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,3 +23,13 @@ class OneFileToAWorker(LoadScopeScheduling):
 
 def pytest_xdist_make_scheduler(config, log):
     return OneFileToAWorker(config, log)
+
+
+@pytest.fixture
+def one_thread():
+    """In-process sampling of a laptop task's model on one torch thread, as its runs have it: on a busy 2-core machine
+    two threads wait on each other (7× slower, measured on nano); the figures do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

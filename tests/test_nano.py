@@ -97,16 +97,6 @@ def test_evaluation_seeds_are_never_rollout_seeds():
         assert not rollouts & {nano.EVAL_SEED + i for i in range(500)}
 
 
-@pytest.fixture
-def one_thread():
-    """In-process sampling of this 0.6 M-parameter model on one torch thread, as its runs have it: on a busy 2-core
-    machine two threads wait on each other (7× slower); the figures do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_path, one_thread):
     """`flowgrpo.py --model nano` (the recipe, for 30 iterations) through the CLI, then the base model and the run's exported LoRA on the
     same 500 held-out seeds (nano's evaluation), read by the judge training never saw. Noise: the paired standard

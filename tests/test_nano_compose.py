@@ -219,16 +219,6 @@ def test_a_short_run_on_a_pretrained_base_gives_a_grid_and_a_per_category_curve(
 RL_ITERATIONS, PER_CATEGORY = 40, 50
 
 
-@pytest.fixture
-def one_thread():
-    """In-process sampling on one torch thread, as the runs have it (two threads on a busy 2-core machine wait on
-    each other); the figures do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_a_short_seeded_rl_run_raises_the_held_out_overall(tmp_path, one_thread):
     """`flowgrpo.py --model nano-compose` (the recipe, for RL_ITERATIONS of its iterations) through the CLI on the
     shipped base, then the base and the run's exported LoRA on the same held-out prompts and seeds (PER_CATEGORY a
