@@ -85,11 +85,13 @@ def exit_process(status: int | str) -> NoReturn:
     os._exit(status if isinstance(status, int) else 1)
 
 
-def assign_images(n_images: int, optimizer_steps: int, world_size: int, seed: int) -> torch.Tensor:
-    """(world, images per rank) image indices: a seeded shuffle of the iteration's images, cut into optimizer
-    steps, each step split evenly over the ranks. Optimizer step k trains the same images whatever the world
-    size, so one process and N ranks take the same steps (up to the order of floating-point sums)."""
-    perm = torch.randperm(n_images, generator=torch.Generator().manual_seed(seed))
+def assign_images(n_images: int, optimizer_steps: int, world_size: int, seed: int, unit: int = 1) -> torch.Tensor:
+    """(world, images per rank) image indices (dp, B): a seeded shuffle of the iteration's images in units of `unit`
+    consecutive ids kept together (1; a group's G images for DGPO), cut into optimizer steps, each step split evenly
+    over the ranks. Optimizer step k trains the same images whatever the world size, so one process and N ranks take
+    the same steps (up to the order of floating-point sums)."""
+    perm = torch.randperm(n_images // unit, generator=torch.Generator().manual_seed(seed))
+    perm = (perm[:, None] * unit + torch.arange(unit)).flatten()  # unit 1: the shuffle itself
     return perm.view(optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
 
 

@@ -125,8 +125,9 @@ class Args:
     """FLUX's distilled guidance embedding, one pass per step (unset: the pipeline's 3.5; only for FLUX)"""
     negative_prompt: str = " "
     """negative prompt for two-pass CFG"""
-    algorithm: Literal["grpo", "nft", "awm"] = "grpo"
-    """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs, or DiffusionNFT, AWM on ODE images"""
+    algorithm: Literal["grpo", "nft", "awm", "dgpo"] = "grpo"
+    """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs, or DiffusionNFT, AWM, DGPO on ODE
+    images"""
     sde_type: Literal["sde", "cps", "dance"] = "sde"
     """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
     noise_level: float = 0.7
@@ -175,12 +176,18 @@ class Args:
     """the KL: Flow-GRPO's mean((μ − μ_ref)²)/(2·s_t²), or the exact Gaussian KL (sde: 1/|dt| times larger)"""
     nft_beta: float = 1.0
     """DiffusionNFT's β: the implicit policies β·v + (1 − β)·v_old and (1 + β)·v_old − β·v (> 0)"""
-    old_decay: Literal["nft0", "nft1", "nft2", "nft2-iterations", "awm"] = "nft1"
-    """the old policy's decay schedule (nft, awm): DiffusionNFT's decay_type 0/1/2, verl-omni's, AWM's (§12)"""
+    old_decay: Literal["nft0", "nft1", "nft2", "nft2-iterations", "awm", "dgpo"] = "nft1"
+    """the old policy's decay schedule (nft, awm, dgpo): DiffusionNFT's decay_type 0/1/2, verl-omni's, AWM's, DGPO's"""
     old_every: int = 1
     """iterations between the old policy's updates (nft, awm)"""
     old_kl: float = 1.0
     """AWM: weight of the mean squared velocity gap to the old policy (its ema_beta; 0 skips the old pass)"""
+    dgpo_beta: float = 100.0
+    """DGPO's β (its beta_dpo): the scale of a group's summed error gaps inside its weight σ(·)"""
+    dgpo_reference: Literal["base", "old"] = "base"
+    """DGPO's reference for those gaps: the model without the adapter, or the old policy (its use_ema_ref)"""
+    dgpo_switch: int = 500
+    """DGPO samples with its old policy once more than this many optimizer steps are done (its switch_ema_ref)"""
     train_timesteps: int = 3
     """T: timesteps per image the forward-process update trains at (nft: distinct steps; awm: one per stratum)"""
     train_timestep_range: tuple[int, int] = (0, 4)
@@ -329,8 +336,8 @@ def main(a: Args) -> list[dict]:
         for it in bar:
             # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks ---------
             chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
-            assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps,
-                                           engine.dp_size, seed=a.seed * 7919 + it)  # (dp, B) global image ids
+            assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps, engine.dp_size,
+                                           seed=a.seed * 7919 + it, unit=a.group_size if algo.whole_groups else 1)
             mine = assignment[engine.dp_rank]
             group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
             steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
@@ -341,7 +348,7 @@ def main(a: Args) -> list[dict]:
             texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
             def score_chunk(c, x):  # each decoded chunk is scored while the next one samples
                 scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])
-            with algo.behaviour(engine):  # the weights that sample: the trained ones, or DiffusionNFT's old policy
+            with algo.behaviour(engine, a, it):  # the weights that sample: the trained ones, or DiffusionNFT's old policy
                 backend.sync(engine, it)  # vllm-omni: publish them as adapter version `it`
                 batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
                                        height=a.height, width=a.width, cfg_scale=a.cfg_scale,

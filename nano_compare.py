@@ -32,6 +32,7 @@ from tqdm import tqdm
 import flowgrpo
 import nano
 import nano_compose
+import recipes
 import rundir
 import startup
 
@@ -54,6 +55,10 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
                      "--train-timesteps", "9", "--train-timestep-range", "0", "10"),
     "AWM": ("--algorithm", "awm", "--ode-solver", "dpm2-full", "--old-decay", "awm", "--old-kl", "1",
             "--train-timesteps", "6", "--train-timestep-range", "0", "9"),
+    # DGPO's general_ocr_sd3_4gpu at 10 steps as its own: 4 shared timesteps of [0, 7), β 100, clip 1e-2, KL 0.02, its
+    # EMA reference's ramp; its switch to sampling with that reference (after 200 steps) lies beyond these runs
+    "DGPO": ("--algorithm", "dgpo", "--ode-solver", "dpm2-full", "--old-decay", "dgpo", "--dgpo-beta", "100",
+             "--clip-range", "1e-2", "--kl-beta", "0.02", "--train-timesteps", "4", "--train-timestep-range", "0", "7"),
 }
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
@@ -80,6 +85,9 @@ def made_with_other_flags(run_dir: str, argv: list[str]) -> dict:
             found = json.load(f)
     except (OSError, ValueError):
         return {"args.json": ["missing or unreadable", "present"]}
+    # a flag added after the run was made counts as its default (a new flag's default keeps what the code computed)
+    defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(flowgrpo.Args)}, default=str))
+    found = {**defaults, **found}
     wanted = json.loads(json.dumps(wanted))  # tuples as lists, as args.json holds them
     return {k: [found.get(k), v] for k, v in wanted.items() if k not in UNCOMPARED and found.get(k) != v}
 
@@ -209,9 +217,9 @@ def main(argv=None) -> None:
     ap.add_argument("--task", choices=list(TASKS), default="nano", help="the laptop task (its --model name)")
     ap.add_argument("--out", help="where the runs go (default: runs/<task>-compare); finished ones are reused")
     ap.add_argument("--seeds", type=int, help="seeds per method (default: the task's SEEDS, else 5)")
-    ap.add_argument("--iterations", type=int, default=60)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--eval-images", type=int, default=200)
+    ap.add_argument("--iterations", type=int, help="default: the task's recipe (recipes.py), as each flag below")
+    ap.add_argument("--eval-every", type=int)
+    ap.add_argument("--eval-images", type=int)
     ap.add_argument("--methods", nargs="*", choices=list(METHODS), help="default: the task's COMPARED, else all")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each one torch thread)")
     ap.add_argument("--per-prompt", type=int, default=50, help="held-out images per prompt of each final evaluation")
@@ -221,6 +229,8 @@ def main(argv=None) -> None:
     task, out = TASKS[a.task], a.out or os.path.join("runs", f"{a.task}-compare")
     a.seeds = getattr(task, "SEEDS", 5) if a.seeds is None else a.seeds  # the defaults: BENCHMARKS.md's tables
     a.methods = list(getattr(task, "COMPARED", METHODS)) if a.methods is None else a.methods
+    for flag in ("iterations", "eval_every", "eval_images"):  # the recipe's run: the comparison is its rows
+        setattr(a, flag, recipes.RECIPES[task.MODEL][flag] if getattr(a, flag) is None else getattr(a, flag))
     for flag, value in (("--seeds", a.seeds), ("--iterations", a.iterations), ("--eval-every", a.eval_every),
                         ("--eval-images", a.eval_images), ("--jobs", a.jobs), ("--per-prompt", a.per_prompt)):
         if value < 1:

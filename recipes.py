@@ -106,6 +106,16 @@ RECIPES: dict[str, dict] = {
                                        kl_beta=1e-4, old_kl=1.0, old_decay="awm", train_timesteps=6,
                                        train_timestep_range=(0, 12), ema_decay=0.99, checkpoint_every=50,
                                        eval_every=50),
+    # DGPO's public config general_ocr_sd3_4gpu (config/dgpo.py, on its compressibility base): 8 groups of 16 an epoch,
+    # one optimizer step, 4 timesteps shared by all of [0, 7) (trunc_steps 6), one noise per group, β 100, clip 1e-2,
+    # KL 0.02, its EMA reference sampling after 200 steps; LoRA r 64 on SD3's targets. Departure: it samples with
+    # diffusers' DPMSolverMultistepScheduler in Sana's flow configuration, here dpm2-full on SD3's σ points
+    "sd3.5-medium-dgpo-ocr": dict(SD3_FORWARD, algorithm="dgpo", prompts="ocr", reward="ocr", group_size=16,
+                                  prompts_per_iteration=8, micro_batch=16, optimizer_steps=1, num_steps=10, eval_steps=14,
+                                  cfg_scale=4.5, clip_range=1e-2, kl_beta=0.02, dgpo_beta=100.0, dgpo_switch=200,
+                                  old_decay="dgpo", train_timesteps=4, train_timestep_range=(0, 7), lora_rank=64,
+                                  lora_alpha=128, ema_decay=0.9, ema_every=8, checkpoint_every=60,
+                                  eval_every=60),
     # Flow-GRPO's public config general_ocr_wan2_1 and scripts/train_wan2_1.py (one GPU), with DanceGRPO's Wan2.1
     # sampler (fastvideo/train_grpo_wan_2_1.py: its SDE, η 0.3); docs/algorithm.md §7, §13
     "wan2.1-t2v-1.3b": dict(model="wan2.1-t2v-1.3b", iterations=300, prompts="ocr", reward="ocr", group_size=4,

@@ -13,9 +13,9 @@ BUDGETS = {
     "flowgrpo.py": 450,  # the loop: Args (every flag, documented), batch arithmetic, evaluation, an iteration's phases
     "startup.py": 150,  # what a run checks before anything expensive starts
     "recipes.py": 200,  # the named configurations, each value with its source
-    # the --algorithm table and what its rows share; raised from 450 for Flow-GRPO's trust-region table (Flow-DPPO):
-    # the next family (DPO, DGPO) comes as a file of its own, and the forward-process pair moves into one with it
-    "algorithms.py": 480,
+    "algorithms.py": 450,  # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables
+    "algorithms_forward.py": 450,  # the forward-process family: DiffusionNFT, AWM, their update and old policy
+    "algorithms_preference.py": 450,  # the preference family: DGPO (DPO next), on the forward-process update
     "scheduler.py": 350,  # the sampling step with log-prob, sigma schedules, ODE solvers, windows
     "models.py": 250,  # the registry of --model names, their start-up checks, loading
     "models_base.py": 250,  # what every adapter shares

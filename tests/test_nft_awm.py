@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import algorithms
+import algorithms_forward
 import engine as eng
 import flowgrpo
 import models
@@ -80,8 +81,8 @@ def test_nft_loss_and_gradient_equal_diffusionnft(beta, kl_beta):
     a = SimpleNamespace(adv_clip=5.0)
     theirs, xt = nft_public(x0, noise, t, v, v_old, v_ref, adv, beta=beta, clip=5.0, kl_beta=kl_beta)
     (g_theirs,) = torch.autograd.grad(theirs, v)
-    ours, stats = algorithms.nft_objective(v, v_old, v_ref if kl_beta else None, x0, sch.noised(x0, t, noise),
-                                           t, algorithms.nft_weights(adv, a), beta=beta, adv_clip=5.0, kl_beta=kl_beta)
+    ours, stats = algorithms_forward.nft_objective(v, v_old, v_ref if kl_beta else None, x0, sch.noised(x0, t, noise),
+                                           t, algorithms_forward.nft_weights(adv, a), beta=beta, adv_clip=5.0, kl_beta=kl_beta)
     (g_ours,) = torch.autograd.grad(ours, v)
     loss_rel, grad_rel = abs(ours.item() - theirs.item()) / abs(theirs.item()), worst(g_ours, g_theirs) / g_theirs.abs().max().item()
     print(f"\nβ {beta}, KL {kl_beta}: loss {ours.item():.6g} (rel. diff {loss_rel:.2g}), gradient max rel. diff {grad_rel:.2g}")
@@ -131,8 +132,8 @@ def test_awm_loss_and_gradient_equal_the_authors_code(beta, ema_beta):
     adv = torch.tensor([-7.0, -1.5, 0.3, 4.0])
     theirs = awm_public(x0, noise, t, v, v_ref, v_old, adv, T=T, clip=5.0, beta=beta, ema_beta=ema_beta)
     (g_theirs,) = torch.autograd.grad(theirs, v)
-    w = algorithms.awm_weights(adv, SimpleNamespace(adv_clip=5.0))
-    ours = sum(algorithms.awm_objective(v[s], v_ref[s], v_old[s] if ema_beta else None, x0[s], noise[s], t[s], w,
+    w = algorithms_forward.awm_weights(adv, SimpleNamespace(adv_clip=5.0))
+    ours = sum(algorithms_forward.awm_objective(v[s], v_ref[s], v_old[s] if ema_beta else None, x0[s], noise[s], t[s], w,
                                         kl_beta=beta, old_kl=ema_beta)[0] for s in (slice(j * B, (j + 1) * B)
                                                                                      for j in range(T))) / T
     (g_ours,) = torch.autograd.grad(ours, v)
@@ -171,7 +172,7 @@ def test_old_policy_follows_the_public_decay_and_copy_loop_bit_for_bit(schedule,
         with torch.no_grad():
             for p, value in zip(params, values):
                 p.copy_(value)
-        algorithms.move_old(engine, a, it)
+        algorithms_forward.move_old(engine, a, it)
         step = it + 1 if schedule == "nft2-iterations" else (it + 1) * K
         if (it + 1) % every == 0:
             decay = public_decay(schedule, step)
@@ -195,25 +196,25 @@ def awm_public_strata(lo, hi, T):
 @pytest.mark.parametrize("lo", [0, 1])
 def test_timesteps_are_drawn_as_the_public_code_per_image(lo):
     a = SimpleNamespace(train_timesteps=6, train_timestep_range=(lo, int(14 * 0.9)), seed=3)
-    lower, upper = algorithms.awm_strata(a)
+    lower, upper = algorithms_forward.awm_strata(a)
     assert all(torch.equal(x, y) for x, y in zip((lower, upper), awm_public_strata(lo, 12, 6)))
     g = torch.Generator().manual_seed(0)
-    drawn = torch.stack([algorithms.awm_timesteps(g, a) for _ in range(2000)])  # (2000, T)
+    drawn = torch.stack([algorithms_forward.awm_timesteps(g, a) for _ in range(2000)])  # (2000, T)
     assert bool(((drawn >= lower) & (drawn < upper)).all())
     assert all(set(drawn[:, k].tolist()) == set(range(lower[k], upper[k])) for k in range(6))  # every step reached
     a = SimpleNamespace(train_timesteps=9, train_timestep_range=(0, 10), seed=3)
-    nft = torch.stack([algorithms.nft_timesteps(g, a) for _ in range(2000)])
+    nft = torch.stack([algorithms_forward.nft_timesteps(g, a) for _ in range(2000)])
     assert all(len(set(row.tolist())) == 9 for row in nft) and set(nft.flatten().tolist()) == set(range(10))
     # an image's draws depend on (seed, iteration, image id) only: not on the micro-batch it is in
     mb = SimpleNamespace(ids=torch.tensor([7, 2]), iteration=4, x0=torch.zeros(2, 16, 4))
     one = SimpleNamespace(ids=torch.tensor([2]), iteration=4, x0=torch.zeros(1, 16, 4))
     schedule = torch.linspace(1, 0, 11)
-    both, alone = algorithms.draws(mb, a, schedule, algorithms.nft_timesteps), \
-        algorithms.draws(one, a, schedule, algorithms.nft_timesteps)
+    both, alone = algorithms_forward.draws(mb, a, schedule, algorithms_forward.nft_timesteps), \
+        algorithms_forward.draws(one, a, schedule, algorithms_forward.nft_timesteps)
     assert torch.equal(both[0][1], alone[0][0]) and torch.equal(both[1][1], alone[1][0])
     assert not torch.equal(both[1][0], both[1][1])
-    later = algorithms.draws(SimpleNamespace(ids=torch.tensor([2]), iteration=5, x0=one.x0), a, schedule,
-                             algorithms.nft_timesteps)
+    later = algorithms_forward.draws(SimpleNamespace(ids=torch.tensor([2]), iteration=5, x0=one.x0), a, schedule,
+                             algorithms_forward.nft_timesteps)
     assert not torch.equal(later[1], alone[1])
 
 
