@@ -171,6 +171,20 @@ def table(task, methods: dict, measured: dict) -> list[str]:
     return lines
 
 
+def final_evaluation(task, run_dir: str, per_prompt: int) -> dict:
+    """The task's evaluation of a run's final LoRA, kept in <run_dir>/final-<per_prompt>.json (written whole, then
+    renamed) so that a comparison run again, or interrupted here, reads it rather than sampling it again."""
+    path = os.path.join(run_dir, f"final-{per_prompt}.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    final = task.evaluate(task.load(lora=os.path.join(run_dir, "lora")), per_prompt)
+    with open(path + ".tmp", "w") as f:
+        json.dump(final, f, default=float)
+    os.replace(path + ".tmp", path)
+    return final
+
+
 def compare(task, out: str, seeds: int, iterations: int, eval_every: int, eval_images: int, methods: dict, jobs: int,
             per_prompt: int) -> dict:
     """Every method × seed, then each run's curve and final evaluation, the base model's, and the equal-compute budget
@@ -182,8 +196,7 @@ def compare(task, out: str, seeds: int, iterations: int, eval_every: int, eval_i
                          total=len(todo), desc="compare", unit="run"))
     runs = {name: [] for name in methods}
     for (name, _, _), run_dir in tqdm(list(zip(todo, dirs)), desc="final evaluations", unit="run"):
-        final = task.evaluate(task.load(lora=os.path.join(run_dir, "lora")), per_prompt)
-        runs[name].append(curve(task, run_dir) | {"final": final})
+        runs[name].append(curve(task, run_dir) | {"final": final_evaluation(task, run_dir, per_prompt)})
     budget = {axis: min(c[axis][-1] for cs in runs.values() for c in cs) for axis in AXES}
     return {"base": task.evaluate(task.load(), per_prompt), "budget": budget, "runs": runs}
 
