@@ -225,6 +225,31 @@ def plot(path: str, measured: dict) -> None:
     plt.close(fig)
 
 
+def plot_categories(path: str, task, measured: dict) -> None:
+    """The final judge per category and overall (GenEval's columns), one bar per method, mean ± std over seeds; the
+    base model's as the first, grey bar of each group."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cats, runs = [*task.CATEGORIES, "overall"], measured["runs"]
+    key = {c: c for c in task.CATEGORIES} | {"overall": "judge_accuracy"}
+    width = 0.8 / (len(runs) + 1)
+    fig, ax = plt.subplots(figsize=(13, 4.5), dpi=100)
+    ax.bar(np.arange(len(cats)), [measured["base"][key[c]] for c in cats], width, color="0.7", label="base model")
+    for i, (name, cs) in enumerate(runs.items(), start=1):
+        values = np.array([[c["final"][key[k]] for k in cats] for c in cs])  # (seeds, categories)
+        ax.bar(np.arange(len(cats)) + i * width, values.mean(0), width, yerr=values.std(0), color=f"C{i - 1}",
+               label=name, capsize=2, error_kw={"elinewidth": 0.8})
+    ax.set_xticks(np.arange(len(cats)) + width * len(runs) / 2, cats)
+    ax.set(ylabel=f"final judge accuracy (mean ± std, {len(cs)} seeds)", ylim=(0, 1),
+           title="held-out judge per category after each method's run")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=list(TASKS), default="nano", help="the laptop task (its --model name)")
@@ -263,6 +288,8 @@ def main(argv=None) -> None:
         ap.exit(2, f"nano_compare.py: error: {e}\n")
     lines = table(task, {m: METHODS[m] for m in a.methods}, measured)
     plot(plot_path, measured)
+    if task.CATEGORIES:
+        plot_categories(plot_path.removesuffix(".png") + "_categories.png", task, measured)
     with open(os.path.join(out, "measured.json"), "w") as f:  # every run's curve and final evaluation
         json.dump(measured, f, indent=1, default=lambda v: v.tolist())
     task.grid(run_path(out, a.methods[0], 0), os.path.join(os.path.dirname(plot_path), "before_after.png"))

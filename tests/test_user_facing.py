@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,9 +154,23 @@ def test_a_finished_run_is_reused_only_if_made_with_the_same_flags(tmp_path, mon
     Path(run, "args.json").write_text(json.dumps(made))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished run was run again"))
     assert nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200) == run
+    Path(run, "args.json").write_text(json.dumps({k: v for k, v in made.items() if k != "dgpo_beta"}))
+    assert nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200) == run  # a
+    # flag added after the run was made counts as its default
     Path(run, "args.json").write_text(json.dumps(made | {"lr": 3e-3}))
     with pytest.raises(ValueError, match=r"made with other flags \(\{'lr': \[0.003, 0.001\]\}"):
         nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200)
+
+
+def test_a_runs_final_evaluation_is_kept_and_read_back(tmp_path):
+    """The comparison evaluates a run's final LoRA once: run again (or resumed after an interruption there), it reads
+    <run>/final-<per_prompt>.json; another --per-prompt is another evaluation."""
+    calls = []
+    task = SimpleNamespace(load=lambda lora: lora, evaluate=lambda pipe, n: calls.append(n) or {"judge_accuracy": 0.25})
+    first = nano_compare.final_evaluation(task, str(tmp_path), 50)
+    assert nano_compare.final_evaluation(task, str(tmp_path), 50) == first == {"judge_accuracy": 0.25}
+    nano_compare.final_evaluation(task, str(tmp_path), 20)
+    assert calls == [50, 20] and sorted(os.listdir(tmp_path)) == ["final-20.json", "final-50.json"]
 
 
 def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path, capsys):
