@@ -35,8 +35,9 @@ are named options, off in the public recipes:
    measured so that the clip acts in their second step) chosen so that learning is visible on a CPU in a minute or two.
 
 Algorithms (`--algorithm`, docs/algorithm.md §12, algorithms.py): `grpo`, the above with its variants below, or the
-forward-process `nft` (DiffusionNFT) and `awm` (Advantage Weighted Matching): an ODE rollout of any solver, and a
-flow-matching loss on its final latents re-noised, weighted by the reward. The loop's phases are the same for each.
+forward-process `nft` (DiffusionNFT), `awm` (Advantage Weighted Matching) and `dgpo` (DGPO, a group preference): an
+ODE rollout of any solver, and a flow-matching loss on its final latents re-noised, weighted by the reward. The loop's
+phases are the same for each.
 
 Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
 `train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
