@@ -19,10 +19,9 @@ import algorithms_forward as fwd
 import algorithms_preference as pref
 import engine as eng
 import flowgrpo
-import rollout
 import startup
 from test_engine import rows
-from test_nft_awm import forward_tensors, one_two_resumed, public_decay, train_here, worst
+from test_nft_awm import forward_tensors, one_two_resumed, train_here, worst
 from test_variants import random_walk
 
 TINY = flowgrpo.RECIPES["tiny"]
@@ -84,10 +83,11 @@ def test_dgpo_loss_and_gradient_equal_the_authors_code(reference, kl_beta, clip_
                                                                            worst(grad_ours, grad_theirs))
 
 
-def test_the_ema_reference_follows_the_public_step_bit_for_bit():
+def test_the_ema_reference_follows_the_public_step_to_rounding():
     """After optimizer step n (its global_step before the increment) the public ema_ref steps with decay
     min(0.3, 0.001·n); the loop moves the old policy after each iteration of one optimizer step (the public recipes'
-    one step an epoch) with `--old-decay dgpo`: 100 iterations on a random walk, bit for bit."""
+    one step an epoch) with `--old-decay dgpo`: 100 iterations on a random walk, within 1e-6 (the same update written
+    old + (1 − d)(θ − old) there, old·d + θ·(1 − d) here)."""
     shapes = [(4, 3), (5,)]
     params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(4))) for s in shapes]
     engine = SimpleNamespace(old=eng.OldPolicy(zip("ab", params)))
@@ -102,7 +102,6 @@ def test_the_ema_reference_follows_the_public_step_bit_for_bit():
             ema_parameter.add_(one_minus_decay * (parameter.detach() - ema_parameter))
         gap = max(worst(o, t) for o, t in zip(engine.old.shadow, theirs))
         assert gap < 1e-6, f"step {global_step}: the old policy differs from the public ema_ref by {gap:.3g}"
-    assert public_decay("awm", 99) == min(0.3, 0.001 * 99)  # the same ramp as AWM's, one step later
 
 
 # ---- what the loop gives DGPO: whole groups, shared timesteps, a noise per group ------------------------------------
@@ -135,7 +134,7 @@ def test_timesteps_are_shared_by_the_iteration_and_noise_by_the_group():
     assert (s1 == s1[0]).all() and (s2 == s1[0]).all() and len(set(s1[0].tolist())) == 3
     assert all(torch.equal(n1[i], n1[0]) for i in range(4)) and all(torch.equal(n1[i], n1[4]) for i in range(4, 8))
     assert not torch.equal(n1[0], n1[4]) and not torch.equal(n1[0], n2[0]) and not torch.equal(n1[0, 0], n1[0, 1])
-    s3, n3 = drawn([4, 5, 6, 7], iteration=3)
+    _, n3 = drawn([4, 5, 6, 7], iteration=3)
     assert not torch.equal(n3, n2)
     assert torch.equal(drawn([0, 1, 2, 3])[1], n1[4:])  # group 0 alone draws what it drew beside group 3
 
