@@ -1,8 +1,9 @@
 """The update rules `--algorithm` chooses (docs/algorithm.md §12), as one table: Flow-GRPO (`grpo`: SDE rollouts with
 log-probs, and the PPO-clip loss with its variants' tables, docs/algorithm.md §6, §10) here; the forward-process
 algorithms DiffusionNFT (`nft`) and Advantage Weighted Matching (`awm`), which train on the rollout's final clean
-latents re-noised (any ODE sampler, no log-probs, no trajectory), in algorithms_forward.py; the preference algorithm
-DGPO (`dgpo`) in algorithms_preference.py. All share the group-relative advantages, here.
+latents re-noised (any ODE sampler, no log-probs, no trajectory), in algorithms_forward.py; the preference algorithms
+DGPO (`dgpo`) and online Diffusion-DPO (`dpo`) in algorithms_preference.py. All share the group-relative advantages,
+here.
 
 An algorithm is a row of small named pieces (`Algorithm`): the flags it uses, what the rollout records, which weights
 sample, how advantages become the update's weights, the update itself and its start-up checks. The loop calls them
@@ -30,7 +31,7 @@ class Algorithm:
     flags: frozenset  # the Args fields that only some algorithms use and this one does (the others are refused)
     rollout_steps: Callable  # (a, iteration) -> the SDE (recorded) step indices; []: an ODE-only rollout
     behaviour: Callable  # (engine, a, iteration) -> the context the rollout samples in (whose weights)
-    weights: Callable  # (advantages (B,), a) -> the update's per-image weights, into Batch.advantages
+    weights: Callable  # (advantages (B,), rewards (B,), a) -> the update's per-image weights, into Batch.advantages
     update: Callable  # (model, engine, batch, a, arith, progress) -> {"train/...": float}
     keeps_old: bool  # the engine keeps an old policy (engine.OldPolicy)
     watch: str  # the statistic the progress bar shows
@@ -98,7 +99,7 @@ def drop_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_s
 ZERO_ADVANTAGE = {"drop": drop_zero_advantage, "keep": keep_zero_advantage}  # --zero-advantage
 
 
-def as_advantages(adv: torch.Tensor, a) -> torch.Tensor:
+def as_advantages(adv: torch.Tensor, r: torch.Tensor, a) -> torch.Tensor:
     return adv
 
 
@@ -220,7 +221,7 @@ def check_sde(a) -> None:
 # far around the public values (--nft-beta 0.1 to 1, --old-kl 1, --kl-beta 1e-4 to 0.04, --adv-clip 5, --clip-range
 # 2e-6 to 2e-3). Beyond, every optimizer step is skipped (the gradient norm not finite), the loss is NaN, or it is 0.
 FLAG_RANGES = {"nft_beta": (1e-6, 1e6), "old_kl": (0.0, 1e6), "kl_beta": (0.0, 1e6), "adv_clip": (1e-6, 1e4),
-               "clip_range": (0.0, 1e6), "dppo_threshold": (0.0, 1e6), "dgpo_beta": (0.0, 1e6)}
+               "clip_range": (0.0, 1e6), "dppo_threshold": (0.0, 1e6), "dgpo_beta": (0.0, 1e6), "dpo_beta": (0.0, 1e6)}
 
 
 def check_flags(a, recipe) -> None:
@@ -247,7 +248,8 @@ FORWARD_FLAGS = frozenset({"old_decay", "old_every", "train_timesteps", "train_t
 
 
 ALGORITHMS = {  # --algorithm: Flow-GRPO and AWM sample with the trained weights (AWM's old policy is a regulariser),
-    # DiffusionNFT with its old policy, DGPO with the trained ones and with its old policy after --dgpo-switch steps
+    # DiffusionNFT with its old policy, DGPO with the trained ones and with its old policy after --dgpo-switch steps,
+    # DPO with its reference (the old policy, a copy every --old-every iterations) on Flow-GRPO's full-mode SDE
     "grpo": Algorithm(SDE_FLAGS, sde_steps, current_weights, as_advantages, train_on, keeps_old=False,
                       watch="train/logp_gap", check=check_sde),
     "nft": Algorithm(FORWARD_FLAGS | {"nft_beta"}, no_steps, old_weights, fwd.nft_weights,
@@ -261,4 +263,9 @@ ALGORITHMS = {  # --algorithm: Flow-GRPO and AWM sample with the trained weights
                       functools.partial(fwd.train_forward, loss=pref.dgpo_loss, timesteps=fwd.nft_timesteps,
                                         draw=pref.group_draws),
                       keeps_old=True, watch="train/policy_loss", check=pref.check_dgpo, whole_groups=True),
+    "dpo": Algorithm(frozenset({"sde_type", "noise_level", "old_every", "train_timesteps", "dpo_beta"}),
+                     pref.full_mode, old_weights, pref.dpo_pairs,
+                     functools.partial(fwd.train_forward, loss=pref.dpo_loss, timesteps=pref.logit_normal,
+                                       draw=pref.dpo_draws, schedule=pref.train_sigmas, move=pref.copy_reference),
+                     keeps_old=True, watch="train/implicit_acc", check=pref.check_dpo, whole_groups=True),
 }

@@ -16,12 +16,12 @@ import scheduler as sch
 
 
 # ---- how advantages become each algorithm's per-image weights ----------------------------------------------------
-def nft_weights(adv: torch.Tensor, a) -> torch.Tensor:
+def nft_weights(adv: torch.Tensor, r: torch.Tensor, a) -> torch.Tensor:
     """DiffusionNFT's r ∈ [0, 1]: the advantage clipped to ±c (--adv-clip) and mapped linearly, r = A/(2c) + 1/2."""
     return torch.clamp((adv.clamp(-a.adv_clip, a.adv_clip) / a.adv_clip) / 2.0 + 0.5, 0, 1)
 
 
-def awm_weights(adv: torch.Tensor, a) -> torch.Tensor:
+def awm_weights(adv: torch.Tensor, r: torch.Tensor, a) -> torch.Tensor:
     """AWM's weight: the advantage clipped to ±c and divided by c (its advantage_max 1), in [−1, 1]."""
     return adv.clamp(-a.adv_clip, a.adv_clip) / a.adv_clip
 
@@ -170,13 +170,18 @@ def move_old(engine, a, iteration: int) -> None:
         engine.old.blend(old_decay(a.old_decay, n))
 
 
+def sampling_schedule(model, a) -> torch.Tensor:
+    """The rollout's σ_0 … σ_N (--num-steps), which the timesteps index."""
+    return sch.sigma_schedule(model.scheduler, a.num_steps, model.image_seq_len(a.height, a.width))
+
+
 def train_forward(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool, *, loss, timesteps,
-                  draw: Callable = draws) -> dict:
+                  draw: Callable = draws, schedule: Callable = sampling_schedule, move: Callable = move_old) -> dict:
     """`optimizer_steps` steps, each accumulating gradients over its micro-batches × the T timesteps drawn for each
-    image (one backward per timestep, as train_on per trained step), then the old policy's move. `draw`: how a
-    micro-batch's timesteps and noises are drawn (`draws`: each image its own)."""
+    image (one backward per timestep, as train_on per trained step), then the old policy's `move`. `draw`: how a
+    micro-batch's timesteps and noises are drawn (`draws`: each image its own) from the σ `schedule` gives."""
     per_step, T = arith["micro_batches_per_optimizer_step"], a.train_timesteps
-    schedule = sch.sigma_schedule(model.scheduler, a.num_steps, model.image_seq_len(a.height, a.width))
+    schedule = schedule(model, a)
     logs = []
     bar = tqdm(total=arith["micro_batches_per_rank"] * T, desc="train", unit="step", disable=not progress, leave=False)
     for k in range(a.optimizer_steps):
@@ -191,7 +196,7 @@ def train_forward(model, engine, batch: rollout.Batch, a, arith: dict, progress:
         grad_norm, skipped = engine.step()
         logs[-1] |= {"grad_norm": grad_norm, "skipped_fraction": float(skipped)}
     bar.close()
-    move_old(engine, a, batch.iteration)
+    move(engine, a, batch.iteration)
     keys = dict.fromkeys(k for s in logs for k in s)  # every statistic some loss reported, in order
     means = {k: float(np.mean([float(s[k]) for s in logs if k in s])) for k in keys}
     return {f"train/{k}": v for k, v in means.items()} | {"train/skipped_steps": engine.skipped_steps}

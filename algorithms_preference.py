@@ -1,13 +1,20 @@
-"""The preference algorithms `--algorithm` chooses (docs/algorithm.md §12): DGPO (`dgpo`), a group-level preference
-loss on the rollout's final clean latents re-noised, trained by the forward-process update (algorithms_forward.py)
-with two differences: timesteps shared by the whole iteration and one noise per group, and a micro-batch that holds
-whole groups (the loop assigns groups, not images: `Algorithm.whole_groups`), because each image's weight depends
-on its whole group's errors. What the rows share is in algorithms.py, which imports this file. `a` is the run's flags.
+"""The preference algorithms `--algorithm` chooses (docs/algorithm.md §12), both trained by the forward-process update
+(algorithms_forward.py) on the rollout's final clean latents re-noised, on micro-batches of whole groups (the loop
+assigns groups, not images: `Algorithm.whole_groups`):
+
+- DGPO (`dgpo`): a group-level preference, each image weighted by its whole group's errors; timesteps shared by the
+  whole iteration and one noise per group.
+- Online Diffusion-DPO (`dpo`): the best and the worst image of each group as a pair, the same noise and timestep for
+  both, and the DPO loss on the errors' gaps to the reference, which samples and is the old policy (a copy of the
+  trained weights every --old-every iterations).
+
+What the rows share is in algorithms.py, which imports this file. `a` is the run's flags.
 """
 import contextlib
 import functools
 
 import torch
+import torch.nn.functional as F
 
 import algorithms_forward as fwd
 import rollout
@@ -83,3 +90,98 @@ def check_dgpo(a) -> None:
     if a.micro_batch % a.group_size:
         raise ValueError(f"--micro-batch {a.micro_batch}: DGPO weighs each image by its whole group's errors, so a "
                          f"micro-batch holds whole groups: use a multiple of --group-size {a.group_size}")
+
+
+# ---- online Diffusion-DPO (flow_grpo scripts/train_sd3_dpo.py, its PerPromptStatTracker type "dpo") -----------------
+
+def dpo_pairs(adv: torch.Tensor, r: torch.Tensor, a) -> torch.Tensor:
+    """Each group's pair, as the public stat tracker picks it: +1 on the first image of the highest reward (winner),
+    −1 on the first of the lowest (loser), 0 elsewhere (not trained); a group of equal rewards pairs its images 1
+    (winner) and 0. r: (B,) this rank's rewards, whole groups in id order (Algorithm.whole_groups). Returns (B,)."""
+    groups = r.double().view(-1, a.group_size)  # (B/G, G)
+    best, worst = groups.argmax(1), groups.argmin(1)  # first occurrences, as torch.argmax on the public float64
+    tied = best == worst
+    best, worst = torch.where(tied, 1, best), torch.where(tied, 0, worst)
+    out = torch.zeros_like(groups)
+    rows = torch.arange(len(groups))
+    out[rows, best] = 1.0
+    out[rows, worst] = -1.0
+    return out.flatten().float()
+
+
+def dpo_objective(v, v_ref, x0, noise, *, beta: float):
+    """The public DPO loss on m pairs: v, v_ref: (2m, *L) the trained and the reference velocities of the m winners
+    then the m losers at the same (σ, noise) per pair; x0, noise: (2m, *L). With e = mean((v − (ε − x0))²) per image,
+    −log σ(−β/2·((e_w − e_w^ref) − (e_l − e_l^ref))), averaged over the pairs. Returns (loss, detached statistics)."""
+    n, m = x0.shape[0], x0.shape[0] // 2
+    target = (noise - x0).float()
+    theta = ((v.float() - target) ** 2).reshape(n, -1).mean(dim=1)  # (2m,) the trained policy's errors
+    ref = ((v_ref.float() - target) ** 2).reshape(n, -1).mean(dim=1)
+    gap = (theta[:m] - ref[:m]) - (theta[m:] - ref[m:])  # (m,) how much more the winner's error fell than the loser's
+    inside = -0.5 * beta * gap
+    loss = -F.logsigmoid(inside).mean()
+    stats = {"policy_loss": loss.detach(), "implicit_acc": (inside > 0).float().mean(), "w_l_diff": gap.detach().mean()}
+    return loss, stats
+
+
+def dpo_loss(model, engine, mb: rollout.Batch, t, noise, a):
+    """DPO on a micro-batch's pairs at σ = t (b,) with noise (b, *L) (the same for a pair: `dpo_draws`): one forward
+    of the winners then the losers, without CFG as its training does; the reference's (the old policy, swapped into
+    the weights) first, as its swap may not come between a forward and its backward."""
+    pair = torch.cat([(mb.advantages > 0).nonzero()[:, 0], (mb.advantages < 0).nonzero()[:, 0]])  # (2m,) groups' order
+    x0, t, noise = mb.x0[pair], t[pair], noise[pair]
+    cond = {k: v[pair] for k, v in mb.cond.items()}
+    velocity = functools.partial(model.velocity, sch.noised(x0, t, noise), t, cond, 1.0, a.height, a.width)
+    v_ref = fwd.old(engine, velocity, 1.0)
+    return dpo_objective(velocity(), v_ref, x0, noise, beta=a.dpo_beta)
+
+
+def train_sigmas(model, a) -> torch.Tensor:
+    """The scheduler's own training σ (diffusers builds num_train_timesteps = 1000 of them, SD3.5's shifted by 3; a
+    dynamic-shift scheduler's unshifted): DPO's timesteps index them, not the rollout's."""
+    return type(model.scheduler).from_config(model.scheduler.config).sigmas.float()
+
+
+def logit_normal(g: torch.Generator, a) -> torch.Tensor:
+    """T draws u = sigmoid(N(0, 1)) (diffusers' compute_density_for_timestep_sampling, weighting "logit_normal")."""
+    return torch.sigmoid(torch.randn(a.train_timesteps, generator=g))
+
+
+def dpo_draws(mb: rollout.Batch, a, schedule: torch.Tensor, timesteps) -> tuple[torch.Tensor, torch.Tensor]:
+    """T (σ, noise) draws per group, from the generator of its first image: σ = schedule[int(u·len)] for u of
+    `timesteps`, then the noises; a pair's two images share them. Returns σ (b, T) and noises (b, T, *L)."""
+    first = (mb.ids // a.group_size * a.group_size).tolist()  # each image's group's first image
+    drawn = {}
+    for i in set(first):
+        g = torch.Generator().manual_seed(rollout.image_seed(a.seed, fwd.TRAIN_STREAM - mb.iteration, i))
+        index = (timesteps(g, a) * len(schedule)).long()
+        drawn[i] = schedule[index], torch.randn((a.train_timesteps, *mb.x0.shape[1:]), generator=g)
+    sigmas, noise = (torch.stack([drawn[i][k] for i in first]).to(mb.x0.device) for k in (0, 1))
+    return sigmas, noise
+
+
+def copy_reference(engine, a, iteration: int) -> None:
+    """After iteration `iteration` (from 0), every --old-every iterations: the reference ← the trained weights (its
+    copy_learner_to_ref when global_step % ref_update_step == 0, which counts optimizer steps: the same at its one
+    step an epoch)."""
+    if (iteration + 1) % a.old_every == 0:
+        engine.old.blend(0.0)
+
+
+def full_mode(a, iteration: int) -> list[int]:
+    """DPO's rollout: SDE on every step but the last, whatever --window (its pipeline_with_logprob)."""
+    return sch.trained_steps(a.num_steps, 0, a.window_range, seed=0)
+
+
+def check_dpo(a) -> None:
+    sch.check_variants(a.num_steps, 0, a.window_range, sde_type=a.sde_type, noise_level=a.noise_level,
+                       window_schedule=a.window_schedule, ode_solver=a.ode_solver)
+    if a.group_size < 2 or a.micro_batch % a.group_size:
+        raise ValueError(f"--micro-batch {a.micro_batch}, --group-size {a.group_size}: DPO pairs the best and the worst "
+                         "image of each group, so a group has >= 2 images and a micro-batch holds whole groups: use a "
+                         "multiple of --group-size")
+    if a.train_timesteps < 1 or a.old_every < 1:
+        raise ValueError(f"--train-timesteps and --old-every must be >= 1, got {a.train_timesteps}, {a.old_every}")
+    if a.kl_beta > 0:
+        raise ValueError(f"--kl-beta {a.kl_beta}: DPO's loss has no KL term (its reference enters the loss itself): "
+                         "drop the flag")

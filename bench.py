@@ -274,7 +274,8 @@ def forward_rows(t: list, o, a: flowgrpo.Args):
     engine, batches, calls = make_engine(a, model, old_policy=True), {}, {}
     for k, (ak, steps) in kinds.items():
         batches[k] = sample(model, ak, steps)
-        batches[k].advantages = algorithms.ALGORITHMS[ak.algorithm].weights(batches[k].advantages, ak)
+        adv = batches[k].advantages  # random, standing in for the rewards too
+        batches[k].advantages = algorithms.ALGORITHMS[ak.algorithm].weights(adv, adv, ak)
         rows.clear()
         train(model, engine, batches[k], ak)
         calls[k] = sum(rows) / n

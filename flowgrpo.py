@@ -35,9 +35,9 @@ are named options, off in the public recipes:
    measured so that the clip acts in their second step) chosen so that learning is visible on a CPU in a minute or two.
 
 Algorithms (`--algorithm`, docs/algorithm.md §12, algorithms.py): `grpo`, the above with its variants below, or the
-forward-process `nft` (DiffusionNFT), `awm` (Advantage Weighted Matching) and `dgpo` (DGPO, a group preference): an
-ODE rollout of any solver, and a flow-matching loss on its final latents re-noised, weighted by the reward. The loop's
-phases are the same for each.
+forward-process `nft` (DiffusionNFT), `awm` (Advantage Weighted Matching), `dgpo` (DGPO, a group preference) and
+`dpo` (online Diffusion-DPO, each group's best and worst): a flow-matching loss on the rollout's final latents
+re-noised, weighted by the reward. The loop's phases are the same for each.
 
 Variants, each one flag chosen by name from its table (docs/algorithm.md §10); any combination keeps
 `train/logp_gap` == 0, 1-vs-N-rank agreement and exact resume:
@@ -50,7 +50,6 @@ Variants, each one flag chosen by name from its table (docs/algorithm.md §10); 
 """
 import dataclasses
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -126,9 +125,9 @@ class Args:
     """FLUX's distilled guidance embedding, one pass per step (unset: the pipeline's 3.5; only for FLUX)"""
     negative_prompt: str = " "
     """negative prompt for two-pass CFG"""
-    algorithm: Literal["grpo", "nft", "awm", "dgpo"] = "grpo"
+    algorithm: Literal["grpo", "nft", "awm", "dgpo", "dpo"] = "grpo"
     """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs, or DiffusionNFT, AWM, DGPO on ODE
-    images"""
+    images, or online Diffusion-DPO on SDE ones"""
     sde_type: Literal["sde", "cps", "dance"] = "sde"
     """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
     noise_level: float = 0.7
@@ -180,7 +179,7 @@ class Args:
     old_decay: Literal["nft0", "nft1", "nft2", "nft2-iterations", "awm", "dgpo"] = "nft1"
     """the old policy's decay schedule (nft, awm, dgpo): DiffusionNFT's decay_type 0/1/2, verl-omni's, AWM's, DGPO's"""
     old_every: int = 1
-    """iterations between the old policy's updates (nft, awm)"""
+    """iterations between the old policy's updates (nft, awm, dgpo; dpo: copies of the trained weights, its reference)"""
     old_kl: float = 1.0
     """AWM: weight of the mean squared velocity gap to the old policy (its ema_beta; 0 skips the old pass)"""
     dgpo_beta: float = 100.0
@@ -189,6 +188,8 @@ class Args:
     """DGPO's reference for those gaps: the model without the adapter, or the old policy (its use_ema_ref)"""
     dgpo_switch: int = 500
     """DGPO samples with its old policy once more than this many optimizer steps are done (its switch_ema_ref)"""
+    dpo_beta: float = 100.0
+    """DPO's β: the scale of the pair's error gaps to the reference inside −log σ(·)"""
     train_timesteps: int = 3
     """T: timesteps per image the forward-process update trains at (nft: distinct steps; awm: one per stratum)"""
     train_timestep_range: tuple[int, int] = (0, 4)
@@ -304,10 +305,7 @@ def main(a: Args) -> list[dict]:
     run_dir, prompt_set = run.run_dir, prompt_sets.load_prompts(a.prompts)
     trainset, evalset = prompt_set.train, [prompt_set.eval[i % len(prompt_set.eval)] for i in range(a.eval_images)]
     if rank == 0:
-        if a.sde_type == "cps" and not a.window and a.cps_density == "exact":
-            print("warning: exact cps density in full mode: step i weighs 1/(2·std_i²), std_i = σ_{i+1}·sin(a·π/2),"
-                  " so the last trained step outweighs the first ~(σ_1/σ_{N-1})² times (2,157× for Qwen-Image at 10 steps);"
-                  " the public recipes use cps only with a window (--window 2)", file=sys.stderr)
+        startup.warn(a)
 
     # --- build: model → engine (LoRA, FSDP2, optimizer) → reward → prompts → resume -----------------
     model = models.load_model(a.model, a.model_path, device, seed=a.seed, guidance=a.guidance,
@@ -368,7 +366,7 @@ def main(a: Args) -> list[dict]:
             # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
             adv, zero_std = algorithms.group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
                                                         clip=a.adv_clip)
-            batch.advantages = algo.weights(adv[mine], a).to(engine.device)  # grpo: A; nft: r ∈ [0, 1]; awm: A/c
+            batch.advantages = algo.weights(adv[mine], r_all[mine], a).to(engine.device)  # grpo: A; nft: r ∈ [0, 1]; dpo: ±1
             weights = algorithms.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)  # (P·G,) by id
             batch.weights = weights[mine].to(engine.device)
 

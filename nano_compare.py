@@ -59,6 +59,9 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
     # EMA reference's ramp; its switch to sampling with that reference (after 200 steps) lies beyond these runs
     "DGPO": ("--algorithm", "dgpo", "--ode-solver", "dpm2-full", "--old-decay", "dgpo", "--dgpo-beta", "100",
              "--clip-range", "1e-2", "--kl-beta", "0.02", "--train-timesteps", "4", "--train-timestep-range", "0", "7"),
+    # flow_grpo's online DPO (train_sd3_dpo.py): each group's best and worst, β 100, int(10·0.99) = 9 timesteps, its
+    # reference (the sampler) copied every 40 optimizer steps as its OnlineDPO note suggests (20 iterations of 2 steps)
+    "Online DPO": ("--algorithm", "dpo", "--dpo-beta", "100", "--train-timesteps", "9", "--old-every", "20"),
 }
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies

@@ -67,7 +67,7 @@ ROW = 4  # the judge's "one row": the three centres within this many pixels vert
 # What the method comparison (nano_compare.py) reads of a task: its --model, the judge's reward label, its categories.
 MODEL, JUDGE = "nano-compose", "compose_judge"
 COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "Flow-DPPO (mask 1e-5)", "DiffusionNFT", "AWM",
-            "DGPO")
+            "DGPO", "Online DPO")
 SEEDS = 3  # the comparison's rows and seeds: the methods that matter, within its 3-hour budget on 2 cores
 
 

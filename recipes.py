@@ -116,6 +116,18 @@ RECIPES: dict[str, dict] = {
                                   old_decay="dgpo", train_timesteps=4, train_timestep_range=(0, 7), lora_rank=64,
                                   lora_alpha=128, ema_decay=0.9, ema_every=8, checkpoint_every=60,
                                   eval_every=60),
+    # flow_grpo's online Diffusion-DPO (scripts/train_sd3_dpo.py; config/dpo.py pickscore_sd3 on base.py, one GPU as
+    # scripts/single_node/dpo.sh): one group of 24 an epoch, its best and worst image the pair, int(40·0.99) = 39
+    # timesteps accumulated into its one step, β 100, its reference (which samples, SDE at noise 0.7) copied every
+    # ref_update_step = 10,000,000 steps, i.e. never (its OnlineDPO: a small number, e.g. 40); EMA 0.9 every 8 steps
+    "sd3.5-medium-dpo-pickscore": dict(model="sd3.5-medium", algorithm="dpo", iterations=300, prompts="general",
+                                       reward="pickscore", group_size=24, prompts_per_iteration=1, micro_batch=24,
+                                       optimizer_steps=1, height=512, width=512, num_steps=40, eval_steps=40,
+                                       cfg_scale=4.5, negative_prompt="", noise_level=0.7, train_timesteps=39,
+                                       dpo_beta=100.0, old_every=10_000_000, lr=3e-4,
+                                       lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
+                                       mixed_precision=True, ema_decay=0.9, ema_every=8, checkpoint_every=60,
+                                       eval_every=60),
     # Flow-GRPO's public config general_ocr_wan2_1 and scripts/train_wan2_1.py (one GPU), with DanceGRPO's Wan2.1
     # sampler (fastvideo/train_grpo_wan_2_1.py: its SDE, η 0.3); docs/algorithm.md §7, §13
     "wan2.1-t2v-1.3b": dict(model="wan2.1-t2v-1.3b", iterations=300, prompts="ocr", reward="ocr", group_size=4,

@@ -15,7 +15,7 @@ BUDGETS = {
     "recipes.py": 200,  # the named configurations, each value with its source
     "algorithms.py": 450,  # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables
     "algorithms_forward.py": 450,  # the forward-process family: DiffusionNFT, AWM, their update and old policy
-    "algorithms_preference.py": 450,  # the preference family: DGPO (DPO next), on the forward-process update
+    "algorithms_preference.py": 450,  # the preference family: DGPO and online DPO, on the forward-process update
     "scheduler.py": 350,  # the sampling step with log-prob, sigma schedules, ODE solvers, windows
     "models.py": 250,  # the registry of --model names, their start-up checks, loading
     "models_base.py": 250,  # what every adapter shares

@@ -82,7 +82,7 @@ def test_nft_loss_and_gradient_equal_diffusionnft(beta, kl_beta):
     theirs, xt = nft_public(x0, noise, t, v, v_old, v_ref, adv, beta=beta, clip=5.0, kl_beta=kl_beta)
     (g_theirs,) = torch.autograd.grad(theirs, v)
     ours, stats = algorithms_forward.nft_objective(v, v_old, v_ref if kl_beta else None, x0, sch.noised(x0, t, noise),
-                                           t, algorithms_forward.nft_weights(adv, a), beta=beta, adv_clip=5.0, kl_beta=kl_beta)
+                                           t, algorithms_forward.nft_weights(adv, None, a), beta=beta, adv_clip=5.0, kl_beta=kl_beta)
     (g_ours,) = torch.autograd.grad(ours, v)
     loss_rel, grad_rel = abs(ours.item() - theirs.item()) / abs(theirs.item()), worst(g_ours, g_theirs) / g_theirs.abs().max().item()
     print(f"\nβ {beta}, KL {kl_beta}: loss {ours.item():.6g} (rel. diff {loss_rel:.2g}), gradient max rel. diff {grad_rel:.2g}")
@@ -132,7 +132,7 @@ def test_awm_loss_and_gradient_equal_the_authors_code(beta, ema_beta):
     adv = torch.tensor([-7.0, -1.5, 0.3, 4.0])
     theirs = awm_public(x0, noise, t, v, v_ref, v_old, adv, T=T, clip=5.0, beta=beta, ema_beta=ema_beta)
     (g_theirs,) = torch.autograd.grad(theirs, v)
-    w = algorithms_forward.awm_weights(adv, SimpleNamespace(adv_clip=5.0))
+    w = algorithms_forward.awm_weights(adv, None, SimpleNamespace(adv_clip=5.0))
     ours = sum(algorithms_forward.awm_objective(v[s], v_ref[s], v_old[s] if ema_beta else None, x0[s], noise[s], t[s], w,
                                         kl_beta=beta, old_kl=ema_beta)[0] for s in (slice(j * B, (j + 1) * B)
                                                                                      for j in range(T))) / T
@@ -493,7 +493,7 @@ def test_the_update_reports_its_skipped_fraction_and_the_range_edges_skip_none(a
                            height=32, width=32, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde",
                            seed=0, iteration=0, chunk=2)
     algo = algorithms.ALGORITHMS[algorithm]
-    batch.advantages = algo.weights(torch.tensor([1.0, -1.0, 0.5, -0.5]), a)
+    batch.advantages = algo.weights(torch.tensor([1.0, -1.0, 0.5, -0.5]), None, a)
     stats = algo.update(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
     assert (stats["train/skipped_fraction"], stats["train/skipped_steps"]) == (skipped, 2 * skipped), stats
     assert skipped or math.isfinite(stats["train/policy_loss"] + stats["train/grad_norm"]), stats

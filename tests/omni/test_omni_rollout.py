@@ -342,17 +342,20 @@ def test_cli_training_run_learns_with_a_tiny_logp_gap(omni_server, tiny_pipeline
 
 
 @needs_cli
-@pytest.mark.parametrize("algorithm", ["nft", "awm"])
-def test_a_forward_process_run_on_the_server(omni_server, tiny_pipeline_dir, tmp_path, algorithm):
-    """`--algorithm nft|awm --rollout vllm-omni` (flowgrpo.main in this process; the CLI's own path through a server:
-    the learning run above, the server-death run below): the server samples (a new adapter version each iteration),
-    the trainer trains on the returned final latents, and the run checkpoints with its old policy."""
+@pytest.mark.parametrize("algorithm,flags,watch", [("nft", ("--kl-beta", "0.01"), "train/kl"),
+                                                   ("awm", ("--kl-beta", "0.01"), "train/kl"),
+                                                   ("dpo", ("--train-timesteps", "2"), "train/implicit_acc")])
+def test_a_forward_process_run_on_the_server(omni_server, tiny_pipeline_dir, tmp_path, algorithm, flags, watch):
+    """`--algorithm nft|awm|dpo --rollout vllm-omni` (flowgrpo.main in this process; the CLI's own path through a
+    server: the learning run above, the server-death run below): the server samples (a new adapter version each
+    iteration; dpo: its full-mode SDE), the trainer trains on the returned final latents, and the run checkpoints with
+    its old policy."""
     run, iterations = tmp_path / "run", 2
     log_start = len(omni_server.log_text())
     rows = train_here("--model", "tiny", "--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni",
                       "--rollout-url", omni_server.url, "--run-dir", str(run), "--iterations", str(iterations),
-                      "--eval-every", "0", "--algorithm", algorithm, "--kl-beta", "0.01")
-    assert len(rows) == iterations and all(r["train/grad_norm"] > 0 and r["train/kl"] >= 0 for r in rows), rows
+                      "--eval-every", "0", "--algorithm", algorithm, *flags)
+    assert len(rows) == iterations and all(r["train/grad_norm"] > 0 and r[watch] >= 0 for r in rows), rows
     loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", omni_server.log_text()[log_start:])
     assert [int(v) for _, v in loaded] == list(range(iterations))
     assert (run / "checkpoints" / f"{checkpoint.PREFIX}{iterations - 1:06d}" / "meta.json").exists()
