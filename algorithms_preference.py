@@ -169,7 +169,8 @@ def copy_reference(engine, a, iteration: int) -> None:
 
 
 def full_mode(a, iteration: int) -> list[int]:
-    """DPO's rollout: SDE on every step but the last, whatever --window (its pipeline_with_logprob)."""
+    """DPO's rollout: Flow-GRPO's full mode, SDE on every step but the last, whatever --window (its
+    pipeline_with_logprob takes the last one with the SDE too: docs/algorithm.md §8, item 22)."""
     return sch.trained_steps(a.num_steps, 0, a.window_range, seed=0)
 
 

@@ -62,6 +62,9 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
     # flow_grpo's online DPO (train_sd3_dpo.py): each group's best and worst, β 100, int(10·0.99) = 9 timesteps, its
     # reference (the sampler) copied every 40 optimizer steps as its OnlineDPO note suggests (20 iterations of 2 steps)
     "Online DPO": ("--algorithm", "dpo", "--dpo-beta", "100", "--train-timesteps", "9", "--old-every", "20"),
+    # its public configs' ref_update_step (10,000,000): the reference, which samples, stays the base model
+    "DPO, reference never copied": ("--algorithm", "dpo", "--dpo-beta", "100", "--train-timesteps", "9", "--old-every",
+                                    "10000000"),
 }
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
