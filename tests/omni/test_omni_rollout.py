@@ -344,9 +344,10 @@ def test_cli_training_run_learns_with_a_tiny_logp_gap(omni_server, tiny_pipeline
 @needs_cli
 @pytest.mark.parametrize("algorithm,flags,watch", [("nft", ("--kl-beta", "0.01"), "train/kl"),
                                                    ("awm", ("--kl-beta", "0.01"), "train/kl"),
+                                                   ("dgpo", ("--kl-beta", "0.01"), "train/kl"),
                                                    ("dpo", ("--train-timesteps", "2"), "train/implicit_acc")])
 def test_a_forward_process_run_on_the_server(omni_server, tiny_pipeline_dir, tmp_path, algorithm, flags, watch):
-    """`--algorithm nft|awm|dpo --rollout vllm-omni` (flowgrpo.main in this process; the CLI's own path through a
+    """`--algorithm nft|awm|dgpo|dpo --rollout vllm-omni` (flowgrpo.main in this process; the CLI's own path through a
     server: the learning run above, the server-death run below): the server samples (a new adapter version each
     iteration; dpo: its full-mode SDE), the trainer trains on the returned final latents, and the run checkpoints with
     its old policy."""
