@@ -81,10 +81,10 @@ class Args:
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
     model: Literal["tiny", "tiny-sd3", "tiny-flux", "tiny-wan", "nano", "nano-compose", "qwen-image", "sd3.5-medium",
-                   "flux.1-dev", "wan2.1-t2v-1.3b"] = "tiny"
-    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; tiny*: their classes at toy size, random weights; nano: tiny
-    Qwen-Image pretrained here on handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn
-    with them (docs/tasks.md)"""
+                   "flux.1-dev", "wan2.1-t2v-1.3b", "tiny-flux-kontext", "flux.1-kontext-dev"] = "tiny"
+    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev edits (--prompts: a .jsonl with a source
+    image per line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained here on
+    handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
@@ -271,7 +271,7 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
     mine = evalset[engine.dp_rank * share:(engine.dp_rank + 1) * share]
     images = rollout.sample_ode(model, [p for p, _ in mine], num_steps=a.eval_steps, height=a.height, width=a.width,
                                 cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt, seed=a.seed,
-                                chunk=a.micro_batch, first=engine.dp_rank * share)
+                                chunk=a.micro_batch, first=engine.dp_rank * share, metadata=[m for _, m in mine])
     scores, info = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
     scores, images = engine.all_gather(scores), engine.all_gather(images)
     log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())])

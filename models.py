@@ -3,7 +3,8 @@ anything loads, the start-up checks of the model flags, and `load_model`.
 
 One adapter per family, each a small class in a file of its own around that family's diffusers pipeline (the base
 class and the shared tiny parts in models_base.py): Qwen-Image with `tiny` and `nano` (models_qwen.py), Stable
-Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video (models_wan.py). Each family has a
+Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video (models_wan.py), and the edit family
+FLUX.1 Kontext (models_kontext.py: a source image per prompt). Each family has a
 `tiny` variant: the same diffusers classes with toy configs and random weights, built in code from a seed, no
 downloads. Importing this module loads neither diffusers nor transformers (`--help` stays fast): they are imported
 where a pipeline is built or loaded.
@@ -18,6 +19,7 @@ import checkpoint
 import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
+from models_kontext import FluxKontext
 from models_nano import NanoComposeQwenImage, NanoQwenImage
 from models_qwen import QwenImage
 from models_sd3 import SD3
@@ -32,6 +34,8 @@ SPECS = {
     "sd3.5-medium": Spec(SD3, "StableDiffusion3Pipeline", 16),
     "tiny-flux": Spec(Flux, "FluxPipeline", 8, guidance_embedding=True),
     "flux.1-dev": Spec(Flux, "FluxPipeline", 16, guidance_embedding=True),
+    "tiny-flux-kontext": Spec(FluxKontext, "FluxKontextPipeline", 8, guidance_embedding=True, edits=True),
+    "flux.1-kontext-dev": Spec(FluxKontext, "FluxKontextPipeline", 16, guidance_embedding=True, edits=True),
     "tiny-wan": Spec(Wan, "WanPipeline", 8, frame_multiple=4),
     "wan2.1-t2v-1.3b": Spec(Wan, "WanPipeline", 16, frame_multiple=4),
 }

@@ -29,6 +29,7 @@ class Spec:
     guidance_embedding: bool = False  # a distilled guidance input (FLUX.1-dev): --guidance, not --cfg-scale
     frame_multiple: int = 0  # video: --num-frames − 1 must be a multiple of it (the VAE's temporal factor); 0: images
     trained_parts: tuple[str, ...] = ()  # --model-path holds only these (diffusers' format); the rest is built in code
+    edits: bool = False  # an edit model: every prompt carries a source image (prompts.check_sources)
 
 
 def from_pretrained(pipeline_class: str, model: str, path: str, **kwargs):
@@ -121,10 +122,12 @@ class Adapter:
         """Image tokens the transformer sees (what the dynamic sigma shift depends on)."""
         return (height // self.multiple) * (width // self.multiple)
 
-    def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float) -> dict:
+    def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
+                     metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:
         """Everything `velocity` needs besides x and σ, batch-first so a micro-batch is a slice: the family's
         `encode` tensors (B, ...) and, with two-pass CFG, the negative prompt's as `neg_<name>`. Each distinct
-        prompt is encoded once."""
+        prompt is encoded once. `metadata` (B,) and the output size: read by an edit family (its prompts' source
+        images, models_kontext.py), unused by text-to-image ones."""
         distinct = list(dict.fromkeys(prompts))
         index = torch.tensor([distinct.index(p) for p in prompts], device=self.device)
         cond = {k: v[index] for k, v in self.encode(distinct).items()}

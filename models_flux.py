@@ -13,11 +13,13 @@ DEFAULT_GUIDANCE = 3.5  # FluxPipeline.__call__'s default guidance_scale, and Fl
 T5_LENGTH = 128  # Flow-GRPO encodes with T5 length 128 (the pipeline's default is 512); the tiny T5 has 77
 
 
-def build_tiny_flux_pipeline(seed: int = 0):
+def build_tiny_flux_pipeline(seed: int = 0, pipeline: str = "FluxPipeline"):
     """A random-weight FluxPipeline with FLUX.1-dev's structure at toy size (double- and single-stream blocks,
     a guidance embedding, CLIP + T5, its scheduler and VAE factors), sharing the tiny CLIP/T5/VAE of
-    models_base.py. Deterministic given `seed`; leaves the global RNG untouched."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    models_base.py. Deterministic given `seed`; leaves the global RNG untouched. `pipeline`: the diffusers class
+    that holds the parts (FluxKontextPipeline for the edit twin, models_kontext.py: the same weights)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -27,9 +29,9 @@ def build_tiny_flux_pipeline(seed: int = 0):
                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                              pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
         vae = tiny_vae(scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's VAE factors
-    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), vae=vae,
-                        text_encoder=text_encoder, tokenizer=clip_tok, text_encoder_2=text_encoder_2,
-                        tokenizer_2=t5_tok, transformer=transformer)
+    return getattr(diffusers, pipeline)(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), vae=vae,
+                                        text_encoder=text_encoder, tokenizer=clip_tok, text_encoder_2=text_encoder_2,
+                                        tokenizer_2=t5_tok, transformer=transformer)
 
 
 class Flux(Adapter):
@@ -92,13 +94,16 @@ class Flux(Adapter):
         # The pipeline feeds timesteps = σ·1000 cast to the latent dtype, then divides by 1000; guidance in float32.
         timestep = (sigma.float() * 1000).to(self.dtype) / 1000
         guidance = torch.full([1], self.guidance, device=self.device, dtype=torch.float32).expand(batch)
-        # (S, 3) ids of the packed 2×2 patches; the pipeline makes them in the latent dtype, text ids in the encoder's
-        img_ids = self.pipe._prepare_latent_image_ids(batch, height // self.multiple, width // self.multiple,
-                                                      self.device, self.dtype)
+        img_ids = self.image_ids(batch, height, width)  # text ids in the text encoder's dtype, as the pipeline's
         txt_ids = torch.zeros(cond["embeds"].shape[1], 3, device=self.device, dtype=self.pipe.text_encoder.dtype)
         return self.transformer(hidden_states=x.to(self.dtype), timestep=timestep, guidance=guidance,
                                 pooled_projections=cond["pooled"], encoder_hidden_states=cond["embeds"],
                                 txt_ids=txt_ids, img_ids=img_ids, joint_attention_kwargs={}, return_dict=False)[0]
+
+    def image_ids(self, batch: int, height: int, width: int) -> torch.Tensor:
+        """(S, 3) ids of the packed 2×2 patches, (0, row, column), in the latent dtype as the pipeline makes them."""
+        return self.pipe._prepare_latent_image_ids(batch, height // self.multiple, width // self.multiple, self.device,
+                                                   self.dtype)
 
     def pipeline_kwargs(self, cond: dict, cfg_scale: float) -> dict:
         """The `FluxPipeline.__call__` arguments that sample from exactly these conditions."""

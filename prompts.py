@@ -8,12 +8,17 @@ the whole file (too few to hold any out), else every 10th prompt (the 10th, 20th
 never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
 splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses;
 `compose` (the nano-compose task's) is a shipped `.jsonl` with its own split.
+
+Editing: a `.jsonl` line may carry a source image, `{"prompt": ..., "image": "relative/path.png"}` (relative to the
+file), checked as the file is read (`_source_image`); it travels in the metadata, as an absolute path, to the edit
+model's rollout and to every reward.
 """
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 # The built-in OCR set: every scene x every phrase. Eval phrases never appear in training, so eval
 # measures rendering of unseen text rather than memorised strings.
@@ -90,8 +95,9 @@ BUILTIN = {
     "compose": lambda: _by_split(read_prompt_file(_COMPOSE), "compose"),
 }
 
-def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
-    """All (prompt, metadata) pairs of a `.txt` or `.jsonl` file, in file order."""
+def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> list[tuple[str, dict]]:
+    """All (prompt, metadata) pairs of a `.txt` or `.jsonl` file, in file order; `size`: the run's (height, width),
+    which a source image's aspect ratio must match (`_source_image`)."""
     path = Path(path)
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts: {path}: expected a .txt or .jsonl file or one of {sorted(BUILTIN)}")
@@ -119,14 +125,35 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict]]:
                              'an object {"prompt": "...", ...metadata}') from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ValueError(f'{path}:{n}: each line must be a JSON object with a non-empty string "prompt"')
+        if "image" in row:
+            row["image"] = _source_image(path, n, row["image"], size)
         out.append((row.pop("prompt").strip(), row))
     return out
 
-def load_prompts(spec: str) -> PromptSet:
-    """A built-in set by name (`ocr`, `general`) or a `.txt`/`.jsonl` file (eval split: module docstring)."""
+def _source_image(path: Path, n: int, name, size: tuple[int, int] | None) -> str:
+    """Line n's source image as an absolute path, once it has opened and decoded as an image whose aspect ratio is
+    the run's `size` (height, width): the edit model resizes it to the output size, so another ratio would distort."""
+    where = f"--prompts: {path}:{n}: source image"
+    file = (path.parent / str(name)).resolve()
+    if not file.is_file():
+        raise ValueError(f"{where} {name} is missing or not a file ({file}): paths are relative to the prompt file")
+    try:
+        with Image.open(file) as im:
+            im.load()
+            w, h = im.size
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # not an image, truncated, too many pixels
+        raise ValueError(f"{where} {name} cannot be read as an image ({e}): save it as a PNG or JPEG") from None
+    if size and w * size[0] != h * size[1]:
+        raise ValueError(f"{where} {name} is {w}×{h}, not the run's aspect ratio (--width {size[1]} --height "
+                         f"{size[0]}): crop it to {size[1]}:{size[0]}, or set --height/--width to its ratio")
+    return str(file)
+
+def load_prompts(spec: str, size: tuple[int, int] | None = None) -> PromptSet:
+    """A built-in set by name (`ocr`, `general`) or a `.txt`/`.jsonl` file (eval split: module docstring); `size`:
+    the run's (height, width), checked against source images."""
     if spec in BUILTIN:
         return BUILTIN[spec]()
-    pairs = read_prompt_file(spec)
+    pairs = read_prompt_file(spec, size)
     if any("split" in m for _, m in pairs):  # the file says which prompts are held out (GenEval-style sets)
         return _by_split(pairs, spec)
     return PromptSet(pairs, list(pairs)) if len(pairs) < 20 else _hold_out(pairs, 10)

@@ -71,16 +71,16 @@ def image_generators(seed: int, iteration: int, image_ids) -> list[torch.Generat
     return [torch.Generator().manual_seed(image_seed(seed, iteration, i)) for i in image_ids]
 
 
-def branch_prefixes(model, prompts: list[str], group: torch.Tensor, *, sigmas: torch.Tensor, start: int,
-                    negative_prompt: str, cfg_scale: float, seed: int, iteration: int, height: int,
+def branch_prefixes(model, prompts: list[str], metadata: list[dict], group: torch.Tensor, *, sigmas: torch.Tensor,
+                    start: int, negative_prompt: str, cfg_scale: float, seed: int, iteration: int, height: int,
                     width: int) -> dict[int, torch.Tensor]:
     """{group id: (1, S, C) float32, the state at σ_start that all the group's images share}: the group's own
     initial noise (seeded as image index −1 − g, which no image has), then the `start` Euler steps before the
     window. Each group is computed alone (its prompt encoded alone, batch 1), so the bits do not depend on
     what else a rank holds: every rank holding part of a group computes the same prefix."""
     prefixes = {}
-    for g, prompt in dict(zip(group.tolist(), prompts)).items():  # a group's images share its prompt
-        cond = model.conditioning([prompt], negative_prompt, cfg_scale)
+    for g, i in {g: i for i, g in enumerate(group.tolist())}.items():  # a group's images share prompt and metadata
+        cond = model.conditioning([prompts[i]], negative_prompt, cfg_scale, [metadata[i]], height, width)
         x = model.noise([torch.Generator().manual_seed(image_seed(seed, iteration, -1 - g))], height, width)
         velocity = functools.partial(model.velocity, cond=cond, cfg_scale=cfg_scale, height=height, width=width)
         prefixes[g] = sch.ode_euler(velocity, x, sigmas[:start + 1])
@@ -109,13 +109,13 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
     sigma_max = float(sigmas[1])
     group = torch.as_tensor(group)
-    cond = model.conditioning(prompts, negative_prompt, cfg_scale)
+    cond = model.conditioning(prompts, negative_prompt, cfg_scale, metadata, height, width)
     gens = image_generators(seed, iteration, image_ids)  # each image's own noise: initial (unless branched) and SDE
     start = steps[0] if branch else 0  # the first step an image takes on its own
     tail = steps[-1] + 1 if steps else start  # the first step after the window (none: 0): ODE_SOLVERS[ode_solver] on
-    shared = branch_prefixes(model, prompts, group, sigmas=sigmas, start=start, negative_prompt=negative_prompt,
-                             cfg_scale=cfg_scale, seed=seed, iteration=iteration, height=height,
-                             width=width) if branch else {}
+    shared = branch_prefixes(model, prompts, metadata, group, sigmas=sigmas, start=start,
+                             negative_prompt=negative_prompt, cfg_scale=cfg_scale, seed=seed, iteration=iteration,
+                             height=height, width=width) if branch else {}
     tail_calls = sch.ode_calls(ode_solver, num_steps - tail)
     latents, log_probs, means, images, x0 = [], [], [], [], []
     bar = tqdm(total=len(prompts) * (tail - start + tail_calls), desc="rollout", unit="step", disable=not progress,
@@ -157,13 +157,13 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
 
 
 def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width: int, cfg_scale: float,
-               negative_prompt: str, seed: int, chunk: int, first: int = 0) -> torch.Tensor:
-    """Evaluation images (B, 3, H, W): deterministic ODE sampling (noise 0), fixed per-image seeds; the prompts are
-    evaluation images first, first + 1, ... (their seeds do not depend on how the images are split over ranks)."""
+               negative_prompt: str, seed: int, chunk: int, first: int = 0, metadata=None) -> torch.Tensor:
+    """Evaluation images (B, 3, H, W): deterministic ODE sampling (noise 0), fixed per-image seeds; the prompts (and
+    their `metadata`, e.g. source images) are evaluation images first, first + 1, ... (seeds independent of ranks)."""
     n = range(first, first + len(prompts))
-    return sample(model, prompts, [{}] * len(n), n, n, steps=[], num_steps=num_steps, height=height, width=width,
-                  cfg_scale=cfg_scale, negative_prompt=negative_prompt, noise_level=0.0, sde_type="sde", seed=seed,
-                  iteration=-1, chunk=chunk).images
+    return sample(model, prompts, metadata or [{}] * len(n), n, n, steps=[], num_steps=num_steps, height=height,
+                  width=width, cfg_scale=cfg_scale, negative_prompt=negative_prompt, noise_level=0.0, sde_type="sde",
+                  seed=seed, iteration=-1, chunk=chunk).images
 
 
 # ---- backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni_pipeline.py)
@@ -395,7 +395,8 @@ class OmniBackend:
             return torch.cat([p[k] for p in parts])[order]
         batch = Batch(list(prompts), list(metadata), torch.as_tensor(group), cat("latents").to(model.device),
                       cat("log_probs").to(model.device), expect["sigmas"], expect["sigma_max"],
-                      model.conditioning(list(prompts), negative_prompt, cfg_scale), cat("images"),
+                      model.conditioning(list(prompts), negative_prompt, cfg_scale, list(metadata), height, width),
+                      cat("images"),
                       x0=cat("x0").to(model.device), ids=torch.as_tensor(image_ids), iteration=iteration)
         if on_images:
             on_images(0, batch.images)

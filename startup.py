@@ -96,7 +96,15 @@ def check_args(a) -> tuple[str, dict] | None:
         need(a.lora_targets, "--lora-targets must name at least one module of the transformer (or --full-finetune)")
         models.check_lora_targets(a.model, a.model_path, a.lora_targets)
     rewards.check_reward_spec(a.reward, video=a.num_frames > 1)
-    prompts = prompt_sets.load_prompts(a.prompts)
+    prompts = prompt_sets.load_prompts(a.prompts, (a.height, a.width))  # source images too: readable, the run's ratio
+    edits, missing = models.SPECS[a.model].edits, sum("image" not in m for _, m in prompts.train + prompts.eval)
+    need(not edits or not missing, f"--prompts {a.prompts}: --model {a.model} edits a source image, and {missing} of "
+         'its prompts have none: give it a .jsonl whose every line has "image": "path.png" (relative to the file)')
+    need(edits or missing == len(prompts.train + prompts.eval), f"--prompts {a.prompts}: its prompts carry source "
+         f'images ("image"), which --model {a.model} (text to image) cannot use: choose an edit model '
+         "(tiny-flux-kontext, flux.1-kontext-dev) or prompts without images")
+    need(not edits or a.rollout == "local", f"--rollout vllm-omni: --model {a.model} edits a source image, which the "
+         "vLLM-Omni pipeline cannot take yet: use --rollout local")
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
     rollout.check_backend(a.rollout, a.rollout_url)
     if not a.resume:
