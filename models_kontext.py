@@ -30,7 +30,7 @@ class FluxKontext(Flux):
     output to 1024² pixels) for a source of the output's aspect ratio, which prompts.py checks at start-up."""
     pipeline_class = "FluxKontextPipeline"
     default_path = "black-forest-labs/FLUX.1-Kontext-dev"
-    omni_pipeline_class = "none.EditModelsSampleLocally"  # startup refuses --rollout vllm-omni for an edit model
+    omni_pipeline_class = None  # no vLLM-Omni pipeline yet: startup refuses --rollout vllm-omni for an edit model
     build_tiny = staticmethod(build_tiny_kontext_pipeline)
 
     @classmethod
