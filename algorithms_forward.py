@@ -137,10 +137,14 @@ TRAIN_STREAM = -2  # iteration it's update noise: seeds image_seed(seed, TRAIN_S
 # (iteration >= 0) or evaluation (−1) uses: per image, so it does not depend on ranks, micro-batches or a resume
 
 
+def update_generator(a, iteration: int, image: int) -> torch.Generator:
+    """The generator of image `image`'s update draws in iteration `iteration` (−1: no image's, the iteration's own)."""
+    return torch.Generator().manual_seed(rollout.image_seed(a.seed, TRAIN_STREAM - iteration, image))
+
+
 def draws(mb: rollout.Batch, a, schedule: torch.Tensor, timesteps: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """Each image's T timesteps (b, T) σ and noises (b, T, *L), from its own generator: first the steps, then the noise."""
-    gens = [torch.Generator().manual_seed(rollout.image_seed(a.seed, TRAIN_STREAM - mb.iteration, i))
-            for i in mb.ids.tolist()]
+    gens = [update_generator(a, mb.iteration, i) for i in mb.ids.tolist()]
     steps = torch.stack([timesteps(g, a) for g in gens])
     noise = torch.stack([torch.randn((a.train_timesteps, *mb.x0.shape[1:]), generator=g) for g in gens])
     return schedule[steps].to(mb.x0.device), noise.to(mb.x0.device)

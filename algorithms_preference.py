@@ -70,11 +70,10 @@ def group_draws(mb: rollout.Batch, a, schedule: torch.Tensor, timesteps) -> tupl
     """DGPO's draws: T distinct steps shared by every image of the iteration (its shared_sampled_timesteps, one
     generator per iteration) and one noise per group and timestep (its use_shared_noise, the generator of the group's
     first image). Returns σ (b, T) and noises (b, T, *L), as algorithms_forward.draws."""
-    def generator(i: int) -> torch.Generator:  # image i's update generator (algorithms_forward.draws); −1 is no image
-        return torch.Generator().manual_seed(rollout.image_seed(a.seed, fwd.TRAIN_STREAM - mb.iteration, i))
-    steps = timesteps(generator(-1), a)  # (T,)
+    steps = timesteps(fwd.update_generator(a, mb.iteration, -1), a)  # (T,)
     first = (mb.ids // a.group_size * a.group_size).tolist()  # each image's group's first image
-    shared = {i: torch.randn((a.train_timesteps, *mb.x0.shape[1:]), generator=generator(i)) for i in set(first)}
+    shared = {i: torch.randn((a.train_timesteps, *mb.x0.shape[1:]), generator=fwd.update_generator(a, mb.iteration, i))
+              for i in set(first)}
     noise = torch.stack([shared[i] for i in first])
     return schedule[steps].expand(len(first), -1).to(mb.x0.device), noise.to(mb.x0.device)
 
@@ -153,7 +152,7 @@ def dpo_draws(mb: rollout.Batch, a, schedule: torch.Tensor, timesteps) -> tuple[
     first = (mb.ids // a.group_size * a.group_size).tolist()  # each image's group's first image
     drawn = {}
     for i in set(first):
-        g = torch.Generator().manual_seed(rollout.image_seed(a.seed, fwd.TRAIN_STREAM - mb.iteration, i))
+        g = fwd.update_generator(a, mb.iteration, i)
         index = (timesteps(g, a) * len(schedule)).long()
         drawn[i] = schedule[index], torch.randn((a.train_timesteps, *mb.x0.shape[1:]), generator=g)
     sigmas, noise = (torch.stack([drawn[i][k] for i in first]).to(mb.x0.device) for k in (0, 1))
