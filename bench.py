@@ -79,10 +79,14 @@ def diffusers_call(model, a, cfg, prompts):
     return model.pipe(**model.pipeline_kwargs(c, cfg), num_inference_steps=a.num_steps, height=a.height, width=a.width,
                       output_type="pt", generator=rollout.image_generators(a.seed, 0, range(len(prompts)))).images
 
+ARITHMETIC = {}  # flowgrpo.batch_arithmetic per Args: the loop computes it once a run (its memory check reads /proc)
+
 def train(model, engine, batch, a):  # one update as the loop takes it (every micro-batch × trained step), a.algorithm's
     a = dataclasses.replace(a, optimizer_steps=1, prompts_per_iteration=1, group_size=len(batch.prompts))
+    if (key := repr(a)) not in ARITHMETIC:
+        ARITHMETIC[key] = flowgrpo.batch_arithmetic(a, 1)
     model.transformer.train()
-    algorithms.ALGORITHMS[a.algorithm].update(model, engine, batch, a, flowgrpo.batch_arithmetic(a, 1), False)
+    algorithms.ALGORITHMS[a.algorithm].update(model, engine, batch, a, ARITHMETIC[key], False)
 
 def bare_fwd_bwd(model, engine, batch, a):
     """`train`'s floor: the adapter's velocity alone (its transformer calls and the pipeline's own CFG arithmetic)
@@ -129,9 +133,10 @@ def plain_update(model, opt, params, batch, a):
     opt.step()
     opt.zero_grad(set_to_none=False)
 
-def plain_rows(t: list, o, a: flowgrpo.Args, name: str, batch, label: str):
+def plain_rows(t: list, o, a: flowgrpo.Args, name: str, batch, label: str, window_b=None):
     """The loop's update ÷ the plain one on the same batch, each on a fresh copy of the model; first, one update of
-    each from the same initial weights must land on the same LoRA (the plain loop computes the same update)."""
+    each from the same initial weights must land on the same LoRA (the plain loop computes the same update). With
+    `window_b`, also the plain update's window ÷ full: the fixed cost per update that no framework adds."""
     model = models.load_model(name, None, o.device, seed=a.seed)
     engine, (pm, opt, params) = make_engine(a, model), plain_setup(a, name, o.device)
     start = [p.detach().clone() for p in params]
@@ -142,11 +147,17 @@ def plain_rows(t: list, o, a: flowgrpo.Args, name: str, batch, label: str):
     moved = max((x - y).abs().max().item() for x, y in zip(ours, start))
     assert len(ours) == len(params) and worst <= 1e-3 * moved, \
         f"{name}: the plain update lands {worst:.3g} from the loop's (the update moved the LoRA by {moved:.3g})"
+    windowed = {"plain window": lambda: plain_update(pm, opt, params, window_b, a)} if window_b is not None else {}
     r = measure({"train": lambda: train(model, engine, batch, a),
-                 "plain": lambda: plain_update(pm, opt, params, batch, a)}, o.repeats)
+                 "plain": lambda: plain_update(pm, opt, params, batch, a), **windowed}, o.repeats)
     row(t, f"{label}training ÷ plain PyTorch update", np.divide(r["train"], r["plain"]), "×", "≤ 1.02",
         f"full mode, W = {len(batch.sigmas) - 1}, {len(batch.prompts)} images, each on a model of its own; one update "
         f"of each lands on the same LoRA (max |Δ| {worst:.2g}); train {ms(r['train'])}, plain {ms(r['plain'])}")
+    if windowed:
+        W = len(window_b.sigmas) - 1
+        row(t, f"{label}window ÷ full, plain PyTorch update", np.divide(r["plain window"], r["plain"]), "×",
+            f"W/(N−1) = {W / (len(batch.sigmas) - 1):.3f} + its fixed cost", f"W = {W}: the same ratio in the plainest "
+            f"PyTorch (clip, AdamW, zeroing once per update); window {ms(r['plain window'])}")
 
 def model_rows(t: list, o, a: flowgrpo.Args):
     model = models.load_model(a.model, None, o.device, seed=a.seed)
@@ -167,7 +178,7 @@ def model_rows(t: list, o, a: flowgrpo.Args):
         f"{len(full_b.prompts)} images; train {ms(r['train'])}, bare {ms(r['bare'])}")
     row(t, "window ÷ full training", np.divide(r["window"], r["train"]), "×", f"W/(N−1) = {a.window / len(full):.3f}"
         f" ± 10%", f"W = {a.window} of N = {a.num_steps} steps; window {ms(r['window'])}")
-    plain_rows(t, o, a, a.model, full_b, "")
+    plain_rows(t, o, a, a.model, full_b, "", window_b)
     r = measure({g: lambda ag=dataclasses.replace(a, group_size=g): train(model, engine, sample(model, ag, window), ag)
                  for g in o.groups}, o.repeats)
     cost = {g: np.divide(r[g], a.prompts_per_iteration * g) for g in o.groups}  # seconds per image
@@ -314,8 +325,7 @@ def torchrun(n: int, o):  # flowgrpo.py on n gloo ranks -> (wall s per iteration
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{open(log.name).read()[-3000:]}")
         rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
-        wall = [k for k in rows[0] if k.startswith("perf/") and k.endswith("_s") and k != "perf/cpu_s"]  # not counts
-        return [sum(r[k] for k in wall) for r in rows[1:] or rows], peak
+        return [r["perf/iteration_s"] for r in rows[1:] or rows], peak  # the whole iteration, logging included
 
 def rank_rows(t: list, o):  # 1-rank and 2-rank launches alternate, as the load drifts between launches
     runs = [(torchrun(1, o), torchrun(2, o)) for _ in range(o.rank_pairs)]

@@ -331,6 +331,7 @@ def main(a: Args) -> list[dict]:
 
     bar = tqdm(range(start, a.iterations), desc="iterations", disable=not engine.is_main, initial=start,
                total=a.iterations)
+    previous = time.perf_counter()  # when the last iteration's row was made: perf/iteration_s counts from there
     try:
         for it in bar:
             # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks ---------
@@ -382,7 +383,8 @@ def main(a: Args) -> list[dict]:
                    "reward/zero_std_ratio": zero_std, **comps, **stats,
                    "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait,
                    "perf/rollout_passes": rollout_passes, "perf/train_passes": model.passes - passes - rollout_passes,
-                   "perf/cpu_s": time.process_time() - cpu0}
+                   "perf/cpu_s": time.process_time() - cpu0, "perf/iteration_s": time.perf_counter() - previous}
+            previous = time.perf_counter()
             row |= {"train/window_start": steps[0]} if steps else {}  # an ODE-only rollout has no window
 
             # --- 7. eval every K iterations and at the end ------------------------------------------

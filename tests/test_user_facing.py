@@ -86,6 +86,28 @@ def test_a_run_ends_by_telling_its_judge_and_draws_it(tmp_path, capsys):
     assert two_panels[0] > 1.5 * two_panels[1], two_panels
 
 
+def test_the_reward_curve_is_redrawn_only_while_drawing_is_cheap_and_always_at_the_end(tmp_path, monkeypatch):
+    """reward_curve.png is redrawn after a row only while drawing has taken at most 2% of the run's time (a redraw
+    costs ~0.1 s; a tiny run's iterations take ~1 s), and once more at close. Here each draw "takes" 1 s of a run that
+    is 10 s old at the first row and 12 s old at the last: the first row draws, the next two do not (1 s > 2% of 11 s),
+    close draws with every row. Before: every row drew (4 draws, the last from 3 rows, none at close)."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(runlog.time, "time", lambda: clock["now"])
+    drawn = []
+
+    def plot(path, rows, judges):
+        drawn.append(len(rows))
+        clock["now"] += 1.0
+    monkeypatch.setattr(runlog, "plot_curve", plot)
+    claim = runlog.Claim(str(tmp_path), "id", None, {"group_size": 8, "reward": "digit"})
+    log = runlog.RunLog(claim, enabled=True, use_wandb=False, weights={"digit": 1.0})
+    for it in range(3):
+        clock["now"] = 1010.0 + it
+        log.log({"iteration": it, "reward/mean": 0.5, "reward/std": 0.1, "reward/zero_std_ratio": 0.0})
+    log.close()
+    assert drawn == [1, 3], drawn
+
+
 def test_a_sample_grid_of_many_images_stays_readable():
     """200 eval images of 10 prompts (the nano recipe's): one row per prompt, 8 images each. Before: a 768 × 11,800
     pixel column. 200 different prompts: the first 32, four a row."""
