@@ -20,6 +20,7 @@ import psutil
 import torch
 
 import algorithms
+import bench_plain
 import engine as eng
 import flowgrpo
 import models
@@ -99,57 +100,23 @@ def bare_fwd_bwd(model, engine, batch, a):
             v.float().square().mean().backward()
     engine.optimizer.zero_grad(set_to_none=False)
 
-def plain_setup(a: flowgrpo.Args, name: str, device) -> tuple:
-    """The same model as a plain module: peft's LoRA added as the engine adds it (same seed, so the same initial
-    weights), no engine, no FSDP; AdamW with the engine's hyper-parameters (foreach, as the engine's)."""
-    model = models.load_model(name, None, device, seed=a.seed)
-    from peft import LoraConfig  # as engine.py: peft loads diffusers and transformers, here the model already has
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(a.seed)
-        model.transformer.add_adapter(LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha,
-                                                 target_modules=list(a.lora_targets)))
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
-    return model, torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, foreach=True), params
-
-def plain_update(model, opt, params, batch, a):
-    """`train`'s update in the plainest PyTorch: every micro-batch × trained step, Flow-GRPO's SDE step, log-prob and
-    PPO-clip loss written out here, then clip_grad_norm_ and AdamW: what the loop's update costs without the loop."""
-    model.transformer.train()
-    chunks, W = range(0, len(batch.prompts), a.micro_batch), len(batch.sigmas) - 1
-    for m in chunks:
-        mb = batch.chunk(m, m + a.micro_batch)
-        for j in range(W):
-            x, x_next, s, s_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
-            v = model.velocity(x, s.expand(len(x)), mb.cond, a.cfg_scale, a.height, a.width).float()
-            dt, s_t = s_next - s, a.noise_level * torch.sqrt(s / (1 - torch.where(s == 1, mb.sigma_max, s)))
-            mean = x * (1 + s_t**2 * dt / (2 * s)) + v * (1 + s_t**2 * (1 - s) / (2 * s)) * dt
-            std = s_t * torch.sqrt(-dt)
-            logp = (-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * np.log(2 * np.pi)).mean(
-                dim=tuple(range(1, x.dim())))
-            ratio, adv = torch.exp(logp - mb.log_probs[:, j]), mb.advantages
-            loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - a.clip_range, 1 + a.clip_range)).mean()
-            (loss / (len(chunks) * W)).backward()
-    torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-
 def plain_rows(t: list, o, a: flowgrpo.Args, name: str, batch, label: str, window_b=None):
     """The loop's update ÷ the plain one on the same batch, each on a fresh copy of the model; first, one update of
     each from the same initial weights must land on the same LoRA (the plain loop computes the same update). With
     `window_b`, also the plain update's window ÷ full: the fixed cost per update that no framework adds."""
     model = models.load_model(name, None, o.device, seed=a.seed)
-    engine, (pm, opt, params) = make_engine(a, model), plain_setup(a, name, o.device)
+    engine, (pm, opt, params) = make_engine(a, model), bench_plain.setup(a, name, o.device)
     start = [p.detach().clone() for p in params]
     train(model, engine, batch, a)
-    plain_update(pm, opt, params, batch, a)
+    bench_plain.update(pm, opt, params, batch, a)
     ours = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in engine.params]
     worst = max((x - y.detach()).abs().max().item() for x, y in zip(ours, params))
     moved = max((x - y).abs().max().item() for x, y in zip(ours, start))
     assert len(ours) == len(params) and worst <= 1e-3 * moved, \
         f"{name}: the plain update lands {worst:.3g} from the loop's (the update moved the LoRA by {moved:.3g})"
-    windowed = {"plain window": lambda: plain_update(pm, opt, params, window_b, a)} if window_b is not None else {}
+    windowed = {} if window_b is None else {"plain window": lambda: bench_plain.update(pm, opt, params, window_b, a)}
     r = measure({"train": lambda: train(model, engine, batch, a),
-                 "plain": lambda: plain_update(pm, opt, params, batch, a), **windowed}, o.repeats)
+                 "plain": lambda: bench_plain.update(pm, opt, params, batch, a), **windowed}, o.repeats)
     row(t, f"{label}training ÷ plain PyTorch update", np.divide(r["train"], r["plain"]), "×", "≤ 1.02",
         f"full mode, W = {len(batch.sigmas) - 1}, {len(batch.prompts)} images, each on a model of its own; one update "
         f"of each lands on the same LoRA (max |Δ| {worst:.2g}); train {ms(r['train'])}, plain {ms(r['plain'])}")

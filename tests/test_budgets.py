@@ -43,6 +43,7 @@ BUDGETS = {
     "nano_compose.py": 630,
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
+    "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
     "bench_gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows
     "bench_soak.py": 400,  # the reward server under load and attack
 }
