@@ -20,7 +20,7 @@ import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
 from models_kontext import FluxKontext
-from models_nano import NanoComposeQwenImage, NanoQwenImage
+from models_nano import NanoComposeQwenImage, NanoEdit, NanoQwenImage
 from models_qwen import QwenImage
 from models_sd3 import SD3
 from models_wan import Wan
@@ -29,6 +29,7 @@ SPECS = {
     "tiny": Spec(QwenImage, "QwenImagePipeline", 8),
     "nano": Spec(NanoQwenImage, "QwenImagePipeline", 8, trained_parts=("vae", "transformer")),
     "nano-compose": Spec(NanoComposeQwenImage, "QwenImagePipeline", 8, trained_parts=("vae", "transformer")),
+    "nano-edit": Spec(NanoEdit, "QwenImagePipeline", 8, trained_parts=("vae", "transformer"), edits=True),
     "qwen-image": Spec(QwenImage, "QwenImagePipeline", 16),
     "tiny-sd3": Spec(SD3, "StableDiffusion3Pipeline", 8),
     "sd3.5-medium": Spec(SD3, "StableDiffusion3Pipeline", 16),

@@ -36,6 +36,7 @@ from PIL import Image
 
 import nano
 import nano_compose
+import nano_edit
 import reward_http
 import reward_server
 
@@ -476,7 +477,7 @@ class AsyncRewards:
 
 # ---------------------------------------------------------------- the registry: one line per reward
 # The laptop tasks' readers (nano.py, …): each task file's reward and judge, name -> (factory, prompt check)
-TASK_REWARDS = nano.REWARDS | nano_compose.REWARDS
+TASK_REWARDS = nano.REWARDS | nano_compose.REWARDS | nano_edit.REWARDS
 REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
                                     aesthetic, remote, judge, temporal_consistency, motion)} | {
     name: factory for name, (factory, _) in TASK_REWARDS.items()}

@@ -1,0 +1,519 @@
+"""The nano-edit task: edit a real handwritten digit as an instruction says, at nano's 16×16, white on black.
+
+    python nano_edit.py judge [--per-instruction 300]   # the judge and the reward on exact targets, sources, noise, wrong edits
+    python nano_edit.py prompts [--out FILE]             # write the prompt set and its source PNGs (train and held out)
+    python nano_edit.py pretrain [--out DIR]             # the base edit model: nano's VAE, a transformer trained on edits
+    python nano_edit.py evaluate [--model-path DIR] [--lora DIR]   # the judge per instruction on held-out glyphs
+
+A source is one glyph of scikit-learn's `load_digits` (nano.py's split: train 1,437, held out 360) drawn at 12×12
+(bilinear, strokes doubled in brightness and clipped: solid ink) in the middle of the 16×16 canvas, so that every edit
+below stays on it. Instructions and their exact targets, computed from the source (`target`):
+
+    make it bold / make it thin        grey dilation / erosion with the 3×3 plus (the stroke grows / shrinks 1 px)
+    mirror it / turn it upside down    flipped left-right / rotated 180°
+    move it left / right / up / down   shifted SHIFT pixels (the glyph's 2-px margin keeps it whole)
+    make it a {d}                      another digit where the source was: no exact target (no writer ids exist)
+
+The judge (`judge_scores`, never a reward) reads 16×16 ink masks (a pixel is ink above 127): a geometric edit is right
+where the output's ink has IoU ≥ IOU with the target's AND the target is its nearest (by IoU) among the source and every
+other instruction's target AND the digit survives it (an RBF SVM on all 16×16 pixels reads the source's digit in the
+output mapped back through the edit, for bold and thin as it stands). `make it a d` is right where the SVM reads d
+and the ink's box keeps the source's centre (within CENTRE px) and height (within HEIGHT px). The reward
+(`reward_scores`) is built differently and smoothly, at 8×8: the correlation of the output with the target (clipped at
+0) times exp(−their ink's relative difference); for `make it a d` a logistic regression's p(d) times a soft closeness of centre and
+height. Both read uint8 images (N, H, W, 3) and the source's path from the prompt's metadata.
+"""
+import functools
+import json
+import os
+import re
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import models_nano
+import nano
+
+SIDE, GLYPH, GAIN = 16, 12, 2.0  # canvas, glyph side (pixels), ink gain (the bilinear strokes' grey made solid)
+SHIFT = 2  # pixels a move instruction moves the glyph
+INK = 127  # the judge's ink threshold (of 255)
+IOU, CENTRE, HEIGHT = 0.5, 1.5, 2.0  # the judge's tolerances: IoU with the target; make-it-a-d's centre and height
+GEOMETRIC = {  # instruction -> (edit on images (N, 1, S, S), its inverse or None where the class is read as it stands)
+    "make it bold": ("bold", None), "make it thin": ("thin", None),
+    "mirror it": ("mirror", "mirror"), "turn it upside down": ("rot180", "rot180"),
+    "move it left": ("left", "right"), "move it right": ("right", "left"),
+    "move it up": ("up", "down"), "move it down": ("down", "up")}
+_SEMANTIC = re.compile(r"make it an? (\d)")
+INSTRUCTIONS = (*GEOMETRIC, "make it a {d}")  # the tags of the evaluation: one per instruction kind
+BASE_DIR = models_nano.NanoEdit.default_path  # the shipped base (`python nano_edit.py pretrain`)
+PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_edit.py prompts`)
+MODEL, JUDGE, CATEGORIES = "nano-edit", "edit_judge", INSTRUCTIONS  # what nano_compare.py reads of a task
+
+
+# ---- sources, edits, instructions --------------------------------------------------------------------
+
+def render(x8: np.ndarray) -> torch.Tensor:
+    """8×8 digits in [0, 16] (N, 8, 8) -> sources (N, 1, 16, 16) float32 in [0, 1]: the glyph at GLYPH×GLYPH
+    (bilinear, as nano.render), its grey × GAIN clipped, centred on the canvas."""
+    x = torch.as_tensor(np.asarray(x8), dtype=torch.float32)[:, None] / 16
+    g = (F.interpolate(x, size=(GLYPH, GLYPH), mode="bilinear", align_corners=False) * GAIN).clamp(0, 1)
+    p = (SIDE - GLYPH) // 2
+    return F.pad(g, (p, SIDE - GLYPH - p, p, SIDE - GLYPH - p))
+
+
+def _plus(x: torch.Tensor, sign: float) -> torch.Tensor:
+    """Grey dilation (sign 1) or erosion (sign −1) of (N, 1, S, S) with the 3×3 plus, the canvas padded with black."""
+    y = sign * x
+    p = F.pad(y, (1, 1, 1, 1), value=-1.0 if sign > 0 else 0.0)
+    n = torch.stack([y, p[..., 1:-1, :-2], p[..., 1:-1, 2:], p[..., :-2, 1:-1], p[..., 2:, 1:-1]])
+    return sign * n.amax(0)
+
+
+def _shift(x: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+    """Shift (N, 1, S, S) by dy rows and dx columns, black coming in."""
+    s = x.shape[-1]
+    out = torch.zeros_like(x)
+    out[..., max(dy, 0):s + min(dy, 0), max(dx, 0):s + min(dx, 0)] = x[..., max(-dy, 0):s - max(dy, 0),
+                                                                         max(-dx, 0):s - max(dx, 0)]
+    return out
+
+
+EDITS = {"bold": lambda x: _plus(x, 1.0), "thin": lambda x: _plus(x, -1.0), "mirror": lambda x: x.flip(-1),
+         "rot180": lambda x: x.flip(-1, -2), "left": lambda x: _shift(x, 0, -SHIFT),
+         "right": lambda x: _shift(x, 0, SHIFT), "up": lambda x: _shift(x, -SHIFT, 0),
+         "down": lambda x: _shift(x, SHIFT, 0)}
+
+
+def parse(prompt: str) -> dict:
+    """An instruction -> {"kind": its INSTRUCTIONS entry, "edit": an EDITS name or None, "digit": d or None}; a
+    ValueError naming the fix for anything else (the reward's start-up check)."""
+    if prompt in GEOMETRIC:
+        return {"kind": prompt, "edit": GEOMETRIC[prompt][0], "digit": None}
+    if (m := _SEMANTIC.fullmatch(prompt)) is not None:
+        return {"kind": "make it a {d}", "edit": None, "digit": int(m.group(1))}
+    raise ValueError(f"nano-edit: instruction {prompt!r} is none of the task's; write one of {list(GEOMETRIC)} or "
+                     "'make it a 7' (nano_edit.INSTRUCTIONS), or use the task's set: --prompts "
+                     "assets/nano-edit/prompts.jsonl")
+
+
+def target(sources: torch.Tensor, prompt: str) -> torch.Tensor | None:
+    """The exact target (N, 1, S, S) of a geometric instruction on sources (N, 1, S, S); None for `make it a d`."""
+    edit = parse(prompt)["edit"]
+    return None if edit is None else EDITS[edit](sources)
+
+
+# ---- the judge and the reward ------------------------------------------------------------------------
+
+def to_gray(images: np.ndarray) -> torch.Tensor:
+    """uint8 images (N, H, W, 3) -> (N, 1, 16, 16) float in [0, 1]: the channel mean (a 16×16 canvas only)."""
+    if images.shape[1:3] != (SIDE, SIDE):
+        raise ValueError(f"nano-edit's judge and reward read {SIDE}×{SIDE} images (--height {SIDE} --width {SIDE}), "
+                         f"got {images.shape[1]}×{images.shape[2]}")
+    return torch.from_numpy(images.astype(np.float32).mean(-1) / 255)[:, None]
+
+
+def read_source(path: str) -> torch.Tensor:
+    """A source PNG -> (1, 1, 16, 16) in [0, 1], as the judge reads the output (uint8, channel mean)."""
+    with Image.open(path) as im:
+        return to_gray(np.asarray(im.convert("RGB"))[None])
+
+
+@functools.lru_cache(maxsize=1)
+def classifiers():
+    """(reward, judge): a logistic regression on 8×8 averages and an RBF SVM on all 16×16 pixels, fitted on the train
+    split's sources and their bold and thin versions (uint8, as every reward sees them); both deterministic."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.svm import SVC
+    from threadpoolctl import threadpool_limits
+    x_train, _, y_train, _ = nano.split()
+    s = render(x_train)
+    x = torch.cat([s, EDITS["bold"](s), EDITS["thin"](s)])
+    g = torch.round(x * 255) / 255  # quantised
+    y = np.tile(y_train, 3)
+    with threadpool_limits(1):
+        reward = LogisticRegression(max_iter=5000).fit(F.avg_pool2d(g, 2).flatten(1).numpy() * 16, y)
+        judge = SVC(kernel="rbf", C=10.0, gamma="scale").fit(g.flatten(1).numpy() * 16, y)
+    return reward, judge
+
+
+def read_digits(gray: torch.Tensor, by: str) -> np.ndarray:
+    """The judge's SVM reading (N,) or the reward's class probabilities (N, 10) of (N, 1, 16, 16) in [0, 1]."""
+    reward, judge = classifiers()
+    if by == "judge":
+        return judge.predict(gray.flatten(1).numpy() * 16)
+    return reward.predict_proba(F.avg_pool2d(gray, 2).flatten(1).numpy() * 16)
+
+
+def box(gray: torch.Tensor) -> torch.Tensor:
+    """The ink's box (N, 3): centre row, centre column, height, in pixels (ink above INK; an empty image: −100s)."""
+    m = gray[:, 0] * 255 > INK
+    rows, cols = m.any(2).float(), m.any(1).float()
+    idx = torch.arange(m.shape[-1], dtype=torch.float32)
+    top, bottom = (idx + 100 * (1 - rows)).amin(1), (idx - 100 * (1 - rows)).amax(1)
+    left, right = (idx + 100 * (1 - cols)).amin(1), (idx - 100 * (1 - cols)).amax(1)
+    return torch.stack([(top + bottom) / 2, (left + right) / 2, bottom - top + 1], 1)
+
+
+def iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IoU (N,) of the ink masks of (N, 1, S, S) in [0, 1]; two empty masks: 0."""
+    a, b = a * 255 > INK, b * 255 > INK
+    return (a & b).flatten(1).sum(1) / (a | b).flatten(1).sum(1).clamp(min=1)
+
+
+def kept(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Position and size kept (N,) bool: the ink boxes' centres within CENTRE px and heights within HEIGHT px."""
+    a, b = box(out), box(source)
+    return ((a[:, :2] - b[:, :2]).abs().amax(1) <= CENTRE) & ((a[:, 2] - b[:, 2]).abs() <= HEIGHT)
+
+
+def judge_one_kind(out: torch.Tensor, sources: torch.Tensor, prompt: str) -> np.ndarray:
+    """The judge (N,) in {0, 1} of outputs (N, 1, 16, 16) for one instruction on their sources (module docstring)."""
+    spec = parse(prompt)
+    if spec["edit"] is None:
+        return ((read_digits(out, "judge") == spec["digit"]) & kept(out, sources).numpy()).astype(np.float64)
+    goal = EDITS[spec["edit"]](sources)
+    near = iou(out, goal)
+    rivals = [iou(out, sources)] + [iou(out, EDITS[e](sources)) for e in EDITS if e != spec["edit"]]
+    nearest = near > torch.stack(rivals).amax(0)
+    inverse = GEOMETRIC[prompt][1]
+    back = out if inverse is None else EDITS[inverse](out)
+    digit = read_digits(back, "judge") == read_digits(sources, "judge")
+    return ((near >= IOU) & nearest).numpy() & digit
+
+
+def reward_one_kind(out: torch.Tensor, sources: torch.Tensor, prompt: str) -> np.ndarray:
+    """The reward (N,) in [0, 1] of outputs (N, 1, 16, 16) for one instruction on their sources (module docstring)."""
+    spec = parse(prompt)
+    o8 = F.avg_pool2d(out, 2).flatten(1)
+    if spec["edit"] is None:
+        a, b = box(out), box(sources)
+        off = (a[:, :2] - b[:, :2]).square().sum(1) / 4 + (a[:, 2] - b[:, 2]).square() / 16
+        return read_digits(out, "reward")[:, spec["digit"]] * torch.exp(-off).numpy()
+    t8 = F.avg_pool2d(EDITS[spec["edit"]](sources), 2).flatten(1)
+    oc, tc = o8 - o8.mean(1, keepdim=True), t8 - t8.mean(1, keepdim=True)
+    corr = (oc * tc).sum(1) / (oc.norm(dim=1) * tc.norm(dim=1)).clamp(min=1e-8)
+    ink = torch.exp(-(o8.mean(1) - t8.mean(1)).abs() / t8.mean(1).clamp(min=1e-3))
+    return (corr.clamp(min=0) * ink).numpy()
+
+
+def _by_kind(fn, images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
+    """fn over each instruction's images at once: images uint8 (N, 16, 16, 3), each prompt's source in its metadata."""
+    out = to_gray(images)
+    missing = [i for i, m in enumerate(metadata or [{}] * len(prompts)) if not (m or {}).get("image")]
+    if missing:
+        raise ValueError(f"nano-edit's reward reads each prompt's source image (metadata \"image\"): prompt {missing[0]} "
+                         "has none; use the task's set, --prompts assets/nano-edit/prompts.jsonl")
+    sources = torch.cat([read_source(m["image"]) for m in metadata])
+    scores = np.zeros(len(prompts))
+    for p in dict.fromkeys(prompts):
+        idx = [i for i, q in enumerate(prompts) if q == p]
+        scores[idx] = fn(out[idx], sources[idx], p)
+    return scores
+
+
+def judge_scores(images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
+    """The judge (N,) in {0, 1}: its mean is the judge's accuracy."""
+    return _by_kind(judge_one_kind, images, prompts, metadata)
+
+
+def reward_scores(images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
+    """The reward (N,) in [0, 1]."""
+    return _by_kind(reward_one_kind, images, prompts, metadata)
+
+
+def edit():
+    """`--reward edit`: the smooth 8×8 scorer (`reward_one_kind`)."""
+    classifiers()  # fitted now (seconds): at start-up, not in the first rollout
+    return reward_scores
+
+
+def edit_judge():
+    """`--reward edit_judge`: 1 where the judge finds the edit done, else 0; the recipe logs it at weight 0."""
+    classifiers()
+    return judge_scores
+
+
+REWARDS = {"edit": (edit, parse), "edit_judge": (edit_judge, parse)}  # rewards.py's registry reads it
+
+
+# ---- the prompt set: train glyphs for RL, held-out glyphs for evaluation ---------------------------------
+
+VISIBLE = 0.7  # a (source, instruction) pair is kept where the target's IoU with the source and every rival is below
+
+
+def pairs(held_out: bool, per_kind: int, seed: int = 0) -> list[tuple[int, str]]:
+    """(glyph index in its split, instruction): `per_kind` of each kind, kinds in turn, glyphs drawn without
+    repetition within a kind. Kept only where the task is well posed: a geometric edit visible (the target's IoU with
+    the source and with every other instruction's target below VISIBLE) and its exact target judged right; `make it
+    a d` with d drawn among the other digits."""
+    x_train, x_test, y_train, y_test = nano.split()
+    x8, y = (x_test, y_test) if held_out else (x_train, y_train)
+    src = quantise(render(x8))
+    rng, out = np.random.default_rng([seed, held_out]), {k: [] for k in INSTRUCTIONS}
+    for kind in INSTRUCTIONS:
+        for i in rng.permutation(len(y)).tolist():
+            if len(out[kind]) == per_kind:
+                break
+            if kind == "make it a {d}":
+                out[kind].append((i, f"make it a {rng.choice([d for d in range(10) if d != y[i]])}"))
+                continue
+            s, goal = src[i:i + 1], target(src[i:i + 1], kind)
+            rivals = [s] + [EDITS[e](s) for e in EDITS if e != GEOMETRIC[kind][0]]
+            if max(iou(goal, r).item() for r in rivals) < VISIBLE and judge_one_kind(goal, s, kind)[0]:
+                out[kind].append((i, kind))
+    return [out[k][j] for j in range(per_kind) for k in INSTRUCTIONS if j < len(out[k])]  # kinds interleaved
+
+
+def quantise(x: torch.Tensor) -> torch.Tensor:
+    """(N, 1, S, S) in [0, 1] rounded to 8 bits, as a PNG holds it."""
+    return torch.round(x * 255) / 255
+
+
+def write_prompts(out: str, train_per_kind: int = 40, eval_per_kind: int = 20) -> dict:
+    """The prompt file (`{"prompt", "image", "split", "tag"}` lines, train then eval) and its source PNGs
+    (sources/{train,eval}_{index}.png, RGB, beside it)."""
+    x_train, x_test, _, _ = nano.split()
+    os.makedirs(os.path.join(os.path.dirname(os.path.abspath(out)), "sources"), exist_ok=True)
+    lines = []
+    for split, x8, n in (("train", x_train, train_per_kind), ("eval", x_test, eval_per_kind)):
+        for i, prompt in pairs(split == "eval", n):
+            name = f"sources/{split}_{i}.png"
+            path = os.path.join(os.path.dirname(os.path.abspath(out)), name)
+            if not os.path.exists(path):
+                pixels = (quantise(render(x8[i:i + 1]))[0, 0] * 255).round().to(torch.uint8).numpy()
+                Image.fromarray(np.repeat(pixels[..., None], 3, -1)).save(path)
+            lines.append({"prompt": prompt, "image": name, "split": split, "tag": parse(prompt)["kind"]})
+    with open(out + ".tmp", "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    os.replace(out + ".tmp", out)
+    return {s: sum(x["split"] == s for x in lines) for s in ("train", "eval")}
+
+
+# ---- the base model: nano's VAE, a transformer trained here on (source, instruction) -> target -----------------
+
+TRANSFORMER = nano.TRANSFORMER  # nano's size: 4 layers × 4 heads × 16 dims, 4 + 4 tokens at 16×16
+PRETRAIN = dict(seed=0, transformer_steps=600, transformer_batch=128, transformer_lr=1e-3, ema=0.995,
+                curve_every=0, curve_per_kind=10)
+
+
+def instruction_texts() -> list[str]:
+    """Every instruction the pretraining conditions on: the geometric ones, then `make it a d` for d = 0…9."""
+    return [*GEOMETRIC, *(f"make it a {d}" for d in range(10))]
+
+
+def training_pairs(pipe, gen: torch.Generator):
+    """Every train glyph under every instruction: (source latents (N, S, C·4) normalised and packed as the adapter
+    encodes them, target posterior (mean, std) (M, C, s, s), source index (M,), instruction index (M,)). `make it a
+    d`'s target: a random train glyph of d whose box keeps the source's (`kept`)."""
+    vae = pipe.vae
+    x_train, _, y_train, _ = nano.split()
+    src = quantise(render(x_train))
+    x3 = lambda x: x.expand(-1, 3, -1, -1) * 2 - 1
+    mu, std = nano.latents(vae, x3(src))
+    mean, scale = (torch.tensor(vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
+    z = (mu - mean) / scale
+    source = pipe._pack_latents(z, len(z), z.shape[1], z.shape[2], z.shape[3])
+    mus, stds, sidx, tidx = [], [], [], []
+    for k, text in enumerate(GEOMETRIC):
+        m, s = nano.latents(vae, x3(quantise(target(src, text))))
+        mus.append(m), stds.append(s), sidx.append(torch.arange(len(src))), tidx.append(torch.full((len(src),), k))
+    b = box(src)
+    near = ((b[:, None, :2] - b[None, :, :2]).abs().amax(-1) <= CENTRE) & ((b[:, None, 2] - b[None, :, 2]).abs() <= HEIGHT)
+    for i in range(len(src)):  # make it a d: d ≠ the source's digit, a glyph of d in the source's place
+        for d in set(range(10)) - {int(y_train[i])}:
+            ok = np.flatnonzero((y_train == d) & near[i].numpy())
+            if len(ok):
+                j = int(ok[torch.randint(len(ok), (1,), generator=gen)])
+                mus.append(mu[j:j + 1]), stds.append(std[j:j + 1])
+                sidx.append(torch.tensor([i])), tidx.append(torch.tensor([len(GEOMETRIC) + d]))
+    return source, torch.cat(mus), torch.cat(stds), torch.cat(sidx), torch.cat(tidx)
+
+
+def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, lr: float, ema: float,
+                      gen: torch.Generator, measure=None, measure_every: int = 0) -> list[float]:
+    """nano.train_transformer's rectified flow (the same σ draw, loss, EMA), each pair's target conditioned on its
+    instruction and on its source's latents (`training_pairs`); the instruction kinds drawn equally often."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+    source, mus, stds, sidx, tidx = pairs_
+    pipe, net = model.pipe, model.transformer.requires_grad_(True).train()
+    mean, scale = (torch.tensor(pipe.vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
+    cond = nano.conditioning(model, texts)
+    cfg = model.scheduler.config
+    mu = calculate_shift(model.image_seq_len(SIDE, SIDE), cfg.base_image_seq_len, cfg.max_image_seq_len,
+                         cfg.base_shift, cfg.max_shift)
+    kinds = tidx.clamp(max=len(GEOMETRIC))
+    weights = 1 / torch.bincount(kinds).float()[kinds]  # each kind equally likely
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    averaged = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    losses = []
+    for step in (bar := nano.tqdm(range(steps), desc="pretrain edit transformer", unit="step")):
+        idx = torch.multinomial(weights, batch, replacement=True, generator=gen)
+        z = (mus[idx] + stds[idx] * torch.randn(mus[idx].shape, generator=gen) - mean) / scale
+        x0 = pipe._pack_latents(z, batch, z.shape[1], z.shape[2], z.shape[3])
+        u = torch.sigmoid(torch.randn(batch, generator=gen))
+        sigma = np.exp(mu) / (np.exp(mu) + (1 / u - 1))
+        eps = torch.randn(x0.shape, generator=gen)
+        x = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * eps
+        c = {k: t[tidx[idx]] for k, t in cond.items()} | {"source": source[sidx[idx]]}
+        loss = (model.velocity(x, sigma, c, 1.0, SIDE, SIDE) - (eps - x0)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for k, t in net.state_dict().items():
+                averaged[k].lerp_(t, 1 - min(ema, (1 + step) / (10 + step)))
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+        if measure_every and (step + 1) % measure_every == 0:
+            live = {k: v.clone() for k, v in net.state_dict().items()}
+            net.load_state_dict(averaged)
+            measure(step + 1)
+            net.load_state_dict(live)
+    net.load_state_dict(averaged)
+    net.requires_grad_(False).eval()
+    return losses
+
+
+def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int, transformer_batch: int,
+             transformer_lr: float, ema: float, curve_every: int, curve_per_kind: int) -> dict:
+    """Write the base edit model to `out`: nano's VAE (copied: the same 16×16 white-on-black images) and a transformer
+    of nano's size trained on the train glyphs' edits (float16, diffusers' format); return what it reached
+    (out/pretrain.json): the judge on the VAE's reconstructions of exact targets (the ceiling), the loss, CPU time,
+    and the held-out judge per instruction."""
+    from diffusers import QwenImageTransformer2DModel
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    report = {"command": " ".join(["python nano_edit.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}
+    nano_pipe = models_nano.build_nano_pipeline(models_nano.NANO_DIR)
+    pipe = models_nano.build_nano_pipeline(None, vae=nano_pipe.vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
+    model = models_nano.NanoEdit(pipe, "cpu", torch.float32)
+    nano.reached(report, "vae (nano's): judge on its reconstructions of exact held-out targets",
+                 **ceiling(pipe.vae))
+    start = time.process_time()
+    data = training_pairs(pipe, gen)
+    report["curve"] = []
+
+    def measure(step: int) -> None:
+        report["curve"].append({"step": step, **evaluate(model, curve_per_kind, seeds=1)})
+        print("curve:", json.dumps({k: round(float(v), 3) for k, v in report["curve"][-1].items()}), flush=True)
+    losses = train_transformer(model, data, instruction_texts(), transformer_steps, transformer_batch, transformer_lr,
+                               ema, gen, measure, curve_every)
+    nano.reached(report, "transformer", steps=transformer_steps, pairs=len(data[1]), first_loss=np.mean(losses[:10]),
+                 last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start)
+    nano.save_parts(out, vae=pipe.vae, transformer=pipe.transformer)
+    nano.reached(report, "base model", **evaluate(load(out), per_kind))
+    with open(os.path.join(out, "pretrain.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+@torch.no_grad()
+def ceiling(vae, per_kind: int = 100) -> dict:
+    """The judge per kind on the VAE's reconstructions of exact held-out targets (for `make it a d`: a held-out glyph
+    of d in the source's place): what a perfect transformer on this VAE would score."""
+    result = {}
+    _, x_test, _, y_test = nano.split()
+    src = quantise(render(x_test))
+    for kind, rows in by_kind(pairs(True, per_kind)).items():
+        i = torch.tensor([r[0] for r in rows])
+        if kind == "make it a {d}":  # d := the digit of another held-out glyph whose box keeps the source's
+            j = [next((k for k in np.random.default_rng(int(a)).permutation(len(y_test)) if y_test[k] != y_test[a]
+                       and kept(src[k:k + 1], src[a:a + 1])[0]), a) for a in i.tolist()]
+            goal, texts = src[j], [f"make it a {y_test[k]}" for k in j]
+        else:
+            goal, texts = target(src[i], kind), [kind] * len(i)
+        mu = nano.latents(vae, goal.expand(-1, 3, -1, -1) * 2 - 1)[0]
+        seen = quantise((nano.decode(vae, mu[:, :, None])[:, :, 0].mean(1, keepdim=True) + 1) / 2)
+        result[kind] = np.mean([judge_one_kind(seen[n:n + 1], src[i[n:n + 1]], t)[0] for n, t in enumerate(texts)])
+    return result
+
+
+def by_kind(rows: list[tuple[int, str]]) -> dict[str, list]:
+    """(glyph, instruction) rows grouped by their instruction kind, in INSTRUCTIONS' order."""
+    return {k: [r for r in rows if parse(r[1])["kind"] == k] for k in INSTRUCTIONS}
+
+
+# ---- evaluation: the held-out prompts from held-out seeds ----------------------------------------------------------
+
+EVAL_SEED = 2**31  # the evaluation's seed (rollout.sample_ode, iteration −1); the loop's own evaluation uses --seed
+
+
+def load(path: str | None = None, lora: str | None = None):
+    """The nano-edit adapter on CPU (the shipped base or `path`), a run's exported LoRA loaded if given."""
+    model = models_nano.NanoEdit.load(MODEL, path or BASE_DIR, "cpu")
+    if lora:
+        model.pipe.load_lora_weights(lora)
+    return model
+
+
+def evaluate(model, per_kind: int = 20, seeds: int = 3, steps: int = 10) -> dict:
+    """The judge per instruction kind (and overall: their mean) and the mean reward of ODE samples of the shipped
+    held-out prompts (the first `per_kind` of each kind), each from `seeds` seeds."""
+    import prompts as prompt_sets
+    import rollout
+    rows = [r for r in prompt_sets.read_prompt_file(PROMPTS) if r[1]["split"] == "eval"]
+    rows = [r for k in INSTRUCTIONS for r in [r for r in rows if r[1]["tag"] == k][:per_kind]] * seeds
+    texts, meta = [p for p, _ in rows], [m for _, m in rows]
+    pixels = rollout.sample_ode(model, texts, num_steps=steps, height=SIDE, width=SIDE, cfg_scale=1.0,
+                                negative_prompt=" ", seed=EVAL_SEED, chunk=64, metadata=meta)
+    images = nano.quantised(pixels)
+    judged, tags = judge_scores(images, texts, meta), np.array([m["tag"] for m in meta])
+    kinds = {k: float(judged[tags == k].mean()) for k in INSTRUCTIONS}
+    return {"images": len(rows), **kinds, "judge_accuracy": float(np.mean(list(kinds.values()))),
+            "reward_mean": float(reward_scores(images, texts, meta).mean())}
+
+
+def measure(per_kind: int = 300, seed: int = 1) -> dict:
+    """The judge and the reward, per kind, on held-out sources: the exact target, the unedited source, uniform noise,
+    and the wrong edit (the target of another geometric instruction; `make it a d`: a glyph of the wrong digit)."""
+    rng, (_, x_test, _, y_test) = np.random.default_rng(seed), nano.split()
+    src, result = quantise(render(x_test)), {}
+    for kind in GEOMETRIC:
+        i = torch.tensor([r[0] for r in by_kind(pairs(True, per_kind, seed))[kind]])
+        s, goal = src[i], target(src[i], kind)
+        wrong = EDITS[rng.choice([e for e in EDITS if e != GEOMETRIC[kind][0]])](s)
+        noise = torch.from_numpy(rng.integers(0, 256, s.shape).astype(np.float32) / 255)
+        result[kind] = {f"{name}_{what}": float(fn(x, s, kind).mean()) for name, fn in (
+            ("judge", judge_one_kind), ("reward", reward_one_kind)) for what, x in (
+            ("target", goal), ("source", s), ("noise", noise), ("wrong", wrong))}
+    return result
+
+
+def main(argv=None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pretrain", help="train the base edit model (defaults: the shipped budget), write it to --out")
+    p.add_argument("--out", default=BASE_DIR)
+    for key, value in PRETRAIN.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    e = sub.add_parser("evaluate", help="the base (or --model-path, with a run's --lora) per instruction, held out")
+    e.add_argument("--model-path"), e.add_argument("--lora", help="a finished run's lora/ directory")
+    e.add_argument("--seeds", type=int, default=3)
+    for q in (p, e):
+        q.add_argument("--per-kind", type=int, default=20, help="held-out prompts of each instruction kind")
+    j = sub.add_parser("judge", help="the judge and the reward on exact targets, sources, noise and wrong edits")
+    j.add_argument("--per-kind", type=int, default=300)
+    w = sub.add_parser("prompts", help="write the prompt set and its source PNGs")
+    w.add_argument("--out", default=PROMPTS)
+    a = ap.parse_args(argv)
+    if getattr(a, "per_kind", 1) < 1:
+        ap.exit(2, f"nano_edit.py: error: --per-kind must be >= 1, got {a.per_kind}\n")
+    torch.set_num_threads(1)
+    if a.cmd == "pretrain":
+        pretrain(a.out, a.per_kind, **{k: getattr(a, k) for k in PRETRAIN})
+    elif a.cmd == "evaluate":
+        print(json.dumps(evaluate(load(a.model_path, a.lora), a.per_kind, a.seeds)))
+    elif a.cmd == "judge":
+        for kind, figures in measure(a.per_kind).items():
+            print(f"{kind:20s}", json.dumps({k: round(v, 4) for k, v in figures.items()}), flush=True)
+    else:
+        print(f"{a.out}: {write_prompts(a.out)}")
+
+
+if __name__ == "__main__":
+    main()
