@@ -296,7 +296,7 @@ def write_prompts(out: str, train_per_kind: int = 40, eval_per_kind: int = 20) -
 # ---- the base model: nano's VAE, a transformer trained here on (source, instruction) -> target -----------------
 
 TRANSFORMER = nano.TRANSFORMER  # nano's size: 4 layers × 4 heads × 16 dims, 4 + 4 tokens at 16×16
-PRETRAIN = dict(seed=0, transformer_steps=600, transformer_batch=128, transformer_lr=1e-3, ema=0.995,
+PRETRAIN = dict(seed=0, transformer_steps=250, transformer_batch=128, transformer_lr=1e-3, ema=0.995,
                 curve_every=0, curve_per_kind=10)
 
 
@@ -339,9 +339,10 @@ def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, l
     instruction and on its source's latents (`training_pairs`); the instruction kinds drawn equally often."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
     source, mus, stds, sidx, tidx = pairs_
-    pipe, net = model.pipe, model.transformer.requires_grad_(True).train()
+    pipe = model.pipe
+    cond = nano.conditioning(models_nano.NanoQwenImage(pipe, "cpu", torch.float32), texts)  # the instructions alone
+    net = model.transformer.requires_grad_(True).train()
     mean, scale = (torch.tensor(pipe.vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
-    cond = nano.conditioning(model, texts)
     cfg = model.scheduler.config
     mu = calculate_shift(model.image_seq_len(SIDE, SIDE), cfg.base_image_seq_len, cfg.max_image_seq_len,
                          cfg.base_shift, cfg.max_shift)

@@ -7,6 +7,8 @@ not set keeps `Args`' own default), so this table imports nothing of the loop. S
 docs/algorithm.md §7. `ema_repeat` is the public run's micro-batches per optimizer step per GPU (its EMA fires that
 many times per step), a fixed value of the recipe: the result does not depend on how many ranks run it.
 """
+import os
+
 import models
 
 LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux", "tiny-wan")}  # no diffusers
@@ -42,6 +44,13 @@ RECIPES: dict[str, dict] = {
                          height=32, width=32, num_steps=10, eval_steps=10, window_range=(0, 5), prompts_per_iteration=16,
                          micro_batch=32, lr=1e-3, clip_range=2e-3, lora_rank=32, lora_alpha=64, eval_every=10,
                          eval_images=130),
+    # the nano-edit task (nano_edit.py): nano's classes editing a source digit; nano-compose's values (16 prompts an
+    # iteration), its shipped prompt set (held-out glyphs for evaluation, each once), measured in docs/tasks.md
+    "nano-edit": dict(model="nano-edit", iterations=80, reward="edit=1,edit_judge=0",
+                      prompts=os.path.join(models.adapter_class("nano-edit").default_path, "prompts.jsonl"),
+                      height=16, width=16, num_steps=10, eval_steps=10, window_range=(0, 5), prompts_per_iteration=16,
+                      micro_batch=32, lr=1e-3, clip_range=2e-3, lora_rank=32, lora_alpha=64, eval_every=10,
+                      eval_images=180),
     # Flow-GRPO's public config pickscore_qwenimage with verl's Qwen-Image OCR LoRA example
     "qwen-image": dict(model="qwen-image", iterations=300, prompts="ocr", reward="ocr", group_size=16,
                        prompts_per_iteration=32, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=50,
