@@ -1,27 +1,23 @@
 """The nano-edit task: edit a real handwritten digit as an instruction says, at nano's 16×16, white on black.
 
-    python nano_edit.py judge [--per-instruction 300]   # the judge and the reward on exact targets, sources, noise, wrong edits
-    python nano_edit.py prompts [--out FILE]             # write the prompt set and its source PNGs (train and held out)
-    python nano_edit.py pretrain [--out DIR]             # the base edit model: nano's VAE, a transformer trained on edits
-    python nano_edit.py evaluate [--model-path DIR] [--lora DIR]   # the judge per instruction on held-out glyphs
+    python nano_edit.py judge [--per-kind 300]    # judge and reward on exact targets, sources, noise, wrong edits
+    python nano_edit.py prompts [--out FILE]      # write the prompt set and its source PNGs (train and held out)
+    python nano_edit.py pretrain [--out DIR]      # the base: nano's VAE, a transformer trained here on edits
+    python nano_edit.py evaluate [--lora DIR]     # the judge per instruction on held-out glyphs and seeds
 
-A source is one glyph of scikit-learn's `load_digits` (nano.py's split: train 1,437, held out 360) drawn at 12×12
-(bilinear, strokes doubled in brightness and clipped: solid ink) in the middle of the 16×16 canvas, so that every edit
-below stays on it. Instructions and their exact targets, computed from the source (`target`):
+A source is a glyph of scikit-learn's `load_digits` (nano.py's split: train 1,437, held out 360) drawn at 12×12
+(bilinear, its grey doubled and clipped: solid ink) in the middle of the 16×16 canvas, so that every edit stays on it.
+Exact targets, computed from the source (`EDITS`): `make it bold` / `make it thin` grey dilation / erosion with the 3×3
+plus; `mirror it` left-right; `turn it upside down` 180°; `move it left` (right, up, down) SHIFT pixels; `make it a
+{d}` has none (no writer ids exist): another digit where the source was.
 
-    make it bold / make it thin        grey dilation / erosion with the 3×3 plus (the stroke grows / shrinks 1 px)
-    mirror it / turn it upside down    flipped left-right / rotated 180°
-    move it left / right / up / down   shifted SHIFT pixels (the glyph's 2-px margin keeps it whole)
-    make it a {d}                      another digit where the source was: no exact target (no writer ids exist)
-
-The judge (`judge_scores`, never a reward) reads 16×16 ink masks (a pixel is ink above 127): a geometric edit is right
-where the output's ink has IoU ≥ IOU with the target's AND the target is its nearest (by IoU) among the source and every
-other instruction's target AND the digit survives it (an RBF SVM on all 16×16 pixels reads the source's digit in the
-output mapped back through the edit, for bold and thin as it stands). `make it a d` is right where the SVM reads d
-and the ink's box keeps the source's centre (within CENTRE px) and height (within HEIGHT px). The reward
-(`reward_scores`) is built differently and smoothly, at 8×8: the correlation of the output with the target (clipped at
-0) times exp(−their ink's relative difference); for `make it a d` a logistic regression's p(d) times a soft closeness of centre and
-height. Both read uint8 images (N, H, W, 3) and the source's path from the prompt's metadata.
+The judge (never a reward) reads 16×16 ink masks (above INK of 255): a geometric edit is right where the output's IoU
+with the target is ≥ IOU, the target is its nearest among the source and every other instruction's target, and the
+digit survives (an RBF SVM on 16×16 pixels reads in the output, mapped back through the edit, what it read in the
+source); `make it a d` where the SVM reads d and the ink's box keeps the source's centre and height. The reward, built
+differently and smooth, reads 8×8: the correlation with the target (≥ 0) × exp(−the ink's relative difference); for
+`make it a d` a logistic regression's p(d) × a soft closeness of centre and height. Both read uint8 images (N, H, W,
+3) and the source's path in the metadata.
 """
 import functools
 import json
@@ -37,6 +33,8 @@ from PIL import Image
 
 import models_nano
 import nano
+import prompts as prompt_sets
+import rollout
 
 SIDE, GLYPH, GAIN = 16, 12, 2.0  # canvas, glyph side (pixels), ink gain (the bilinear strokes' grey made solid)
 SHIFT = 2  # pixels a move instruction moves the glyph
@@ -66,26 +64,16 @@ def render(x8: np.ndarray) -> torch.Tensor:
 
 
 def _plus(x: torch.Tensor, sign: float) -> torch.Tensor:
-    """Grey dilation (sign 1) or erosion (sign −1) of (N, 1, S, S) with the 3×3 plus, the canvas padded with black."""
-    y = sign * x
-    p = F.pad(y, (1, 1, 1, 1), value=-1.0 if sign > 0 else 0.0)
-    n = torch.stack([y, p[..., 1:-1, :-2], p[..., 1:-1, 2:], p[..., :-2, 1:-1], p[..., 2:, 1:-1]])
-    return sign * n.amax(0)
+    """Grey dilation (sign 1) or erosion (sign −1) of (N, 1, S, S) with the 3×3 plus, black beyond the canvas."""
+    p = F.pad(sign * x, (1, 1, 1, 1))
+    return sign * torch.stack([sign * x, p[..., 1:-1, :-2], p[..., 1:-1, 2:], p[..., :-2, 1:-1], p[..., 2:, 1:-1]]).amax(0)
 
 
-def _shift(x: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
-    """Shift (N, 1, S, S) by dy rows and dx columns, black coming in."""
-    s = x.shape[-1]
-    out = torch.zeros_like(x)
-    out[..., max(dy, 0):s + min(dy, 0), max(dx, 0):s + min(dx, 0)] = x[..., max(-dy, 0):s - max(dy, 0),
-                                                                         max(-dx, 0):s - max(dx, 0)]
-    return out
-
-
-EDITS = {"bold": lambda x: _plus(x, 1.0), "thin": lambda x: _plus(x, -1.0), "mirror": lambda x: x.flip(-1),
-         "rot180": lambda x: x.flip(-1, -2), "left": lambda x: _shift(x, 0, -SHIFT),
-         "right": lambda x: _shift(x, 0, SHIFT), "up": lambda x: _shift(x, -SHIFT, 0),
-         "down": lambda x: _shift(x, SHIFT, 0)}
+EDITS = {  # name -> the exact edit of (N, 1, S, S); a move is a pad on one side and a crop (negative pad) on the other
+    "bold": lambda x: _plus(x, 1.0), "thin": lambda x: _plus(x, -1.0), "mirror": lambda x: x.flip(-1),
+    "rot180": lambda x: x.flip(-1, -2), "left": lambda x: F.pad(x, (-SHIFT, SHIFT)),
+    "right": lambda x: F.pad(x, (SHIFT, -SHIFT)), "up": lambda x: F.pad(x, (0, 0, -SHIFT, SHIFT)),
+    "down": lambda x: F.pad(x, (0, 0, SHIFT, -SHIFT))}
 
 
 def parse(prompt: str) -> dict:
@@ -96,14 +84,17 @@ def parse(prompt: str) -> dict:
     if (m := _SEMANTIC.fullmatch(prompt)) is not None:
         return {"kind": "make it a {d}", "edit": None, "digit": int(m.group(1))}
     raise ValueError(f"nano-edit: instruction {prompt!r} is none of the task's; write one of {list(GEOMETRIC)} or "
-                     "'make it a 7' (nano_edit.INSTRUCTIONS), or use the task's set: --prompts "
-                     "assets/nano-edit/prompts.jsonl")
+                     "'make it a 7', or use the task's set: --prompts assets/nano-edit/prompts.jsonl")
 
 
-def target(sources: torch.Tensor, prompt: str) -> torch.Tensor | None:
-    """The exact target (N, 1, S, S) of a geometric instruction on sources (N, 1, S, S); None for `make it a d`."""
-    edit = parse(prompt)["edit"]
-    return None if edit is None else EDITS[edit](sources)
+def quantise(x: torch.Tensor) -> torch.Tensor:
+    """(N, 1, S, S) in [0, 1] rounded to 8 bits, as a PNG holds it."""
+    return torch.round(x * 255) / 255
+
+
+def target(sources: torch.Tensor, prompt: str) -> torch.Tensor:
+    """The exact target (N, 1, S, S) of a geometric instruction on sources (N, 1, S, S)."""
+    return EDITS[parse(prompt)["edit"]](sources)
 
 
 # ---- the judge and the reward ------------------------------------------------------------------------
@@ -130,10 +121,8 @@ def classifiers():
     from sklearn.svm import SVC
     from threadpoolctl import threadpool_limits
     x_train, _, y_train, _ = nano.split()
-    s = render(x_train)
-    x = torch.cat([s, EDITS["bold"](s), EDITS["thin"](s)])
-    g = torch.round(x * 255) / 255  # quantised
-    y = np.tile(y_train, 3)
+    s = render(x_train)  # (N, 1, 16, 16)
+    g, y = quantise(torch.cat([s, EDITS["bold"](s), EDITS["thin"](s)])), np.tile(y_train, 3)
     with threadpool_limits(1):
         reward = LogisticRegression(max_iter=5000).fit(F.avg_pool2d(g, 2).flatten(1).numpy() * 16, y)
         judge = SVC(kernel="rbf", C=10.0, gamma="scale").fit(g.flatten(1).numpy() * 16, y)
@@ -143,18 +132,16 @@ def classifiers():
 def read_digits(gray: torch.Tensor, by: str) -> np.ndarray:
     """The judge's SVM reading (N,) or the reward's class probabilities (N, 10) of (N, 1, 16, 16) in [0, 1]."""
     reward, judge = classifiers()
-    if by == "judge":
-        return judge.predict(gray.flatten(1).numpy() * 16)
-    return reward.predict_proba(F.avg_pool2d(gray, 2).flatten(1).numpy() * 16)
+    return judge.predict(gray.flatten(1).numpy() * 16) if by == "judge" else reward.predict_proba(
+        F.avg_pool2d(gray, 2).flatten(1).numpy() * 16)
 
 
 def box(gray: torch.Tensor) -> torch.Tensor:
-    """The ink's box (N, 3): centre row, centre column, height, in pixels (ink above INK; an empty image: −100s)."""
+    """The ink's box (N, 3): centre row, centre column, height, in pixels (ink above INK; no ink: height < 0)."""
     m = gray[:, 0] * 255 > INK
-    rows, cols = m.any(2).float(), m.any(1).float()
     idx = torch.arange(m.shape[-1], dtype=torch.float32)
-    top, bottom = (idx + 100 * (1 - rows)).amin(1), (idx - 100 * (1 - rows)).amax(1)
-    left, right = (idx + 100 * (1 - cols)).amin(1), (idx - 100 * (1 - cols)).amax(1)
+    span = lambda ink: ((idx + 100 * ~ink).amin(1), (idx - 100 * ~ink).amax(1))  # first and last inked row (column)
+    (top, bottom), (left, right) = span(m.any(2)), span(m.any(1))
     return torch.stack([(top + bottom) / 2, (left + right) / 2, bottom - top + 1], 1)
 
 
@@ -175,14 +162,11 @@ def judge_one_kind(out: torch.Tensor, sources: torch.Tensor, prompt: str) -> np.
     spec = parse(prompt)
     if spec["edit"] is None:
         return ((read_digits(out, "judge") == spec["digit"]) & kept(out, sources).numpy()).astype(np.float64)
-    goal = EDITS[spec["edit"]](sources)
-    near = iou(out, goal)
-    rivals = [iou(out, sources)] + [iou(out, EDITS[e](sources)) for e in EDITS if e != spec["edit"]]
-    nearest = near > torch.stack(rivals).amax(0)
-    inverse = GEOMETRIC[prompt][1]
-    back = out if inverse is None else EDITS[inverse](out)
-    digit = read_digits(back, "judge") == read_digits(sources, "judge")
-    return ((near >= IOU) & nearest).numpy() & digit
+    near = iou(out, EDITS[spec["edit"]](sources))
+    rivals = torch.stack([iou(out, sources)] + [iou(out, EDITS[e](sources)) for e in EDITS if e != spec["edit"]])
+    back = out if GEOMETRIC[prompt][1] is None else EDITS[GEOMETRIC[prompt][1]](out)
+    digit = read_digits(back, "judge") == read_digits(sources, "judge")  # the digit as the SVM read the source
+    return ((near >= IOU) & (near > rivals.amax(0))).numpy() & digit
 
 
 def reward_one_kind(out: torch.Tensor, sources: torch.Tensor, prompt: str) -> np.ndarray:
@@ -205,8 +189,8 @@ def _by_kind(fn, images: np.ndarray, prompts: list[str], metadata: list[dict]) -
     out = to_gray(images)
     missing = [i for i, m in enumerate(metadata or [{}] * len(prompts)) if not (m or {}).get("image")]
     if missing:
-        raise ValueError(f"nano-edit's reward reads each prompt's source image (metadata \"image\"): prompt {missing[0]} "
-                         "has none; use the task's set, --prompts assets/nano-edit/prompts.jsonl")
+        raise ValueError(f"nano-edit's reward reads each prompt's source image (metadata \"image\"): prompt "
+                         f"{missing[0]} has none; use the task's set, --prompts assets/nano-edit/prompts.jsonl")
     sources = torch.cat([read_source(m["image"]) for m in metadata])
     scores = np.zeros(len(prompts))
     for p in dict.fromkeys(prompts):
@@ -215,29 +199,17 @@ def _by_kind(fn, images: np.ndarray, prompts: list[str], metadata: list[dict]) -
     return scores
 
 
-def judge_scores(images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
-    """The judge (N,) in {0, 1}: its mean is the judge's accuracy."""
-    return _by_kind(judge_one_kind, images, prompts, metadata)
+judge_scores = functools.partial(_by_kind, judge_one_kind)  # (images, prompts, metadata) -> (N,) in {0, 1}
+reward_scores = functools.partial(_by_kind, reward_one_kind)  # (images, prompts, metadata) -> (N,) in [0, 1]
 
 
-def reward_scores(images: np.ndarray, prompts: list[str], metadata: list[dict]) -> np.ndarray:
-    """The reward (N,) in [0, 1]."""
-    return _by_kind(reward_one_kind, images, prompts, metadata)
+def fitted(scores):
+    """A reward factory: the classifiers fitted when it is called (seconds: at start-up, not in the first rollout)."""
+    return lambda: classifiers() and scores
 
 
-def edit():
-    """`--reward edit`: the smooth 8×8 scorer (`reward_one_kind`)."""
-    classifiers()  # fitted now (seconds): at start-up, not in the first rollout
-    return reward_scores
-
-
-def edit_judge():
-    """`--reward edit_judge`: 1 where the judge finds the edit done, else 0; the recipe logs it at weight 0."""
-    classifiers()
-    return judge_scores
-
-
-REWARDS = {"edit": (edit, parse), "edit_judge": (edit_judge, parse)}  # rewards.py's registry reads it
+# rewards.py's registry reads it: `--reward edit` the smooth 8×8 scorer; `edit_judge`, which the recipe logs at weight 0
+REWARDS = {"edit": (fitted(reward_scores), parse), "edit_judge": (fitted(judge_scores), parse)}
 
 
 # ---- the prompt set: train glyphs for RL, held-out glyphs for evaluation ---------------------------------
@@ -251,8 +223,7 @@ def pairs(held_out: bool, per_kind: int, seed: int = 0) -> list[tuple[int, str]]
     the source and with every other instruction's target below VISIBLE) and its exact target judged right; `make it
     a d` with d drawn among the other digits."""
     x_train, x_test, y_train, y_test = nano.split()
-    x8, y = (x_test, y_test) if held_out else (x_train, y_train)
-    src = quantise(render(x8))
+    src, y = (quantise(render(x_test)), y_test) if held_out else (quantise(render(x_train)), y_train)
     rng, out = np.random.default_rng([seed, held_out]), {k: [] for k in INSTRUCTIONS}
     for kind in INSTRUCTIONS:
         for i in rng.permutation(len(y)).tolist():
@@ -268,24 +239,15 @@ def pairs(held_out: bool, per_kind: int, seed: int = 0) -> list[tuple[int, str]]
     return [out[k][j] for j in range(per_kind) for k in INSTRUCTIONS if j < len(out[k])]  # kinds interleaved
 
 
-def quantise(x: torch.Tensor) -> torch.Tensor:
-    """(N, 1, S, S) in [0, 1] rounded to 8 bits, as a PNG holds it."""
-    return torch.round(x * 255) / 255
-
-
 def write_prompts(out: str, train_per_kind: int = 40, eval_per_kind: int = 20) -> dict:
     """The prompt file (`{"prompt", "image", "split", "tag"}` lines, train then eval) and its source PNGs
     (sources/{train,eval}_{index}.png, RGB, beside it)."""
-    x_train, x_test, _, _ = nano.split()
-    os.makedirs(os.path.join(os.path.dirname(os.path.abspath(out)), "sources"), exist_ok=True)
-    lines = []
+    (x_train, x_test, _, _), folder, lines = nano.split(), os.path.dirname(os.path.abspath(out)), []
+    os.makedirs(os.path.join(folder, "sources"), exist_ok=True)
     for split, x8, n in (("train", x_train, train_per_kind), ("eval", x_test, eval_per_kind)):
         for i, prompt in pairs(split == "eval", n):
-            name = f"sources/{split}_{i}.png"
-            path = os.path.join(os.path.dirname(os.path.abspath(out)), name)
-            if not os.path.exists(path):
-                pixels = (quantise(render(x8[i:i + 1]))[0, 0] * 255).round().to(torch.uint8).numpy()
-                Image.fromarray(np.repeat(pixels[..., None], 3, -1)).save(path)
+            name, pixels = f"sources/{split}_{i}.png", (render(x8[i:i + 1])[0, 0] * 255).round().to(torch.uint8)
+            Image.fromarray(np.repeat(pixels.numpy()[..., None], 3, -1)).save(os.path.join(folder, name))
             lines.append({"prompt": prompt, "image": name, "split": split, "tag": parse(prompt)["kind"]})
     with open(out + ".tmp", "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
@@ -295,34 +257,26 @@ def write_prompts(out: str, train_per_kind: int = 40, eval_per_kind: int = 20) -
 
 # ---- the base model: nano's VAE, a transformer trained here on (source, instruction) -> target -----------------
 
-TRANSFORMER = nano.TRANSFORMER  # nano's size: 4 layers × 4 heads × 16 dims, 4 + 4 tokens at 16×16
 PRETRAIN = dict(seed=0, transformer_steps=250, transformer_batch=128, transformer_lr=1e-3, ema=0.995,
                 curve_every=0, curve_per_kind=10)
-
-
-def instruction_texts() -> list[str]:
-    """Every instruction the pretraining conditions on: the geometric ones, then `make it a d` for d = 0…9."""
-    return [*GEOMETRIC, *(f"make it a {d}" for d in range(10))]
+TEXTS = [*GEOMETRIC, *(f"make it a {d}" for d in range(10))]  # every instruction pretraining conditions on
 
 
 def training_pairs(pipe, gen: torch.Generator):
     """Every train glyph under every instruction: (source latents (N, S, C·4) normalised and packed as the adapter
     encodes them, target posterior (mean, std) (M, C, s, s), source index (M,), instruction index (M,)). `make it a
     d`'s target: a random train glyph of d whose box keeps the source's (`kept`)."""
-    vae = pipe.vae
-    x_train, _, y_train, _ = nano.split()
-    src = quantise(render(x_train))
-    x3 = lambda x: x.expand(-1, 3, -1, -1) * 2 - 1
+    vae, (x_train, _, y_train, _) = pipe.vae, nano.split()
+    src, x3 = quantise(render(x_train)), lambda x: x.expand(-1, 3, -1, -1) * 2 - 1
     mu, std = nano.latents(vae, x3(src))
     mean, scale = (torch.tensor(vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
-    z = (mu - mean) / scale
+    z, mus, stds, sidx, tidx = (mu - mean) / scale, [], [], [], []
     source = pipe._pack_latents(z, len(z), z.shape[1], z.shape[2], z.shape[3])
-    mus, stds, sidx, tidx = [], [], [], []
     for k, text in enumerate(GEOMETRIC):
         m, s = nano.latents(vae, x3(quantise(target(src, text))))
         mus.append(m), stds.append(s), sidx.append(torch.arange(len(src))), tidx.append(torch.full((len(src),), k))
-    b = box(src)
-    near = ((b[:, None, :2] - b[None, :, :2]).abs().amax(-1) <= CENTRE) & ((b[:, None, 2] - b[None, :, 2]).abs() <= HEIGHT)
+    b = box(src)[:, None] - box(src)[None]  # (N, N, 3): glyph j in glyph i's place where `kept` would say so
+    near = (b[..., :2].abs().amax(-1) <= CENTRE) & (b[..., 2].abs() <= HEIGHT)
     for i in range(len(src)):  # make it a d: d ≠ the source's digit, a glyph of d in the source's place
         for d in set(range(10)) - {int(y_train[i])}:
             ok = np.flatnonzero((y_train == d) & near[i].numpy())
@@ -339,18 +293,16 @@ def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, l
     instruction and on its source's latents (`training_pairs`); the instruction kinds drawn equally often."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
     source, mus, stds, sidx, tidx = pairs_
-    pipe = model.pipe
-    cond = nano.conditioning(models_nano.NanoQwenImage(pipe, "cpu", torch.float32), texts)  # the instructions alone
-    net = model.transformer.requires_grad_(True).train()
+    pipe, cond = model.pipe, nano.conditioning(models_nano.NanoQwenImage(model.pipe, "cpu", torch.float32), texts)
+    net = model.transformer.requires_grad_(True).train()  # (the conditioning above: the instructions alone)
     mean, scale = (torch.tensor(pipe.vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
     cfg = model.scheduler.config
     mu = calculate_shift(model.image_seq_len(SIDE, SIDE), cfg.base_image_seq_len, cfg.max_image_seq_len,
                          cfg.base_shift, cfg.max_shift)
     kinds = tidx.clamp(max=len(GEOMETRIC))
     weights = 1 / torch.bincount(kinds).float()[kinds]  # each kind equally likely
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    opt, losses = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0), []
     averaged = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    losses = []
     for step in (bar := nano.tqdm(range(steps), desc="pretrain edit transformer", unit="step")):
         idx = torch.multinomial(weights, batch, replacement=True, generator=gen)
         z = (mus[idx] + stds[idx] * torch.randn(mus[idx].shape, generator=gen) - mean) / scale
@@ -361,9 +313,7 @@ def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, l
         x = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * eps
         c = {k: t[tidx[idx]] for k, t in cond.items()} | {"source": source[sidx[idx]]}
         loss = (model.velocity(x, sigma, c, 1.0, SIDE, SIDE) - (eps - x0)).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        opt.zero_grad(), loss.backward(), opt.step()
         with torch.no_grad():
             for k, t in net.state_dict().items():
                 averaged[k].lerp_(t, 1 - min(ema, (1 + step) / (10 + step)))
@@ -371,38 +321,31 @@ def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, l
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
         if measure_every and (step + 1) % measure_every == 0:
             live = {k: v.clone() for k, v in net.state_dict().items()}
-            net.load_state_dict(averaged)
-            measure(step + 1)
-            net.load_state_dict(live)
-    net.load_state_dict(averaged)
-    net.requires_grad_(False).eval()
+            net.load_state_dict(averaged), measure(step + 1), net.load_state_dict(live)
+    net.load_state_dict(averaged), net.requires_grad_(False).eval()
     return losses
 
 
 def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int, transformer_batch: int,
              transformer_lr: float, ema: float, curve_every: int, curve_per_kind: int) -> dict:
-    """Write the base edit model to `out`: nano's VAE (copied: the same 16×16 white-on-black images) and a transformer
-    of nano's size trained on the train glyphs' edits (float16, diffusers' format); return what it reached
-    (out/pretrain.json): the judge on the VAE's reconstructions of exact targets (the ceiling), the loss, CPU time,
-    and the held-out judge per instruction."""
+    """Write the base to `out`: nano's VAE (copied) and a transformer of nano's size (4 + 4 tokens at 16×16) trained on
+    the train glyphs' edits, float16; return what it reached (out/pretrain.json): the VAE's ceiling (`ceiling`), the
+    loss, CPU seconds, the held-out judge per instruction (and with curve_every, its curve over the steps)."""
     from diffusers import QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     report = {"command": " ".join(["python nano_edit.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}
-    nano_pipe = models_nano.build_nano_pipeline(models_nano.NANO_DIR)
-    pipe = models_nano.build_nano_pipeline(None, vae=nano_pipe.vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
-    model = models_nano.NanoEdit(pipe, "cpu", torch.float32)
-    nano.reached(report, "vae (nano's): judge on its reconstructions of exact held-out targets",
-                 **ceiling(pipe.vae))
-    start = time.process_time()
-    data = training_pairs(pipe, gen)
-    report["curve"] = []
+    vae = models_nano.build_nano_pipeline(models_nano.NANO_DIR).vae
+    pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**nano.TRANSFORMER))
+    model, report["curve"] = models_nano.NanoEdit(pipe, "cpu", torch.float32), []
+    nano.reached(report, "vae (nano's): the judge on its reconstructions of exact held-out targets", **ceiling(vae))
+    start, data = time.process_time(), training_pairs(pipe, gen)
 
-    def measure(step: int) -> None:
+    def measure(step: int) -> None:  # the budget curve: the EMA weights on curve_per_kind held-out prompts a kind
         report["curve"].append({"step": step, **evaluate(model, curve_per_kind, seeds=1)})
         print("curve:", json.dumps({k: round(float(v), 3) for k, v in report["curve"][-1].items()}), flush=True)
-    losses = train_transformer(model, data, instruction_texts(), transformer_steps, transformer_batch, transformer_lr,
-                               ema, gen, measure, curve_every)
+    losses = train_transformer(model, data, TEXTS, transformer_steps, transformer_batch, transformer_lr, ema, gen,
+                               measure, curve_every)
     nano.reached(report, "transformer", steps=transformer_steps, pairs=len(data[1]), first_loss=np.mean(losses[:10]),
                  last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start)
     nano.save_parts(out, vae=pipe.vae, transformer=pipe.transformer)
@@ -414,21 +357,16 @@ def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int,
 
 @torch.no_grad()
 def ceiling(vae, per_kind: int = 100) -> dict:
-    """The judge per kind on the VAE's reconstructions of exact held-out targets (for `make it a d`: a held-out glyph
-    of d in the source's place): what a perfect transformer on this VAE would score."""
-    result = {}
-    _, x_test, _, y_test = nano.split()
+    """The judge per kind on the VAE's reconstructions of exact held-out targets (`make it a d`: of the held-out
+    source itself, asked for its own digit): what a perfect transformer on this VAE would score."""
+    (_, x_test, _, y_test), result = nano.split(), {}
     src = quantise(render(x_test))
     for kind, rows in by_kind(pairs(True, per_kind)).items():
         i = torch.tensor([r[0] for r in rows])
-        if kind == "make it a {d}":  # d := the digit of another held-out glyph whose box keeps the source's
-            j = [next((k for k in np.random.default_rng(int(a)).permutation(len(y_test)) if y_test[k] != y_test[a]
-                       and kept(src[k:k + 1], src[a:a + 1])[0]), a) for a in i.tolist()]
-            goal, texts = src[j], [f"make it a {y_test[k]}" for k in j]
-        else:
-            goal, texts = target(src[i], kind), [kind] * len(i)
+        goal = src[i] if kind == "make it a {d}" else target(src[i], kind)
         mu = nano.latents(vae, goal.expand(-1, 3, -1, -1) * 2 - 1)[0]
         seen = quantise((nano.decode(vae, mu[:, :, None])[:, :, 0].mean(1, keepdim=True) + 1) / 2)
+        texts = [f"make it a {y_test[n]}" if kind == "make it a {d}" else kind for n in i.tolist()]
         result[kind] = np.mean([judge_one_kind(seen[n:n + 1], src[i[n:n + 1]], t)[0] for n, t in enumerate(texts)])
     return result
 
@@ -446,22 +384,17 @@ EVAL_SEED = 2**31  # the evaluation's seed (rollout.sample_ode, iteration −1);
 def load(path: str | None = None, lora: str | None = None):
     """The nano-edit adapter on CPU (the shipped base or `path`), a run's exported LoRA loaded if given."""
     model = models_nano.NanoEdit.load(MODEL, path or BASE_DIR, "cpu")
-    if lora:
-        model.pipe.load_lora_weights(lora)
-    return model
+    return model.pipe.load_lora_weights(lora) or model if lora else model
 
 
 def evaluate(model, per_kind: int = 20, seeds: int = 3, steps: int = 10) -> dict:
     """The judge per instruction kind (and overall: their mean) and the mean reward of ODE samples of the shipped
     held-out prompts (the first `per_kind` of each kind), each from `seeds` seeds."""
-    import prompts as prompt_sets
-    import rollout
     rows = [r for r in prompt_sets.read_prompt_file(PROMPTS) if r[1]["split"] == "eval"]
     rows = [r for k in INSTRUCTIONS for r in [r for r in rows if r[1]["tag"] == k][:per_kind]] * seeds
     texts, meta = [p for p, _ in rows], [m for _, m in rows]
-    pixels = rollout.sample_ode(model, texts, num_steps=steps, height=SIDE, width=SIDE, cfg_scale=1.0,
-                                negative_prompt=" ", seed=EVAL_SEED, chunk=64, metadata=meta)
-    images = nano.quantised(pixels)
+    images = nano.quantised(rollout.sample_ode(model, texts, num_steps=steps, height=SIDE, width=SIDE, cfg_scale=1.0,
+                                               negative_prompt=" ", seed=EVAL_SEED, chunk=64, metadata=meta))
     judged, tags = judge_scores(images, texts, meta), np.array([m["tag"] for m in meta])
     kinds = {k: float(judged[tags == k].mean()) for k in INSTRUCTIONS}
     return {"images": len(rows), **kinds, "judge_accuracy": float(np.mean(list(kinds.values()))),
@@ -470,11 +403,10 @@ def evaluate(model, per_kind: int = 20, seeds: int = 3, steps: int = 10) -> dict
 
 def measure(per_kind: int = 300, seed: int = 1) -> dict:
     """The judge and the reward, per kind, on held-out sources: the exact target, the unedited source, uniform noise,
-    and the wrong edit (the target of another geometric instruction; `make it a d`: a glyph of the wrong digit)."""
-    rng, (_, x_test, _, y_test) = np.random.default_rng(seed), nano.split()
-    src, result = quantise(render(x_test)), {}
-    for kind in GEOMETRIC:
-        i = torch.tensor([r[0] for r in by_kind(pairs(True, per_kind, seed))[kind]])
+    and a wrong edit (another geometric instruction's target), for every geometric kind."""
+    rng, src, result = np.random.default_rng(seed), quantise(render(nano.split()[1])), {}
+    for kind, rows in list(by_kind(pairs(True, per_kind, seed)).items())[:len(GEOMETRIC)]:
+        i = torch.tensor([r[0] for r in rows])
         s, goal = src[i], target(src[i], kind)
         wrong = EDITS[rng.choice([e for e in EDITS if e != GEOMETRIC[kind][0]])](s)
         noise = torch.from_numpy(rng.integers(0, 256, s.shape).astype(np.float32) / 255)
@@ -495,15 +427,13 @@ def main(argv=None) -> None:
     e = sub.add_parser("evaluate", help="the base (or --model-path, with a run's --lora) per instruction, held out")
     e.add_argument("--model-path"), e.add_argument("--lora", help="a finished run's lora/ directory")
     e.add_argument("--seeds", type=int, default=3)
-    for q in (p, e):
-        q.add_argument("--per-kind", type=int, default=20, help="held-out prompts of each instruction kind")
     j = sub.add_parser("judge", help="the judge and the reward on exact targets, sources, noise and wrong edits")
-    j.add_argument("--per-kind", type=int, default=300)
-    w = sub.add_parser("prompts", help="write the prompt set and its source PNGs")
-    w.add_argument("--out", default=PROMPTS)
+    sub.add_parser("prompts", help="write the prompt set and its source PNGs").add_argument("--out", default=PROMPTS)
+    for q, n in ((p, 20), (e, 20), (j, 300)):
+        q.add_argument("--per-kind", type=int, default=n, help="held-out prompts (judge: sources) of each kind")
     a = ap.parse_args(argv)
-    if getattr(a, "per_kind", 1) < 1:
-        ap.exit(2, f"nano_edit.py: error: --per-kind must be >= 1, got {a.per_kind}\n")
+    if min(getattr(a, "per_kind", 1), getattr(a, "seeds", 1)) < 1:
+        ap.exit(2, "nano_edit.py: error: --per-kind and --seeds must be >= 1\n")
     torch.set_num_threads(1)
     if a.cmd == "pretrain":
         pretrain(a.out, a.per_kind, **{k: getattr(a, k) for k in PRETRAIN})

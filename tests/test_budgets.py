@@ -22,7 +22,7 @@ BUDGETS = {
     "model_files.py": 150,  # a model directory's files read within bounds before anything is built from them
     "models_qwen.py": 200, "models_sd3.py": 200, "models_flux.py": 200, "models_wan.py": 200,  # one family each
     "models_kontext.py": 200,  # the first edit family: FLUX.1 Kontext, a source image per prompt
-    "models_nano.py": 200,  # the laptop task's model: Qwen-Image's classes pretrained here
+    "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here (nano-edit's edit call too)
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, EMA, the old policy, process groups
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     # the checkpoint format and its checks; raised from 250: every count, size, depth and name read back is bounded
@@ -41,6 +41,7 @@ BUDGETS = {
     # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
     # alone, the transformer)
     "nano_compose.py": 630,
+    "nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, its pretraining
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
     "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
