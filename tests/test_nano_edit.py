@@ -1,0 +1,186 @@
+"""The nano-edit task (nano_edit.py): the judge and the reward on constructed answers with known verdicts (the exact
+target, the unedited source, noise, the wrong edit; for `make it a d` a real glyph of d in the source's place or out of
+it), the shipped prompt set (held-out glyphs for evaluation) and its source paths reaching the reward, the NanoEdit
+adapter's transformer call (Qwen-Image-Edit's: the source's tokens after the noisy ones), the start-up refusals, and
+pretraining on a few steps."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowgrpo
+import models
+import nano
+import nano_edit as ne
+import prompts as prompt_sets
+import recipes
+import rewards
+import startup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PER_KIND = 40  # held-out (source, instruction) pairs of each kind in the constructed answers
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    """{kind: (sources (N, 1, 16, 16) quantised, their digits (N,), the instructions (N,))} of held-out glyphs."""
+    _, x_test, _, y_test = nano.split()
+    src = ne.quantise(ne.render(x_test))
+    return {kind: (src[[i for i, _ in rows]], y_test[[i for i, _ in rows]], [p for _, p in rows])
+            for kind, rows in ne.by_kind(ne.pairs(True, PER_KIND)).items()}
+
+
+def judged(out, sources, prompts) -> np.ndarray:
+    return np.array([ne.judge_one_kind(out[i:i + 1], sources[i:i + 1], p)[0] for i, p in enumerate(prompts)])
+
+
+def rewarded(out, sources, prompts) -> np.ndarray:
+    return np.array([ne.reward_one_kind(out[i:i + 1], sources[i:i + 1], p)[0] for i, p in enumerate(prompts)])
+
+
+@pytest.mark.parametrize("kind", list(ne.GEOMETRIC))
+def test_a_geometric_edit_is_judged_right_only_when_done(held_out, kind):
+    """On PER_KIND held-out glyphs: the exact target scores 1 every time; the unedited source, uniform noise and every
+    other instruction's target score 0 every time; the reward orders target (1) > source > noise on average, and
+    the target above the source on every glyph."""
+    src, _, prompts = held_out[kind]
+    assert len(prompts) == PER_KIND
+    goal = ne.target(src, kind)
+    noise = torch.from_numpy(np.random.default_rng(0).integers(0, 256, src.shape).astype(np.float32) / 255)
+    assert judged(goal, src, prompts).all()
+    for name, wrong in [("source", src), ("noise", noise)] + [
+            (e, ne.EDITS[e](src)) for e in ne.EDITS if e != ne.GEOMETRIC[kind][0]]:
+        passed = judged(wrong, src, prompts)
+        assert not passed.any(), f"{kind}: the judge passed {name} on {passed.sum()} of {len(passed)}"
+    r_goal, r_src, r_noise = (rewarded(x, src, prompts) for x in (goal, src, noise))
+    np.testing.assert_allclose(r_goal, 1.0, atol=1e-5)
+    assert r_goal.mean() > r_src.mean() > r_noise.mean(), (r_goal.mean(), r_src.mean(), r_noise.mean())
+    assert (r_goal > r_src).all(), f"{kind}: the source out-scores the target on {(r_goal <= r_src).sum()} glyphs"
+
+
+def test_mirror_for_upside_down_is_wrong_on_an_asymmetric_digit(held_out):
+    """A 7 mirrored is not a 7 turned upside down: the judge says 0 (and 1 for the rotation), while the reward, which
+    is smooth, still gives the mirror part of its credit."""
+    _, x_test, _, y_test = nano.split()
+    seven = ne.quantise(ne.render(x_test[y_test == 7][:10]))
+    p = ["turn it upside down"] * len(seven)
+    assert not judged(seven.flip(-1), seven, p).any() and judged(seven.flip(-1, -2), seven, p).all()
+    assert 0 < rewarded(seven.flip(-1), seven, p).mean() < 1
+
+
+def test_make_it_a_d_wants_the_digit_where_the_source_was(held_out):
+    """A real held-out glyph of d (the first whose box keeps the source's) is judged right on ≥ 90% of the pairs; the
+    same glyph moved 3 px, the source itself and noise on none; the reward orders them alike on average."""
+    src, digits, prompts = held_out["make it a {d}"]
+    _, x_test, _, y_test = nano.split()
+    pool = ne.quantise(ne.render(x_test))
+    wanted = [int(p.split()[-1]) for p in prompts]
+    picks = [next(j for j in range(len(y_test)) if y_test[j] == d and ne.kept(pool[j:j + 1], src[i:i + 1])[0])
+             for i, d in enumerate(wanted)]
+    glyph = pool[picks]
+    moved = F.pad(glyph, (3, -3))
+    noise = torch.from_numpy(np.random.default_rng(1).integers(0, 256, src.shape).astype(np.float32) / 255)
+    right = judged(glyph, src, prompts)
+    assert right.mean() >= 0.9, f"the judge read {right.mean():.0%} of real glyphs of d in place"
+    for name, wrong in (("moved", moved), ("source", src), ("noise", noise)):
+        assert not judged(wrong, src, prompts).any(), name
+    r = {name: rewarded(x, src, prompts).mean() for name, x in (("glyph", glyph), ("moved", moved), ("source", src),
+                                                                ("noise", noise))}
+    assert r["glyph"] > max(r["moved"], r["source"], r["noise"]) and r["glyph"] > 0.5, r
+
+
+def test_the_shipped_prompt_set_holds_out_glyphs_and_its_sources_reach_the_reward():
+    """The recipe's prompt file: 9 kinds, train prompts on train glyphs and eval prompts on held-out ones (their PNGs
+    are the renders of those glyphs), every instruction parses; through the registry (`edit=1,edit_judge=0`, the
+    loop's call with the metadata prompts.py read) the exact targets score 1 on both and the sources 0 on the judge."""
+    path = recipes.RECIPES["nano-edit"]["prompts"]
+    assert os.path.isfile(path) and path == ne.PROMPTS
+    sets = prompt_sets.load_prompts(path, (16, 16))
+    x_train, x_test, _, _ = nano.split()
+    for split, rows, x8 in (("train", sets.train, x_train), ("eval", sets.eval, x_test)):
+        assert {m["tag"] for _, m in rows} == set(ne.INSTRUCTIONS)
+        for p, m in rows[:30]:
+            assert ne.parse(p)["kind"] == m["tag"] and os.path.basename(m["image"]).startswith(f"{split}_")
+            i = int(os.path.basename(m["image"])[len(split) + 1:-4])
+            torch.testing.assert_close(ne.read_source(m["image"]), ne.quantise(ne.render(x8[i:i + 1])))
+    rows = [r for r in sets.eval if r[1]["tag"] in ne.GEOMETRIC][:24]
+    prompts, meta = [p for p, _ in rows], [m for _, m in rows]
+    sources = torch.cat([ne.read_source(m["image"]) for m in meta])
+    goal = torch.cat([ne.target(sources[i:i + 1], p) for i, p in enumerate(prompts)])
+    reward = rewards.make_reward("edit=1,edit_judge=0")
+    total, parts = reward(goal.expand(-1, 3, -1, -1), prompts, meta)  # as the loop hands images: (B, 3, H, W)
+    np.testing.assert_allclose(total, 1.0, atol=1e-5)
+    np.testing.assert_array_equal(parts["edit_judge"], 1.0)
+    _, parts = reward(sources.expand(-1, 3, -1, -1), prompts, meta)
+    np.testing.assert_array_equal(parts["edit_judge"], 0.0)
+    with pytest.raises(ValueError, match="source image"):
+        reward(goal.expand(-1, 3, -1, -1), prompts, [{}] * len(prompts))
+    with pytest.raises(ValueError, match="none of the task's.*'make it a 7'"):
+        rewards.check_prompts_for_reward("edit=1", ["make it red"])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.load_model("nano-edit", None, "cpu")
+
+
+def test_the_adapter_puts_the_source_after_the_noisy_tokens(model):
+    """NanoEdit's velocity is the transformer's call on [x, source] with both images' shapes in `img_shapes` (what
+    QwenImageEditPlusPipeline.__call__ makes per step), its first S tokens; each distinct source is encoded once, as
+    the VAE posterior's mode normalised and packed; a different source changes the velocity."""
+    meta = [{"image": m["image"]} for _, m in prompt_sets.load_prompts(ne.PROMPTS).eval[:2]]
+    prompts, metadata = ["mirror it", "mirror it", "make it a 3"], [meta[0], meta[0], meta[1]]
+    calls, encode = [], model.pipe.vae.encode
+    model.pipe.vae.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    try:
+        cond = model.conditioning(prompts, " ", 1.0, metadata, 16, 16)
+    finally:
+        del model.pipe.vae.encode  # the class's method again
+    assert len(calls) == 2 and cond["source"].shape == (3, 4, 16)
+    torch.testing.assert_close(cond["source"][0], cond["source"][1], rtol=0, atol=0)
+    vae = model.pipe.vae
+    pixels = ne.read_source(meta[1]["image"]).expand(-1, 3, -1, -1)[:, :, None] * 2 - 1
+    z = vae.encode(pixels).latent_dist.mode()[:, :, 0]
+    mean, std = (torch.tensor(vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
+    z = (z - mean) / std
+    torch.testing.assert_close(cond["source"][2:], model.pipe._pack_latents(z, 1, 4, 4, 4))
+    x, sigma = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(0)), torch.full((3,), 0.7)
+    v = model.velocity(x, sigma, cond, 1.0, 16, 16)
+    direct = model.transformer(hidden_states=torch.cat([x, cond["source"]], 1), timestep=sigma,
+                               encoder_hidden_states=cond["embeds"], encoder_hidden_states_mask=cond["mask"],
+                               img_shapes=[[(1, 2, 2), (1, 2, 2)]] * 3, return_dict=False)[0][:, :4]
+    torch.testing.assert_close(v, direct)
+    other = dict(cond, source=cond["source"].roll(1, 0))
+    assert (model.velocity(x, sigma, other, 1.0, 16, 16) - v).abs().amax() > 1e-2
+
+
+def test_start_up_refuses_prompts_without_sources_and_takes_the_recipe():
+    """`--model nano-edit` alone is the recipe (the shipped prompt file, 16×16, the edit reward with its judge at 0)
+    and passes the start-up checks; text-only prompts are refused in one line naming the fix."""
+    a = startup.parse_args(flowgrpo.Args, ["--model", "nano-edit"])
+    assert (a.prompts, a.reward, a.height) == (ne.PROMPTS, "edit=1,edit_judge=0", 16)
+    startup.check_args(a)
+    bad = startup.parse_args(flowgrpo.Args, ["--model", "nano-edit", "--prompts", "digits"])
+    with pytest.raises(ValueError, match="edits a source image.*\"image\""):
+        startup.check_args(bad)
+
+
+def test_pretraining_on_a_few_steps_writes_a_model_that_loads(tmp_path):
+    """`python nano_edit.py pretrain` for 3 steps writes vae/ and transformer/ (float16) and a report with the VAE's
+    ceiling per kind; `--model nano-edit --model-path` takes the directory."""
+    out = tmp_path / "base"
+    run = subprocess.run([sys.executable, "nano_edit.py", "pretrain", "--out", str(out), "--transformer-steps", "3",
+                          "--per-kind", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "pretrain.json").read_text())
+    ceiling = next(v for k, v in report.items() if k.startswith("vae"))
+    assert set(ceiling) == set(ne.INSTRUCTIONS) and min(ceiling.values()) > 0.3, ceiling
+    assert report["transformer"]["steps"] == 3 and report["base model"]["images"] == 27
+    models.check_model_args("nano-edit", height=16, width=16, cfg_scale=1.0, guidance=None, model_path=str(out))
+    assert models.load_model("nano-edit", str(out), "cpu").transformer.dtype == torch.float32
