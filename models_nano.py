@@ -69,8 +69,8 @@ class NanoEdit(NanoQwenImage):
         cond = super().conditioning(prompts, negative_prompt, cfg_scale)
         paths = [m.get("image") for m in metadata or [{}] * len(prompts)]
         if None in paths or not height or not width:
-            raise ValueError("--model nano-edit edits a source image: every prompt needs one in its metadata (\"image\": "
-                             "a path; prompts.py reads it from a .jsonl), and the output height and width")
+            raise ValueError("--model nano-edit edits a source image: every prompt needs one in its metadata "
+                             '("image": a path; prompts.py reads it from a .jsonl), and the output height and width')
         distinct = list(dict.fromkeys(paths))
         encoded = torch.cat([self.encode_source(path, height, width) for path in distinct])
         cond["source"] = encoded[torch.tensor([distinct.index(p) for p in paths], device=self.device)]
