@@ -68,6 +68,11 @@ class Adapter:
     sp_degree = 1  # --sp N: each rank of a group holds 1/N of each sequence (set by sequence_parallel.enable_ulysses)
     num_frames: int = 1  # frames per sample: 1 for images (the servers are told it per request)
 
+    def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
+        """What a vLLM-Omni request adds to its knobs for one prompt's metadata: nothing for text to image (an edit
+        family sends its source image)."""
+        return {}
+
     def __init__(self, pipe, device, dtype: torch.dtype):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
         pipe.set_progress_bar_config(disable=True)

@@ -8,6 +8,9 @@ sees the noisy tokens followed by the source's, whose position ids are the same 
 returns the velocity of the noisy tokens alone, as `FluxKontextPipeline.__call__` does per step (one pass with the
 guidance embedding, no CFG).
 """
+import base64
+import io
+
 import torch
 from PIL import Image
 
@@ -30,7 +33,7 @@ class FluxKontext(Flux):
     output to 1024² pixels) for a source of the output's aspect ratio, which prompts.py checks at start-up."""
     pipeline_class = "FluxKontextPipeline"
     default_path = "black-forest-labs/FLUX.1-Kontext-dev"
-    omni_pipeline_class = None  # no vLLM-Omni pipeline yet: startup refuses --rollout vllm-omni for an edit model
+    omni_pipeline_class = "omni_pipeline.FlowGRPOFluxKontextPipeline"
     build_tiny = staticmethod(build_tiny_kontext_pipeline)
 
     @classmethod
@@ -60,13 +63,24 @@ class FluxKontext(Flux):
         cond["source"] = encoded[torch.tensor([distinct.index(p) for p in paths], device=self.device)]
         return cond
 
+    def resized_source(self, path: str, height: int, width: int) -> Image.Image:
+        """One source image (an RGB image file) at the output size, resized as the pipeline resizes it."""
+        with Image.open(path) as im:
+            return self.pipe.image_processor.resize(im.convert("RGB"), height, width)
+
+    def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
+        """`source`: the prompt's source image at the output size, a base64 PNG (the same pixels). vLLM-Omni's Kontext
+        pipeline resizes a source to its own size: sent resized, it is encoded as `encode_source` encodes it."""
+        png = io.BytesIO()
+        self.resized_source(metadata["image"], height, width).save(png, format="PNG")
+        return {"source": base64.b64encode(png.getvalue()).decode("ascii")}
+
     @torch.no_grad()
     def encode_source(self, path: str, height: int, width: int) -> torch.Tensor:
         """One source image (an RGB image file) → its packed latents (1, S, C·4) in the model dtype: resized to
         (height, width), then the pipeline's own preprocessing, VAE encoding (argmax) and packing."""
         pipe = self.pipe
-        with Image.open(path) as im:
-            image = pipe.image_processor.resize(im.convert("RGB"), height, width)
+        image = self.resized_source(path, height, width)
         pixels = pipe.image_processor.preprocess(image, height, width).to(self.device, self.dtype)
         z = pipe._encode_vae_image(pixels, generator=None)  # (1, C, h, w), normalised by the VAE's shift and scale
         return pipe._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3]).to(self.dtype)

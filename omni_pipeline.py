@@ -5,7 +5,7 @@
         '{"pipeline_class": "omni_pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
-FlowGRPOWanPipeline).
+FlowGRPOFluxKontextPipeline, FlowGRPOWanPipeline).
 Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
@@ -19,6 +19,8 @@ A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend
     max_sequence_length  the trainer's text length (its adapter's): T5 pads every prompt to it, so it shapes the
                   conditioning (the request API has no field for it)
     num_frames    frames per sample (a video model's; 1, the default, for images): the image API has no field for it
+    source        an edit model's source image (FLUX.1 Kontext): a base64 PNG at the output size, at most
+                  SOURCE_BYTES; /v1/images/generations takes no image, and /v1/images/edits no extra_params
 A request without it (the server's start-up warm-up, a plain generation) runs vLLM-Omni's own sampler and
 writes nothing. Everything else (prompt encoding, latent packing, the transformer, CFG, the VAE decode) stays
 vLLM-Omni's: only the denoising loop is ours (`FlowGRPOSampler`), plus fixes to three 0.30.0 defects: Qwen-Image's
@@ -32,7 +34,10 @@ prompt conditioning: the trainer re-encodes the prompts with its own (identical,
 embeddings would be the largest tensors in the file, and shipping them would hide part of the rollout-vs-trainer
 gap that `train/logp_gap` is there to measure.
 """
+import base64
+import binascii
 import inspect
+import io
 import json
 import os
 import uuid
@@ -41,8 +46,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from diffusers.utils.torch_utils import randn_tensor
+from PIL import Image
 from safetensors.torch import save
 from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
+from vllm_omni.diffusion.models.flux.pipeline_flux_kontext import FluxKontextPipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import Wan22Pipeline
@@ -54,6 +61,31 @@ from models_wan import WAN_SCHEDULER, wan_scheduler_class
 KEY = "flowgrpo"  # the extra_params entry that carries our knobs
 FORMAT = "flowgrpo-trajectory-v2"
 SAMPLER_KNOBS = ("steps", "noise_level", "sde_type", "max_sequence_length", "num_frames")  # one per sampling pass
+SOURCE_BYTES = 64 << 20  # the longest source knob read (base64 text); its image must be the request's size
+
+
+def decode_source(text, height: int, width: int) -> Image.Image:
+    """knobs["source"]: the RGB source image the trainer sent, checked before its pixels are decoded (bounded text,
+    base64, an image of exactly the request's size: the pipeline would resize another size)."""
+    if not isinstance(text, str) or len(text) > SOURCE_BYTES:
+        raise ValueError(f"extra_params.{KEY}.source must be a base64 PNG of at most {SOURCE_BYTES} characters")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(text, validate=True)))
+    except (binascii.Error, OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"extra_params.{KEY}.source is not a base64 image ({e})") from None
+    if image.size != (width, height):
+        raise ValueError(f"extra_params.{KEY}.source is {image.width}×{image.height}, not the request's "
+                         f"{width}×{height}")
+    return image.convert("RGB")
+
+
+def expose_flux_lora_names(transformer) -> None:
+    """0.30.0's FLUX transformer keeps this mapping local to load_weights (SD3's and Qwen-Image's expose it): its LoRA
+    manager then refuses to_q/k/v, add_q/k/v_proj (diffusers' names, Flow-GRPO's targets). Expose it."""
+    transformer.stacked_params_mapping = [  # (fused module, diffusers' module, shard)
+        (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
+        (".add_kv_proj", ".add_q_proj", "q"), (".add_kv_proj", ".add_k_proj", "k"),
+        (".add_kv_proj", ".add_v_proj", "v")]
 
 
 def checked_root(custom_pipeline_args: dict | None) -> str | None:
@@ -131,7 +163,7 @@ class FlowGRPOSampler:
         super().__init__(od_config=od_config, prefix=prefix)
         self.trajectory_root = root
 
-    def forward(self, req: DiffusionRequestBatch):
+    def forward(self, req: DiffusionRequestBatch, **kwargs):  # kwargs: the parent's (Kontext: the source image)
         params = req.sampling_params_list
         n = params[0].num_outputs_per_prompt if params[0].num_outputs_per_prompt > 0 else 1
         name = f"{type(self).__module__}.{type(self).__name__}"
@@ -141,18 +173,19 @@ class FlowGRPOSampler:
         if len({json.dumps(k and [k[s] for s in SAMPLER_KNOBS]) for k in knobs}) > 1:
             return [out for r in req.requests for out in self.forward(DiffusionRequestBatch(requests=[r]))]
         if knobs[0] is None:
-            return super().forward(req)
+            return super().forward(req, **kwargs)
         # Rows of the batch are [request 0 × n, request 1 × n, …], as the conditioning is repeated.
         self._run = dict(knobs[0], gens=[torch.Generator().manual_seed(s) for k in knobs for s in k["seeds"]])
         try:
-            outputs = super().forward(req)
+            outputs = super().forward(req, **kwargs)
             run = self._run
         finally:
             self._run = None
         # The runner returns the outputs of global rank 0 only (diffusion_model_runner.py, `is_primary`);
         # with several devices (TP/SP/CFG-parallel) every rank holds the same tensors, so rank 0 writes.
         if not dist.is_initialized() or dist.get_rank() == 0:
-            for i, (k, out) in enumerate(zip(knobs, outputs)):
+            # one output per request; a pipeline without request batching (Kontext) returns its one request's
+            for i, (k, out) in enumerate(zip(knobs, outputs if isinstance(outputs, list) else [outputs])):
                 rows = slice(i * n, (i + 1) * n)
                 # out.output: (n, 3, H, W) in [-1, 1]; [0, 1] as VaeImageProcessor.postprocess(output_type="pt")
                 images = (self.samples(out).float() / 2 + 0.5).clamp(0, 1)
@@ -289,33 +322,68 @@ class FlowGRPOSD3Pipeline(FlowGRPOSampler, StableDiffusion3Pipeline):
         return v
 
 
+def flux_velocity(pipe, a: SimpleNamespace, img_ids, source=None):
+    """v(x, t) (B·n, S, 4C) as FLUX's `diffuse` computes it: one pass with the guidance embedding; Kontext's on
+    [x, source] (B·n, 2S, 4C) with the source's ids after x's, its output's first S tokens."""
+    if a.do_true_cfg:  # the trainer never asks for it (models.check_model_args: --cfg-scale 1 for FLUX)
+        raise ValueError(f"{type(pipe).__name__} samples with the guidance embedding only: no true_cfg_scale > 1 with "
+                         "a negative prompt")
+    pipe.transformer.do_true_cfg = False
+    dtype = a.prompt_embeds.dtype
+
+    def v(x, t):
+        hidden = x.to(dtype) if source is None else torch.cat([x.to(dtype), source], 1)
+        pos = dict(hidden_states=hidden, timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000, guidance=a.guidance,
+                   pooled_projections=a.pooled_prompt_embeds, encoder_hidden_states=a.prompt_embeds,
+                   txt_ids=a.text_ids, img_ids=img_ids, joint_attention_kwargs=pipe.joint_attention_kwargs,
+                   return_dict=False)
+        return pipe.predict_noise_maybe_with_cfg(False, a.true_cfg_scale, pos, None, False, output_slice=x.shape[1])
+    return v
+
+
 class FlowGRPOFluxPipeline(FlowGRPOSampler, FluxPipeline):
     """vLLM-Omni's FluxPipeline (FLUX.1-dev) with this project's sampler (models_flux.Flux's twin)."""
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
-        # 0.30.0's FLUX transformer keeps this mapping local to load_weights (SD3's and Qwen-Image's expose it): its
-        # LoRA manager then refuses to_q/k/v, add_q/k/v_proj (diffusers' names, Flow-GRPO's targets). Expose it.
-        self.transformer.stacked_params_mapping = [  # (fused module, diffusers' module, shard)
-            (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
-            (".add_kv_proj", ".add_q_proj", "q"), (".add_kv_proj", ".add_k_proj", "k"),
-            (".add_kv_proj", ".add_v_proj", "v")]
+        expose_flux_lora_names(self.transformer)
 
     def velocity(self, a: SimpleNamespace):
-        """v(x, t) (B·n, S, 4C) as FluxPipeline.diffuse computes it: one pass with the guidance embedding."""
-        if a.do_true_cfg:  # the trainer never asks for it (models.check_model_args: --cfg-scale 1 for FLUX)
-            raise ValueError("FlowGRPOFluxPipeline samples with the guidance embedding only: no true_cfg_scale > 1 "
-                             "with a negative prompt")
-        self.transformer.do_true_cfg = False
-        dtype = a.prompt_embeds.dtype
+        return flux_velocity(self, a, a.latent_image_ids)
 
-        def v(x, t):
-            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
-                       guidance=a.guidance, pooled_projections=a.pooled_prompt_embeds,
-                       encoder_hidden_states=a.prompt_embeds, txt_ids=a.text_ids, img_ids=a.latent_image_ids,
-                       joint_attention_kwargs=self.joint_attention_kwargs, return_dict=False)
-            return self.predict_noise_maybe_with_cfg(False, a.true_cfg_scale, pos, None, a.cfg_normalize)
-        return v
+
+class FlowGRPOFluxKontextPipeline(FlowGRPOSampler, FluxKontextPipeline):
+    """vLLM-Omni's FluxKontextPipeline (FLUX.1 Kontext) with this project's sampler (models_kontext.FluxKontext's
+    twin): the source image comes in the knobs; the velocity is FLUX's on [x, source] (B·n, 2S, 4C), its first S."""
+
+    def __init__(self, *, od_config, prefix: str = ""):
+        super().__init__(od_config=od_config, prefix=prefix)
+        expose_flux_lora_names(self.transformer)
+
+    def forward(self, req: DiffusionRequestBatch, **kwargs):
+        sp = req.sampling_params  # one request a pass: vLLM-Omni 0.30.0 refuses --max-num-seqs > 1 for Kontext
+        source = ((sp.extra_args or {}).get(KEY) or {}).get("source")
+        if source is not None:
+            kwargs["image"] = decode_source(source, sp.height, sp.width)
+        return super().forward(req, **kwargs)
+
+    def prepare_latents(self, image, batch_size, num_channels_latents, height, width, dtype, device, generator=None,
+                        latents=None):
+        """The noise as FlowGRPOSampler draws it (float32, one generator per image), the source's latents in the
+        server's dtype (as the trainer's adapter encodes them: the VAE runs in its own dtype)."""
+        if self._run is None:
+            return super().prepare_latents(image, batch_size, num_channels_latents, height, width, dtype, device,
+                                           generator, latents)
+        noise, _, latent_ids, _ = super().prepare_latents(None, batch_size, num_channels_latents, height, width, dtype,
+                                                          device, generator, latents)
+        _, source, _, source_ids = FluxKontextPipeline.prepare_latents(
+            self, image, batch_size, num_channels_latents, height, width, dtype, device, None, noise)
+        return noise, source, latent_ids, source_ids
+
+    def velocity(self, a: SimpleNamespace):
+        if a.image_latents is None:  # the trainer always sends one (models_kontext.FluxKontext.omni_knobs)
+            raise ValueError(f"FlowGRPOFluxKontextPipeline edits a source image: extra_params.{KEY}.source is missing")
+        return flux_velocity(self, a, a.latent_ids, a.image_latents)
 
 
 class FlowGRPOWanPipeline(FlowGRPOSampler, Wan22Pipeline):

@@ -153,12 +153,13 @@ def test_the_source_image_reaches_the_rewards_metadata(edit_run):
                   r'none: give it a \.jsonl whose every line has "image"'),
     ("text to image", r"its prompts carry source images \(\"image\"\), which --model tiny-flux \(text to image\) "
                       r"cannot use: choose an edit model"),
-    ("vllm-omni", r"--rollout vllm-omni: --model tiny-flux-kontext edits a source image.*use --rollout local"),
+    ("vllm-omni", r"--rollout vllm-omni: --model tiny-flux-kontext has no vLLM-Omni pipeline yet .*use --rollout "
+                  r"local"),
     ("sp", r"--sp: --model tiny-flux-kontext has no sequence parallelism yet .*run without --sp"),
 ])
-def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_path, case, needle):
+def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_path, monkeypatch, case, needle):
     """Each refusal is one line naming the file and line (or the flags) and the fix, raised by startup.check_args,
-    before anything is built."""
+    before anything is built (vllm-omni: as for a family without a vLLM-Omni pipeline, which Kontext has)."""
     prompts = edit_prompts(tmp_path)
     source = tmp_path / "sources" / "1.png"
     change = dict(prompts=prompts)
@@ -176,6 +177,7 @@ def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_pat
         change["sp"] = 2
     else:
         change |= dict(rollout="vllm-omni", rollout_url="http://127.0.0.1:1")
+        monkeypatch.setattr(models.adapter_class("tiny-flux-kontext"), "omni_pipeline_class", None)
     args = dataclasses.replace(flowgrpo.RECIPES["tiny-flux-kontext"], **change)
     with pytest.raises(ValueError, match=needle) as refusal:
         startup.check_args(args)

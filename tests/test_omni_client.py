@@ -221,7 +221,8 @@ def test_each_family_asks_for_its_own_guidance():
     assert wan(None, 1.0, "") == {"guidance_scale": 1.0} and wan(None, 4.5, "") == {"guidance_scale": 4.5,
                                                                                      "negative_prompt": ""}
     assert [(models.adapter_class(m).omni_pipeline_class or ".none").split(".")[1] for m in models.TINY] == [
-        "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline", "none", "FlowGRPOWanPipeline"]
+        "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline", "FlowGRPOFluxKontextPipeline",
+        "FlowGRPOWanPipeline"]
 
 
 # ---- trajectory files ---------------------------------------------------------------------------
