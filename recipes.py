@@ -61,6 +61,18 @@ RECIPES: dict[str, dict] = {
                        guidance=3.5, noise_level=0.9, window_range=(0, 3), clip_range=1e-4, lr=3e-4, lora_rank=64,
                        lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"], mixed_precision=True, ema_decay=0.9,
                        ema_every=8, ema_repeat=6, zero_advantage="keep", checkpoint_every=30, eval_every=30),
+    # Flow-GRPO's public config counting_flux_kontext (config/grpo.py) and scripts/train_flux_kontext.py: FLUX.1-dev's
+    # values at guidance 2.5, 21 images a prompt, LoRA also on the single blocks' MLP (proj_mlp), zero-advantage images
+    # dropped. Departure: its reward (CLIP image similarity 0.5 + a GenEval counting check 0.5 on its counting_edit
+    # set) is not here; a VL judge of the instruction (expected on 127.0.0.1:8000) and preserve, 0.5 each; its prompts
+    # are a .jsonl edit set of the user's (--prompts). docs/algorithm.md §7
+    "flux.1-kontext-dev": dict(model="flux.1-kontext-dev", iterations=300,
+                               reward="judge:edit=http://127.0.0.1:8000=0.5,preserve=0.5", group_size=21,
+                               prompts_per_iteration=48, micro_batch=3, height=512, width=512, num_steps=6,
+                               eval_steps=28, guidance=2.5, noise_level=0.9, clip_range=1e-4, lr=3e-4, lora_rank=64,
+                               lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"] + ("proj_mlp",),
+                               mixed_precision=True, ema_decay=0.9, ema_every=8, ema_repeat=6, checkpoint_every=30,
+                               eval_every=30),
     # Flow-GRPO's public config grpo_guard.py:general_ocr_sd3_rationorm and scripts/train_sd3_GRPO_Guard.py
     "sd3.5-medium-guard": dict(model="sd3.5-medium", iterations=300, prompts="ocr", reward="ocr", group_size=24,
                                prompts_per_iteration=48, micro_batch=9, height=512, width=512, num_steps=10,

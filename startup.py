@@ -105,7 +105,8 @@ def check_args(a) -> tuple[str, dict] | None:
          "(tiny-flux-kontext, flux.1-kontext-dev) or prompts without images")
     need(a.rollout == "local" or models.adapter_class(a.model).omni_pipeline_class, f"--rollout vllm-omni: --model "
          f"{a.model} has no vLLM-Omni pipeline yet (docs/vllm-omni.md lists the families): use --rollout local")
-    rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
+    rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
+                                     [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
     rollout.check_backend(a.rollout, a.rollout_url)
     if not a.resume:
         return None

@@ -30,7 +30,8 @@ BUDGETS = {
     "checkpoint.py": 300,
     "rollout.py": 450,  # trajectories with log-probs: the local backend and the vLLM-Omni client
     "omni_pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
-    "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote and judge clients
+    "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote reward, the judge's registration
+    "reward_judge.py": 250,  # the vision-language judge: its tasks, their scores, its client; an edit's source image
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies
     "reward_server.py": 420,  # the bounded reward server
     "prompts.py": 200,  # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler
