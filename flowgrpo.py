@@ -81,10 +81,11 @@ class Args:
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
     model: Literal["tiny", "tiny-sd3", "tiny-flux", "tiny-wan", "nano", "nano-compose", "qwen-image", "sd3.5-medium",
-                   "flux.1-dev", "wan2.1-t2v-1.3b", "tiny-flux-kontext", "flux.1-kontext-dev"] = "tiny"
-    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev edits (--prompts: a .jsonl with a source
-    image per line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained here on
-    handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
+                   "flux.1-dev", "wan2.1-t2v-1.3b", "tiny-flux-kontext", "flux.1-kontext-dev", "tiny-qwen-image-edit",
+                   "qwen-image-edit"] = "tiny"
+    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev, Qwen-Image-Edit edit (--prompts: a
+    .jsonl, a source image a line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained
+    on handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
