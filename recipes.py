@@ -25,6 +25,7 @@ RECIPES: dict[str, dict] = {
                      lora_targets=LORA_TARGETS["tiny-sd3"]),
     "tiny-flux": dict(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
     "tiny-flux-kontext": dict(model="tiny-flux-kontext", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
+    "tiny-qwen-image-edit": dict(model="tiny-qwen-image-edit", cfg_scale=4.0),  # true CFG at the pipeline's default
     # 9 frames (3 latent frames), a reward on the frames' motion. Rise in 30 iterations (12) in iteration-0 within-
     # batch stds, seeds 0, 1, 2: 5.4 (1.0), 3.4 (1.4), 7.0 (3.0); at clip 0.2 (which never acted) 5.6 (4.1), 3.1
     # (3.6), 6.9 (4.7); at 0.2 with 8 videos per prompt 4.9, 3.1, 5.3; at 0.2 with the noise and lr of `tiny` (0.7,

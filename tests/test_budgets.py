@@ -22,6 +22,7 @@ BUDGETS = {
     "model_files.py": 150,  # a model directory's files read within bounds before anything is built from them
     "models_qwen.py": 200, "models_sd3.py": 200, "models_flux.py": 200, "models_wan.py": 200,  # one family each
     "models_kontext.py": 200,  # the first edit family: FLUX.1 Kontext, a source image per prompt
+    "models_qwen_edit.py": 200,  # the second edit family: Qwen-Image-Edit, the source through the VL encoder and VAE
     "models_nano.py": 200,  # the laptop task's model: Qwen-Image's classes pretrained here
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, EMA, the old policy, process groups
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
