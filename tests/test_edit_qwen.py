@@ -163,7 +163,8 @@ def test_save_tiny_writes_a_pipeline_that_loads_back(edit, tmp_path):
     ("sp", r"--sp: --model tiny-qwen-image-edit has no sequence parallelism yet .*run without --sp"),
 ])
 def test_prompt_sets_and_flags_it_cannot_serve_are_refused_at_start_up(tmp_path, case, needle):
-    """Each refusal is one line naming the problem and the fix, raised by startup.check_args before anything is built."""
+    """Each refusal is one line naming the problem and the fix, raised by startup.check_args before anything is
+    built."""
     change = {"no images": dict(prompts="general"), "text to image": dict(model="tiny"), "sp": dict(sp=2),
               "vllm-omni": dict(rollout="vllm-omni", rollout_url="http://127.0.0.1:1")}[case]
     args = dataclasses.replace(flowgrpo.RECIPES[MODEL], **({"prompts": edit_prompts(tmp_path)} | change))

@@ -222,6 +222,7 @@ def test_each_family_asks_for_its_own_guidance():
                                                                                      "negative_prompt": ""}
     assert [(models.adapter_class(m).omni_pipeline_class or ".none").split(".")[1] for m in models.TINY] == [
         "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline", "FlowGRPOFluxKontextPipeline",
+        "none", "FlowGRPOWanPipeline"]
         "FlowGRPOWanPipeline"]
 
 
