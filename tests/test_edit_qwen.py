@@ -1,12 +1,16 @@
 """The second edit family, Qwen-Image-Edit (`tiny-qwen-image-edit`): the ODE rollout against diffusers' own
 QwenImageEditPlusPipeline with true CFG, the source's two paths into the velocity (the VL text encoder, for both CFG
 branches, and the VAE tokens), an exactly on-policy first update in the real training script, the LoRA export loaded
-by the pipeline, the tiny pipeline written by `save-tiny` and read back, and the start-up refusals.
+by the pipeline, exact resume and 1-vs-2 ranks, the tiny pipeline written by `save-tiny` and read back, and the start-up
+refusals.
 
 The pipeline resizes the source to about 1024² pixels for its VAE and 384² for the text encoder; at those sizes a tiny
 call takes ~30 s on a CPU, so the whole file runs with both shrunk to 32² in diffusers' module (the adapter reads them
 there at call time, as the pipeline does)."""
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +25,7 @@ import rollout
 import scheduler as sch
 import startup
 from test_edit import edit_prompts, write_png
+from test_engine import ENV, ROOT, assert_same, lora, relative_difference, train_state
 from tiny_setup import main_here
 
 MODEL = "tiny-qwen-image-edit"
@@ -29,13 +34,25 @@ PROMPTS = ["make the cat red 0", "make the cat red 1"]
 NEGATIVE = "blurry"
 
 
+EDIT_PLUS = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"
+SMALL = 32 * 32  # the source's pixels (by area) for the VAE and the text encoder in this file
+# flowgrpo.py launched by torchrun with the same sizes: each rank shrinks them, then runs the script
+LAUNCHER = f"""import runpy, sys
+import {EDIT_PLUS} as edit_plus
+edit_plus.VAE_IMAGE_SIZE = edit_plus.CONDITION_IMAGE_SIZE = {SMALL}
+sys.argv[0] = {os.path.join(ROOT, "flowgrpo.py")!r}
+sys.path.insert(0, {ROOT!r})
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.fixture(scope="module", autouse=True)
 def small_sources():
-    """The pipeline's source sizes (pixels, by area) shrunk for this file: 32² for the VAE and the text encoder."""
+    """The pipeline's source sizes shrunk to SMALL in diffusers' module for this file."""
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as edit_plus
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(edit_plus, "VAE_IMAGE_SIZE", 32 * 32)
-        mp.setattr(edit_plus, "CONDITION_IMAGE_SIZE", 32 * 32)
+        mp.setattr(edit_plus, "VAE_IMAGE_SIZE", SMALL)
+        mp.setattr(edit_plus, "CONDITION_IMAGE_SIZE", SMALL)
         yield
 
 
@@ -136,6 +153,35 @@ def test_the_exported_lora_loads_into_a_fresh_edit_pipeline(edit, tmp_path):
         loaded = family(fresh, "cpu", torch.float32).velocity(x, sigma, batch.cond, 4.0, 32, 32)
     assert (trained - base).abs().max() > 1e-4  # the adapter changed the output ...
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)  # ... and the export carries it
+
+
+# 4 edit images per iteration: 4 micro-batches of 1 in one process, 2 on each of two ranks; a checkpoint per iteration.
+EDIT_RUN = ["--model", MODEL, "--iterations", "2", "--group-size", "2", "--prompts-per-iteration", "2",
+            "--micro-batch", "1", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
+
+
+def test_an_edit_run_resumes_bit_for_bit_and_two_ranks_agree_with_one(tmp_path):
+    """The family under the engine's guarantees, as tests/test_edit.py checks Kontext: 2 iterations straight; 1, then
+    --resume auto to 2 (the same LoRA and AdamW state, bit for bit: the prompt embeddings and source latents are
+    rebuilt from the prompt set, not checkpointed); and 2 torchrun ranks against one process (the LoRA as a whole
+    within test_engine's 1e-3 relative: only the gradient sums' order differs)."""
+    prompts = edit_prompts(tmp_path)
+    straight, resumed, ranks = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ranks"
+    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", straight)
+    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", resumed, "--iterations", "1")
+    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", resumed, "--resume", "auto")
+    assert_same(lora(straight), lora(resumed), exact=True)
+    assert_same(train_state(straight, "iter_000001", tmp_path), train_state(resumed, "iter_000001", tmp_path),
+                exact=True)
+    (tmp_path / "launch.py").write_text(LAUNCHER)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(tmp_path / "launch.py"), "--no-wandb", *EDIT_RUN, "--prompts", prompts,
+                          "--run-dir", str(ranks)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    for ckpt in ("iter_000000", None):
+        rel, worst = relative_difference(lora(straight, ckpt), lora(ranks, ckpt))
+        print(f"\n{ckpt or 'final'} LoRA, 1 vs 2 ranks: {rel:.3g} relative, max |Δ| {worst:.3g}")
+        assert rel < 1e-3, f"{ckpt or 'final'} LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
 
 
 def test_save_tiny_writes_a_pipeline_that_loads_back(edit, tmp_path):
