@@ -1,12 +1,13 @@
 """The second edit family, Qwen-Image-Edit (`tiny-qwen-image-edit`): the ODE rollout against diffusers' own
 QwenImageEditPlusPipeline with true CFG, the source's two paths into the velocity (the VL text encoder, for both CFG
-branches, and the VAE tokens), an exactly on-policy first update in the real training script, the LoRA export loaded
-by the pipeline, exact resume and 1-vs-2 ranks, the tiny pipeline written by `save-tiny` and read back, and the start-up
-refusals.
+branches, and the VAE tokens), branched groups, an exactly on-policy first update in the real training script, the
+LoRA export loaded by the pipeline, exact resume and 1-vs-2 ranks, the tiny pipeline written by `save-tiny` and read
+back, and the start-up refusals.
 
-The pipeline resizes the source to about 1024² pixels for its VAE and 384² for the text encoder; at those sizes a tiny
-call takes ~30 s on a CPU, so the whole file runs with both shrunk to 32² in diffusers' module (the adapter reads them
-there at call time, as the pipeline does)."""
+The pipeline resizes the source to about 1024² pixels for its VAE and 384² for the text encoder; at those sizes the
+tiny model takes 30 s on one CPU core to encode a source and 2.3 s a transformer call (16,384 source tokens, measured),
+so the whole file runs with both shrunk to 32² in diffusers' module (the adapter reads them there at call time, as the
+pipeline does)."""
 import dataclasses
 import os
 import subprocess
@@ -112,6 +113,19 @@ def test_the_source_reaches_the_velocity_through_both_paths(edit, tmp_path):
         assert (v_mixed[1] - v[1]).abs().max() > 1e-4 and (v_mixed[1] - v[0]).abs().max() > 1e-4, path
     with pytest.raises(ValueError, match="edits a source image: every prompt needs one"):
         edit.conditioning(["edit it"], "", 1.0, [{}], 32, 32)
+
+
+def test_branched_groups_start_from_their_own_source(edit, tmp_path):
+    """--branch: each group's shared prefix (rollout.branch_prefixes, its prompt and source encoded alone) is sampled
+    with that group's source, and the group's images then differ in their own SDE steps."""
+    sources = [write_png(tmp_path / f"{i}.png", 32, 32, seed=i) for i in range(2)]
+    kw = dict(steps=[2, 3], num_steps=4, height=32, width=32, cfg_scale=4.0, negative_prompt=NEGATIVE, noise_level=0.7,
+              sde_type="sde", seed=0, iteration=0, chunk=4, branch=True)
+    one = rollout.sample(edit, ["edit it"] * 4, [{"image": sources[0]}] * 4, [0] * 4, range(4), **kw)
+    two = rollout.sample(edit, ["edit it"] * 4, [{"image": sources[1]}] * 4, [0] * 4, range(4), **kw)
+    assert all(torch.equal(one.latents[0, 0], one.latents[i, 0]) for i in range(4))  # one prefix per group
+    assert (one.latents[0, 0] - two.latents[0, 0]).abs().max() > 1e-4  # the same noise, another source
+    assert (one.latents[0, 1] - one.latents[1, 1]).abs().max() > 1e-4
 
 
 def test_edit_training_is_exactly_on_policy(tmp_path):
