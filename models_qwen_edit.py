@@ -107,7 +107,8 @@ class QwenImageEdit(QwenImage):
                              '("image": a path; prompts.py reads it from a .jsonl)')
         images = {path: self.encode_source(path) for path in dict.fromkeys(paths)}
         if len({tuple(grid.tolist()) for _, grid, _ in images.values()}) > 1:
-            raise ValueError("the source images of one batch must share their aspect ratio (their latent grids differ)")
+            raise ValueError("the source images of one batch give latent grids of different sizes: crop them to one "
+                             "aspect ratio (at start-up prompts.py checks each against --height/--width)")
         conditions = {path: condition for path, (_, _, condition) in images.items()}
         cond = self._embed(list(zip(prompts, paths)), conditions)
         if cfg_scale > 1:
