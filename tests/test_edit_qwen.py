@@ -219,7 +219,8 @@ def test_save_tiny_writes_a_pipeline_that_loads_back(edit, tmp_path):
                   r'none: give it a \.jsonl whose every line has "image"'),
     ("text to image", r"which --model tiny \(text to image\) cannot use: choose an edit model \(tiny-flux-kontext, "
                       r"flux\.1-kontext-dev, tiny-qwen-image-edit, qwen-image-edit\)"),
-    ("vllm-omni", r"--rollout vllm-omni: --model tiny-qwen-image-edit edits a source image.*use --rollout local"),
+    ("vllm-omni", r"--rollout vllm-omni: --model tiny-qwen-image-edit has no vLLM-Omni pipeline yet .*use --rollout "
+                  r"local"),
     ("sp", r"--sp: --model tiny-qwen-image-edit has no sequence parallelism yet .*run without --sp"),
 ])
 def test_prompt_sets_and_flags_it_cannot_serve_are_refused_at_start_up(tmp_path, case, needle):

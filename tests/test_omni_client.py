@@ -223,7 +223,6 @@ def test_each_family_asks_for_its_own_guidance():
     assert [(models.adapter_class(m).omni_pipeline_class or ".none").split(".")[1] for m in models.TINY] == [
         "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline", "FlowGRPOFluxKontextPipeline",
         "none", "FlowGRPOWanPipeline"]
-        "FlowGRPOWanPipeline"]
 
 
 # ---- trajectory files ---------------------------------------------------------------------------
