@@ -80,9 +80,7 @@ class Args:
     shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
-    model: Literal["tiny", "tiny-sd3", "tiny-flux", "tiny-wan", "nano", "nano-compose", "qwen-image", "sd3.5-medium",
-                   "flux.1-dev", "wan2.1-t2v-1.3b", "tiny-flux-kontext", "flux.1-kontext-dev", "tiny-qwen-image-edit",
-                   "qwen-image-edit"] = "tiny"
+    model: Literal[models.MODELS] = "tiny"  # the registry's names (models.SPECS), each a choice of --model
     """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev, Qwen-Image-Edit edit (--prompts: a
     .jsonl, a source image a line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained
     on handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
