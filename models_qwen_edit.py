@@ -15,8 +15,12 @@ Both sizes are read from the pipeline's module at call time (a test shrinks them
 alone and each image VAE-encoded once, alone (batch 1, as the pipeline, which takes one prompt a call): the bits do not
 depend on what else a batch holds.
 """
+import base64
 import importlib
 import importlib.util
+import io
+import json
+import os
 
 import torch
 from PIL import Image
@@ -28,12 +32,20 @@ from models_qwen import QwenImage, build_tiny_qwen_pipeline
 def image_only_processor(image_processor, tokenizer):
     """A Qwen2VLProcessor without its video half. transformers builds Qwen2VLProcessor's video processor only with
     torchvision installed; images need none, so without torchvision the tiny pipeline (and a real one's loading) take
-    this subclass, whose only difference is that `video_processor` is not one of its parts."""
+    this subclass, whose only difference is that `video_processor` is not one of its parts. Saved, it writes the video
+    half's config too (its class, at its defaults), as the real model's processor/ holds one: a Qwen2VLProcessor
+    reads it where torchvision is installed (a vLLM-Omni server loads the directory so)."""
     from transformers import Qwen2VLProcessor
 
     class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+        def save_pretrained(self, save_directory, **kwargs):
+            saved = super().save_pretrained(save_directory, **kwargs)
+            with open(os.path.join(save_directory, "video_preprocessor_config.json"), "w") as f:
+                json.dump({"video_processor_type": "Qwen2VLVideoProcessor"}, f)
+            return saved
     return ImageOnlyQwen2VLProcessor(image_processor, tokenizer)
 
 
@@ -58,7 +70,7 @@ class QwenImageEdit(QwenImage):
     columns) of patches; `embeds`/`mask` (and `neg_embeds`/`neg_mask`) are the prompt encoded with the source."""
     pipeline_class = "QwenImageEditPlusPipeline"
     default_path = "Qwen/Qwen-Image-Edit-2511"
-    omni_pipeline_class = None  # no vLLM-Omni pipeline yet: startup refuses --rollout vllm-omni for an edit model
+    omni_pipeline_class = "omni_pipeline_edit.FlowGRPOQwenImageEditPlusPipeline"
     build_tiny = staticmethod(build_tiny_qwen_edit_pipeline)
 
     @classmethod
@@ -134,6 +146,20 @@ class QwenImageEdit(QwenImage):
         return {"embeds": embeds[index].to(self.dtype), "mask": mask[index]}
 
     @torch.no_grad()
+    def source_areas(self) -> list[int]:
+        """The pixel areas a source is resized to for the text encoder and for the VAE: the pipeline's module's
+        CONDITION_IMAGE_SIZE and VAE_IMAGE_SIZE, read now (a test shrinks them)."""
+        module = importlib.import_module(type(self.pipe).__module__)
+        return [module.CONDITION_IMAGE_SIZE, module.VAE_IMAGE_SIZE]
+
+    def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
+        """`source`: the prompt's source image as it is (RGB, a base64 PNG: the same pixels), and `source_areas`: the
+        server resizes it as `encode_source` does (omni_pipeline_edit.py)."""
+        png = io.BytesIO()
+        with Image.open(metadata["image"]) as im:
+            im.convert("RGB").save(png, format="PNG")
+        return {"source": base64.b64encode(png.getvalue()).decode("ascii"), "source_areas": self.source_areas()}
+
     def encode_source(self, path: str) -> tuple[torch.Tensor, torch.Tensor, Image.Image]:
         """One source image (an RGB image file) → (its packed latents (1, S', C·4) in the model dtype, their grid
         (rows, columns) of patches as a LongTensor (2,), its copy for the text encoder (a PIL image)): resized and
@@ -141,11 +167,10 @@ class QwenImageEdit(QwenImage):
         pipe = self.pipe
         with Image.open(path) as im:
             image = im.convert("RGB")
-        # the pipeline's `calculate_dimensions` at its module's sizes, read now (a test shrinks them)
+        # the pipeline's `calculate_dimensions` at its module's sizes
         module = importlib.import_module(type(pipe).__module__)
         ratio = image.size[0] / image.size[1]
-        (cw, ch), (vw, vh) = (module.calculate_dimensions(area, ratio)
-                              for area in (module.CONDITION_IMAGE_SIZE, module.VAE_IMAGE_SIZE))
+        (cw, ch), (vw, vh) = (module.calculate_dimensions(area, ratio) for area in self.source_areas())
         condition = pipe.image_processor.resize(image, ch, cw)
         pixels = pipe.image_processor.preprocess(image, vh, vw).unsqueeze(2).to(self.device, self.dtype)
         z = pipe._encode_vae_image(pixels, generator=None)  # (1, C, 1, h, w), normalised by the VAE's mean and std

@@ -5,7 +5,7 @@
         '{"pipeline_class": "omni_pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
-FlowGRPOFluxKontextPipeline, FlowGRPOWanPipeline).
+FlowGRPOWanPipeline; the edit families' are omni_pipeline_edit.py's).
 Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
@@ -19,8 +19,8 @@ A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend
     max_sequence_length  the trainer's text length (its adapter's): T5 pads every prompt to it, so it shapes the
                   conditioning (the request API has no field for it)
     num_frames    frames per sample (a video model's; 1, the default, for images): the image API has no field for it
-    source        an edit model's source image (FLUX.1 Kontext): a base64 PNG at the output size, at most
-                  SOURCE_BYTES; /v1/images/generations takes no image, and /v1/images/edits no extra_params
+    source        an edit model's source image, a base64 PNG (omni_pipeline_edit.py): /v1/images/generations
+                  takes no image, and /v1/images/edits no extra_params
 A request without it (the server's start-up warm-up, a plain generation) runs vLLM-Omni's own sampler and
 writes nothing. Everything else (prompt encoding, latent packing, the transformer, CFG, the VAE decode) stays
 vLLM-Omni's: only the denoising loop is ours (`FlowGRPOSampler`), plus fixes to three 0.30.0 defects: Qwen-Image's
@@ -34,10 +34,7 @@ prompt conditioning: the trainer re-encodes the prompts with its own (identical,
 embeddings would be the largest tensors in the file, and shipping them would hide part of the rollout-vs-trainer
 gap that `train/logp_gap` is there to measure.
 """
-import base64
-import binascii
 import inspect
-import io
 import json
 import os
 import uuid
@@ -46,10 +43,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from diffusers.utils.torch_utils import randn_tensor
-from PIL import Image
 from safetensors.torch import save
 from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
-from vllm_omni.diffusion.models.flux.pipeline_flux_kontext import FluxKontextPipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
 from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import Wan22Pipeline
@@ -61,24 +56,6 @@ from models_wan import WAN_SCHEDULER, wan_scheduler_class
 KEY = "flowgrpo"  # the extra_params entry that carries our knobs
 FORMAT = "flowgrpo-trajectory-v2"
 SAMPLER_KNOBS = ("steps", "noise_level", "sde_type", "max_sequence_length", "num_frames")  # one per sampling pass
-SOURCE_BYTES = 64 << 20  # the longest source knob read (base64 text); its image must be the request's size
-
-
-def decode_source(text, height: int, width: int) -> Image.Image:
-    """knobs["source"]: the RGB source image the trainer sent, checked before its pixels are decoded (bounded text,
-    base64, an image of exactly the request's size: the pipeline would resize another size)."""
-    if not isinstance(text, str) or len(text) > SOURCE_BYTES:
-        raise ValueError(f"extra_params.{KEY}.source must be a base64 PNG of at most {SOURCE_BYTES} characters")
-    try:
-        image = Image.open(io.BytesIO(base64.b64decode(text, validate=True)))
-    except (binascii.Error, OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"extra_params.{KEY}.source is not a base64 image ({e})") from None
-    if image.size != (width, height):
-        raise ValueError(f"extra_params.{KEY}.source is {image.width}×{image.height}, not the request's "
-                         f"{width}×{height}")
-    return image.convert("RGB")
-
-
 def expose_flux_lora_names(transformer) -> None:
     """0.30.0's FLUX transformer keeps this mapping local to load_weights (SD3's and Qwen-Image's expose it): its LoRA
     manager then refuses to_q/k/v, add_q/k/v_proj (diffusers' names, Flow-GRPO's targets). Expose it."""
@@ -254,6 +231,26 @@ class FlowGRPOSampler:
         return x.to(latents.dtype)
 
 
+def qwen_velocity(pipe, a: SimpleNamespace):
+    """v(x, t) (B·n, S, C) as Qwen-Image's `diffuse` computes it: vLLM-Omni's true CFG n + s·(p − n), rescaled to the
+    conditional norm per token, when a negative prompt is given with true_cfg_scale > 1; an edit model's on [x, source]
+    (B·n, S + S', C), its output's first S tokens."""
+    pipe.transformer.do_true_cfg = a.do_true_cfg
+    dtype = a.prompt_embeds.dtype  # the transformer's; the state x stays float32 (as in rollout.sample)
+
+    def v(x, t):
+        hidden = x.to(dtype) if a.image_latents is None else torch.cat([x.to(dtype), a.image_latents], 1)
+        pos = dict(hidden_states=hidden, timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
+                   guidance=a.guidance, encoder_hidden_states_mask=a.prompt_embeds_mask,
+                   encoder_hidden_states=a.prompt_embeds, img_shapes=a.img_shapes, txt_seq_lens=a.txt_seq_lens,
+                   **(a.additional_transformer_kwargs or {}))
+        neg = dict(pos, encoder_hidden_states_mask=a.negative_prompt_embeds_mask,
+                   encoder_hidden_states=a.negative_prompt_embeds, txt_seq_lens=a.negative_txt_seq_lens)
+        return pipe.predict_noise_maybe_with_cfg(a.do_true_cfg, a.true_cfg_scale, pos, neg if a.do_true_cfg else None,
+                                                 a.cfg_normalize, output_slice=x.shape[1])
+    return v
+
+
 class FlowGRPOQwenImagePipeline(FlowGRPOSampler, QwenImagePipeline):
     """vLLM-Omni's QwenImagePipeline with this project's sampler (models.QwenImage's twin on the server)."""
 
@@ -269,23 +266,9 @@ class FlowGRPOQwenImagePipeline(FlowGRPOSampler, QwenImagePipeline):
         return embeds.repeat_interleave(num_images_per_prompt, 0), mask.repeat_interleave(num_images_per_prompt, 0)
 
     def velocity(self, a: SimpleNamespace):
-        """v(x, t) (B·n, S, C) as QwenImagePipeline.diffuse computes it: vLLM-Omni's true CFG n + s·(p − n),
-        rescaled to the conditional norm per token, when a negative prompt is given with true_cfg_scale > 1."""
         if a.image_latents is not None:
             raise ValueError("FlowGRPOQwenImagePipeline samples text-to-image only (no image latents)")
-        self.transformer.do_true_cfg = a.do_true_cfg
-        dtype = a.prompt_embeds.dtype  # the transformer's; the state x stays float32 (as in rollout.sample)
-
-        def v(x, t):
-            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
-                       guidance=a.guidance, encoder_hidden_states_mask=a.prompt_embeds_mask,
-                       encoder_hidden_states=a.prompt_embeds, img_shapes=a.img_shapes, txt_seq_lens=a.txt_seq_lens,
-                       **(a.additional_transformer_kwargs or {}))
-            neg = dict(pos, encoder_hidden_states_mask=a.negative_prompt_embeds_mask,
-                       encoder_hidden_states=a.negative_prompt_embeds, txt_seq_lens=a.negative_txt_seq_lens)
-            return self.predict_noise_maybe_with_cfg(a.do_true_cfg, a.true_cfg_scale, pos,
-                                                     neg if a.do_true_cfg else None, a.cfg_normalize)
-        return v
+        return qwen_velocity(self, a)
 
 
 class FlowGRPOSD3Pipeline(FlowGRPOSampler, StableDiffusion3Pipeline):
@@ -350,40 +333,6 @@ class FlowGRPOFluxPipeline(FlowGRPOSampler, FluxPipeline):
 
     def velocity(self, a: SimpleNamespace):
         return flux_velocity(self, a, a.latent_image_ids)
-
-
-class FlowGRPOFluxKontextPipeline(FlowGRPOSampler, FluxKontextPipeline):
-    """vLLM-Omni's FluxKontextPipeline (FLUX.1 Kontext) with this project's sampler (models_kontext.FluxKontext's
-    twin): the source image comes in the knobs; the velocity is FLUX's on [x, source] (B·n, 2S, 4C), its first S."""
-
-    def __init__(self, *, od_config, prefix: str = ""):
-        super().__init__(od_config=od_config, prefix=prefix)
-        expose_flux_lora_names(self.transformer)
-
-    def forward(self, req: DiffusionRequestBatch, **kwargs):
-        sp = req.sampling_params  # one request a pass: vLLM-Omni 0.30.0 refuses --max-num-seqs > 1 for Kontext
-        source = ((sp.extra_args or {}).get(KEY) or {}).get("source")
-        if source is not None:
-            kwargs["image"] = decode_source(source, sp.height, sp.width)
-        return super().forward(req, **kwargs)
-
-    def prepare_latents(self, image, batch_size, num_channels_latents, height, width, dtype, device, generator=None,
-                        latents=None):
-        """The noise as FlowGRPOSampler draws it (float32, one generator per image), the source's latents in the
-        server's dtype (as the trainer's adapter encodes them: the VAE runs in its own dtype)."""
-        if self._run is None:
-            return super().prepare_latents(image, batch_size, num_channels_latents, height, width, dtype, device,
-                                           generator, latents)
-        noise, _, latent_ids, _ = super().prepare_latents(None, batch_size, num_channels_latents, height, width, dtype,
-                                                          device, generator, latents)
-        _, source, _, source_ids = FluxKontextPipeline.prepare_latents(
-            self, image, batch_size, num_channels_latents, height, width, dtype, device, None, noise)
-        return noise, source, latent_ids, source_ids
-
-    def velocity(self, a: SimpleNamespace):
-        if a.image_latents is None:  # the trainer always sends one (models_kontext.FluxKontext.omni_knobs)
-            raise ValueError(f"FlowGRPOFluxKontextPipeline edits a source image: extra_params.{KEY}.source is missing")
-        return flux_velocity(self, a, a.latent_ids, a.image_latents)
 
 
 class FlowGRPOWanPipeline(FlowGRPOSampler, Wan22Pipeline):

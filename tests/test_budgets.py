@@ -31,6 +31,7 @@ BUDGETS = {
     "checkpoint.py": 300,
     "rollout.py": 450,  # trajectories with log-probs: the local backend and the vLLM-Omni client
     "omni_pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
+    "omni_pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
     "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote reward, the judge's registration
     "reward_judge.py": 250,  # the vision-language judge: its tasks, their scores, its client; an edit's source image
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies

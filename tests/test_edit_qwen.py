@@ -219,15 +219,12 @@ def test_save_tiny_writes_a_pipeline_that_loads_back(edit, tmp_path):
                   r'none: give it a \.jsonl whose every line has "image"'),
     ("text to image", r"which --model tiny \(text to image\) cannot use: choose an edit model \(tiny-flux-kontext, "
                       r"flux\.1-kontext-dev, tiny-qwen-image-edit, qwen-image-edit\)"),
-    ("vllm-omni", r"--rollout vllm-omni: --model tiny-qwen-image-edit has no vLLM-Omni pipeline yet .*use --rollout "
-                  r"local"),
     ("sp", r"--sp: --model tiny-qwen-image-edit has no sequence parallelism yet .*run without --sp"),
 ])
 def test_prompt_sets_and_flags_it_cannot_serve_are_refused_at_start_up(tmp_path, case, needle):
     """Each refusal is one line naming the problem and the fix, raised by startup.check_args before anything is
     built."""
-    change = {"no images": dict(prompts="general"), "text to image": dict(model="tiny"), "sp": dict(sp=2),
-              "vllm-omni": dict(rollout="vllm-omni", rollout_url="http://127.0.0.1:1")}[case]
+    change = {"no images": dict(prompts="general"), "text to image": dict(model="tiny"), "sp": dict(sp=2)}[case]
     args = dataclasses.replace(flowgrpo.RECIPES[MODEL], **({"prompts": edit_prompts(tmp_path)} | change))
     with pytest.raises(ValueError, match=needle) as refusal:
         startup.check_args(args)
