@@ -147,6 +147,23 @@ class Adapter:
                                           transformer_lora_adapter_metadata=metadata)
 
 
+class EditAdapter:
+    """What the edit families share, mixed in before the family's adapter (`FluxKontext(EditAdapter, Flux)`): their
+    pipelines' `prepare_latents` take the source image first, and no --sp yet."""
+
+    @classmethod
+    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        """No --sp yet: the source's tokens join the sequence, which is not tested under context parallelism."""
+        raise ValueError(f"--sp: --model {model} has no sequence parallelism yet (its source image's tokens join the "
+                         "sequence); run without --sp")
+
+    def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
+        """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents` draws it."""
+        channels = self.transformer.config.in_channels // 4
+        return self.pipe.prepare_latents(None, len(generators), channels, height, width, torch.float32, self.device,
+                                         generators)[0]
+
+
 # ---- tiny parts the families' toy models share (random weights, built in code, no downloads) -------------
 # The tiny tokenizers are built in code: no installed wheel ships CLIP's BPE or T5's SentencePiece files.
 #   - CLIP: `CLIPTokenizer` over CLIP's byte-level alphabet with no merges (every character one token, the word's

@@ -14,7 +14,7 @@ import io
 import torch
 from PIL import Image
 
-from models_base import Spec
+from models_base import EditAdapter
 from models_flux import Flux, build_tiny_flux_pipeline
 
 
@@ -24,7 +24,7 @@ def build_tiny_kontext_pipeline(seed: int = 0):
     return build_tiny_flux_pipeline(seed, pipeline="FluxKontextPipeline")
 
 
-class FluxKontext(Flux):
+class FluxKontext(EditAdapter, Flux):
     """FLUX.1 Kontext around FluxKontextPipeline. x is FLUX's packed latents (B, S, C·4); `cond["source"]` the
     packed source latents (B, S, C·4) in the model dtype, beside FLUX's `embeds` and `pooled`.
 
@@ -35,18 +35,6 @@ class FluxKontext(Flux):
     default_path = "black-forest-labs/FLUX.1-Kontext-dev"
     omni_pipeline_class = "omni_pipeline_edit.FlowGRPOFluxKontextPipeline"
     build_tiny = staticmethod(build_tiny_kontext_pipeline)
-
-    @classmethod
-    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
-        """No --sp yet: the source's tokens join the sequence, which is not tested under context parallelism."""
-        raise ValueError(f"--sp: --model {model} has no sequence parallelism yet (its source image's tokens join the "
-                         "sequence); run without --sp")
-
-    def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
-        """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents` draws it."""
-        channels = self.transformer.config.in_channels // 4
-        return self.pipe.prepare_latents(None, len(generators), channels, height, width, torch.float32, self.device,
-                                         generators)[0]
 
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
                      metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:

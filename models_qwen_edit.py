@@ -25,7 +25,7 @@ import os
 import torch
 from PIL import Image
 
-from models_base import Spec, from_pretrained
+from models_base import EditAdapter, from_pretrained
 from models_qwen import QwenImage, build_tiny_qwen_pipeline
 
 
@@ -64,7 +64,7 @@ def build_tiny_qwen_edit_pipeline(seed: int = 0):
     return pipe
 
 
-class QwenImageEdit(QwenImage):
+class QwenImageEdit(EditAdapter, QwenImage):
     """Qwen-Image-Edit around QwenImageEditPlusPipeline. x is Qwen-Image's packed latents (B, S, C·4); the conditioning
     adds `source` (B, S', C·4), the packed source latents in the model dtype, and `source_grid` (B, 2), their (rows,
     columns) of patches; `embeds`/`mask` (and `neg_embeds`/`neg_mask`) are the prompt encoded with the source."""
@@ -94,18 +94,6 @@ class QwenImageEdit(QwenImage):
             except (OSError, ValueError):
                 pass  # from_pretrained below names what cannot be read, in one line
         return cls(from_pretrained(cls.pipeline_class, model, path, **kwargs), device, dtype, **options)
-
-    @classmethod
-    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
-        """No --sp yet: the source's tokens join the sequence, which is not tested under context parallelism."""
-        raise ValueError(f"--sp: --model {model} has no sequence parallelism yet (its source image's tokens join the "
-                         "sequence); run without --sp")
-
-    def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
-        """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents` draws it."""
-        channels = self.transformer.config.in_channels // 4
-        return self.pipe.prepare_latents(None, len(generators), channels, height, width, torch.float32, self.device,
-                                         generators)[0]
 
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
                      metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:

@@ -13,8 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-import algorithms
-import engine as eng
 import flowgrpo
 import models
 import rewards
@@ -22,7 +20,7 @@ import rollout
 import scheduler as sch
 import startup
 from test_engine import ENV, ROOT, assert_same, lora, relative_difference, train_state
-from tiny_setup import main_here
+from tiny_setup import check_lora_export, main_here
 
 PROMPTS = ["make the cat red", "add a hat to the dog"]
 
@@ -184,55 +182,36 @@ def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_pat
     assert "\n" not in str(refusal.value)
 
 
-def test_the_exported_lora_loads_into_a_fresh_kontext_pipeline(kontext, tmp_path):
+def test_the_exported_lora_loads_into_a_fresh_kontext_pipeline(tmp_path):
     """One update on an edit batch, exported, loaded by `FluxKontextPipeline.load_lora_weights` into a fresh tiny
     pipeline: its velocity on the same source and noise is the trained one (alpha included)."""
-    args = dataclasses.replace(flowgrpo.RECIPES["tiny-flux-kontext"], group_size=4, prompts_per_iteration=1,
-                               micro_batch=4, optimizer_steps=1)
-    model = models.load_model("tiny-flux-kontext", None, "cpu", seed=0)
-    engine = eng.Engine(model, lora_rank=4, lora_alpha=16, lora_targets=model.lora_targets, lr=5e-2, weight_decay=0,
-                        max_grad_norm=1.0, seed=0)
-    metadata = [{"image": write_png(tmp_path / "source.png", 32, 32, seed=0)}] * 4
-    batch = rollout.sample(model, ["make it red"] * 4, metadata, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4,
-                           height=32, width=32, cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde",
-                           seed=0, iteration=0, chunk=4)
-    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
-    engine.export_lora(str(tmp_path / "lora"))
-    family = models.adapter_class("tiny-flux-kontext")
-    fresh = family.build_tiny(0)
-    fresh.load_lora_weights(str(tmp_path / "lora"))
-    x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
-    with torch.no_grad():
-        trained = model.velocity(x, sigma, batch.cond, 1.0, 32, 32)
-        base = kontext.velocity(x, sigma, batch.cond, 1.0, 32, 32)
-        loaded = family(fresh, "cpu", torch.float32).velocity(x, sigma, batch.cond, 1.0, 32, 32)
-    assert (trained - base).abs().max() > 1e-4  # the adapter changed the output ...
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)  # ... and the export carries it
+    check_lora_export("tiny-flux-kontext", str(tmp_path), [{"image": write_png(tmp_path / "s.png", 32, 32, 0)}] * 4)
 
 
-# 4 edit images per iteration: 4 micro-batches of 1 in one process, 2 on each of two ranks; a checkpoint per iteration.
-EDIT_RUN = ["--model", "tiny-flux-kontext", "--iterations", "2", "--group-size", "2", "--prompts-per-iteration", "2",
-            "--micro-batch", "1", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
-
-
-def test_an_edit_run_resumes_bit_for_bit_and_two_ranks_agree_with_one(tmp_path):
-    """The edit family under the engine's guarantees: 2 iterations straight; 1, then --resume auto to 2 (the same
-    LoRA and AdamW state, bit for bit: the source latents are rebuilt from the prompt set, not checkpointed); and 2
-    torchrun ranks against one process (the LoRA as a whole within test_engine's 1e-3 relative: only the gradient
-    sums' order differs)."""
-    prompts = edit_prompts(tmp_path)
+def check_resume_and_ranks(model: str, prompts: str, tmp_path, script: str = os.path.join(ROOT, "flowgrpo.py")):
+    """An edit family under the engine's guarantees: 2 iterations straight; 1, then --resume auto to 2 (the same LoRA
+    and AdamW state, bit for bit: the prompt embeddings and source latents are rebuilt from the prompt set, not
+    checkpointed); and `script` (flowgrpo.py, or a launcher of it) on 2 torchrun ranks against one process (the LoRA
+    as a whole within test_engine's 1e-3 relative: only the gradient sums' order differs). 4 edit images an iteration:
+    4 micro-batches of 1 in one process, 2 on each of two ranks; a checkpoint per iteration."""
+    run = ["--model", model, "--prompts", prompts, "--iterations", "2", "--group-size", "2", "--prompts-per-iteration",
+           "2", "--micro-batch", "1", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
     straight, resumed, ranks = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ranks"
-    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", straight)
-    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", resumed, "--iterations", "1")
-    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", resumed, "--resume", "auto")
+    main_here(*run, "--run-dir", straight)
+    main_here(*run, "--run-dir", resumed, "--iterations", "1")
+    main_here(*run, "--run-dir", resumed, "--resume", "auto")
     assert_same(lora(straight), lora(resumed), exact=True)
     assert_same(train_state(straight, "iter_000001", tmp_path), train_state(resumed, "iter_000001", tmp_path),
                 exact=True)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          os.path.join(ROOT, "flowgrpo.py"), "--no-wandb", *EDIT_RUN, "--prompts", prompts,
-                          "--run-dir", str(ranks)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                          "--no-wandb", *run, "--run-dir", str(ranks)], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     for ckpt in ("iter_000000", None):
         rel, worst = relative_difference(lora(straight, ckpt), lora(ranks, ckpt))
+        print(f"\n{model}: {ckpt or 'final'} LoRA, 1 vs 2 ranks: {rel:.3g} relative, max |Δ| {worst:.3g}")
         assert rel < 1e-3, f"{ckpt or 'final'} LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
+
+
+def test_an_edit_run_resumes_bit_for_bit_and_two_ranks_agree_with_one(tmp_path):
+    check_resume_and_ranks("tiny-flux-kontext", edit_prompts(tmp_path), tmp_path)

@@ -10,24 +10,20 @@ so the whole file runs with both shrunk to 32² in diffusers' module (the adapte
 pipeline does)."""
 import dataclasses
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-import algorithms
-import engine as eng
 import flowgrpo
 import models
 import rollout
 import scheduler as sch
 import startup
-from test_edit import edit_prompts, write_png
-from test_engine import ENV, ROOT, assert_same, lora, relative_difference, train_state
-from tiny_setup import main_here
+from test_edit import check_resume_and_ranks, edit_prompts, write_png
+from test_engine import ROOT
+from tiny_setup import check_lora_export, main_here
 
 MODEL = "tiny-qwen-image-edit"
 # the same number of tokens: the pipeline takes one prompt a call, unpadded, and our batch pads to the longest
@@ -142,60 +138,17 @@ def test_edit_training_is_exactly_on_policy(tmp_path):
     assert np.isfinite(rows[-1]["eval/reward_mean"])
 
 
-def test_the_exported_lora_loads_into_a_fresh_edit_pipeline(edit, tmp_path):
-    """One update on an edit batch (with CFG), exported, loaded by `QwenImageEditPlusPipeline.load_lora_weights` into
-    a fresh tiny pipeline: its velocity on the same source and noise is the trained one (alpha included)."""
-    args = dataclasses.replace(flowgrpo.RECIPES[MODEL], group_size=4, prompts_per_iteration=1, micro_batch=4,
-                               optimizer_steps=1)
-    model = models.load_model(MODEL, None, "cpu", seed=0)
-    engine = eng.Engine(model, lora_rank=4, lora_alpha=16, lora_targets=model.lora_targets, lr=5e-2, weight_decay=0,
-                        max_grad_norm=1.0, seed=0)
-    metadata = [{"image": write_png(tmp_path / "source.png", 32, 32, seed=0)}] * 4
-    batch = rollout.sample(model, ["make it red"] * 4, metadata, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4,
-                           height=32, width=32, cfg_scale=4.0, negative_prompt=NEGATIVE, noise_level=0.7,
-                           sde_type="sde", seed=0, iteration=0, chunk=4)
-    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
-    engine.export_lora(str(tmp_path / "lora"))
-    family = models.adapter_class(MODEL)
-    fresh = family.build_tiny(0)
-    fresh.load_lora_weights(str(tmp_path / "lora"))
-    x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
-    with torch.no_grad():
-        trained = model.velocity(x, sigma, batch.cond, 4.0, 32, 32)
-        base = edit.velocity(x, sigma, batch.cond, 4.0, 32, 32)
-        loaded = family(fresh, "cpu", torch.float32).velocity(x, sigma, batch.cond, 4.0, 32, 32)
-    assert (trained - base).abs().max() > 1e-4  # the adapter changed the output ...
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)  # ... and the export carries it
-
-
-# 4 edit images per iteration: 4 micro-batches of 1 in one process, 2 on each of two ranks; a checkpoint per iteration.
-EDIT_RUN = ["--model", MODEL, "--iterations", "2", "--group-size", "2", "--prompts-per-iteration", "2",
-            "--micro-batch", "1", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
+def test_the_exported_lora_loads_into_a_fresh_edit_pipeline(tmp_path):
+    """One update on an edit batch (true CFG 4, a negative prompt), exported, loaded by
+    `QwenImageEditPlusPipeline.load_lora_weights` into a fresh tiny pipeline: its velocity on the same source and noise
+    is the trained one (alpha included)."""
+    check_lora_export(MODEL, str(tmp_path), [{"image": write_png(tmp_path / "s.png", 32, 32, 0)}] * 4, 4.0, NEGATIVE)
 
 
 def test_an_edit_run_resumes_bit_for_bit_and_two_ranks_agree_with_one(tmp_path):
-    """The family under the engine's guarantees, as tests/test_edit.py checks Kontext: 2 iterations straight; 1, then
-    --resume auto to 2 (the same LoRA and AdamW state, bit for bit: the prompt embeddings and source latents are
-    rebuilt from the prompt set, not checkpointed); and 2 torchrun ranks against one process (the LoRA as a whole
-    within test_engine's 1e-3 relative: only the gradient sums' order differs)."""
-    prompts = edit_prompts(tmp_path)
-    straight, resumed, ranks = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ranks"
-    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", straight)
-    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", resumed, "--iterations", "1")
-    main_here(*EDIT_RUN, "--prompts", prompts, "--run-dir", resumed, "--resume", "auto")
-    assert_same(lora(straight), lora(resumed), exact=True)
-    assert_same(train_state(straight, "iter_000001", tmp_path), train_state(resumed, "iter_000001", tmp_path),
-                exact=True)
+    """As tests/test_edit.py checks Kontext; the torchrun ranks through LAUNCHER (each shrinks the source sizes)."""
     (tmp_path / "launch.py").write_text(LAUNCHER)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(tmp_path / "launch.py"), "--no-wandb", *EDIT_RUN, "--prompts", prompts,
-                          "--run-dir", str(ranks)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    for ckpt in ("iter_000000", None):
-        rel, worst = relative_difference(lora(straight, ckpt), lora(ranks, ckpt))
-        print(f"\n{ckpt or 'final'} LoRA, 1 vs 2 ranks: {rel:.3g} relative, max |Δ| {worst:.3g}")
-        assert rel < 1e-3, f"{ckpt or 'final'} LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
+    check_resume_and_ranks(MODEL, edit_prompts(tmp_path), tmp_path, str(tmp_path / "launch.py"))
 
 
 def test_save_tiny_writes_a_pipeline_that_loads_back(edit, tmp_path):

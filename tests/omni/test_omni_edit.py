@@ -38,23 +38,32 @@ PROMPTS = ["make it red", "make it red", "add a hat", "make it red", "add a hat"
 CFG_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def kontext(tmp_path_factory):
-    """The tiny Kontext pipeline on disk, its server (one request a pass: vLLM-Omni 0.30.0 batches no Kontext
-    requests, it refuses --max-num-seqs > 1 at start-up) and the trainer's adapter
-    loaded from the same directory with LoRA on its default targets; two source images."""
-    base = tmp_path_factory.mktemp("omni-kontext")
-    directory = models.save_tiny_pipeline(str(base / "tiny-flux-kontext"), seed=0, model="tiny-flux-kontext")
-    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / "kontext.log",
+def serve(tmp_path_factory, name: str):
+    """Tiny model `name` on disk, its server (one request a pass: vLLM-Omni 0.30.0 batches no edit requests, it refuses
+    --max-num-seqs > 1 for Kontext at start-up) and the trainer's adapter loaded from the same directory with LoRA on
+    its default targets; two source images. A generator: the module's fixtures yield from it."""
+    base = tmp_path_factory.mktemp(f"omni-{name}")
+    directory = models.save_tiny_pipeline(str(base / name), seed=0, model=name)
+    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / f"{name}.log",
                         pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
     try:
-        model = models.load_model("tiny-flux-kontext", directory, "cpu")
+        model = models.load_model(name, directory, "cpu")
         engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=type(model).lora_targets, lr=1e-2,
                             weight_decay=0.0, max_grad_norm=1.0, seed=0)
         sources = [write_png(base / f"{i}.png", H, W, seed=i) for i in range(2)]
-        yield dict(dir=directory, server=server, model=model, engine=engine, sources=sources, base=base)
+        yield dict(dir=directory, server=server, model=model, engine=engine, sources=sources)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    yield from serve(tmp_path_factory, "tiny-flux-kontext")
+
+
+@pytest.fixture(scope="module")
+def qwen_edit(tmp_path_factory):
+    yield from serve(tmp_path_factory, "tiny-qwen-image-edit")
 
 
 def test_served_edits_equal_the_local_backend(kontext, tmp_path):
@@ -93,23 +102,6 @@ def test_a_source_of_another_size_is_refused_and_the_server_stays_up(kontext, tm
     status, resp = http("POST", kontext["server"].url + "/v1/images/generations", body)
     assert status >= 400 and "source is 24×16, not the request's 32×32" in str(resp), (status, resp)
     assert http("GET", kontext["server"].url + "/health")[0] == 200
-
-
-@pytest.fixture(scope="module")
-def qwen_edit(tmp_path_factory):
-    """tiny-qwen-image-edit on disk, its server and the trainer's adapter (LoRA on its default targets)."""
-    base = tmp_path_factory.mktemp("omni-qwen-edit")
-    directory = models.save_tiny_pipeline(str(base / "tiny-qwen-image-edit"), seed=0, model="tiny-qwen-image-edit")
-    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / "qwen-edit.log",
-                        pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
-    try:
-        model = models.load_model("tiny-qwen-image-edit", directory, "cpu")
-        engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=type(model).lora_targets, lr=1e-2,
-                            weight_decay=0.0, max_grad_norm=1.0, seed=0)
-        sources = [write_png(base / f"{i}.png", H, W, seed=i) for i in range(2)]
-        yield dict(dir=directory, server=server, model=model, engine=engine, sources=sources)
-    finally:
-        server.stop()
 
 
 def test_served_qwen_edits_equal_the_local_backend(qwen_edit, tmp_path):
