@@ -36,7 +36,9 @@ BUDGETS = {
     "reward_judge.py": 250,  # the vision-language judge: its tasks, their scores, its client; an edit's source image
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies
     "reward_server.py": 420,  # the bounded reward server
-    "prompts.py": 200,  # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler
+    # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler; raised from 200: an edit
+    # set's source images are checked as they are read (decodable, within the pixel bound before decoding, the ratio)
+    "prompts.py": 210,
     "runlog.py": 300,  # what a run leaves for people: metrics, curves, grids, the closing summary
     "rundir.py": 200,  # a run directory belongs to one run: claimed, locked, refused to another, resumed
     "nano.py": 450,  # the digits task and what the laptop tasks share (data, pretraining, held-out sampling)
