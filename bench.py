@@ -25,6 +25,7 @@ import engine as eng
 import flowgrpo
 import models
 import prompts as prompt_sets
+import reward_judge
 import rewards
 import rollout
 import scheduler as sch
@@ -330,7 +331,7 @@ def judge_rows(t: list, o):
             pass
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    given, n, c = os.environ.get("FLOWGRPO_BENCH_JUDGE_URL"), 16 if o.quick else 64, rewards.JUDGE_CONCURRENCY
+    given, n, c = os.environ.get("FLOWGRPO_BENCH_JUDGE_URL"), 16 if o.quick else 64, reward_judge.JUDGE_CONCURRENCY
     url = given or f"http://127.0.0.1:{server.server_address[1]}"
     images, prompts = rewards.to_uint8(torch.rand(n, 3, 64, 64)), [f"a photo of thing {i}" for i in range(n)]
     fns = {k: rewards.judge("match", [url], concurrency=k) for k in (1, c)}

@@ -80,11 +80,10 @@ class Args:
     shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
-    model: Literal["tiny", "tiny-sd3", "tiny-flux", "tiny-wan", "nano", "nano-compose", "nano-edit", "qwen-image",
-                   "sd3.5-medium", "flux.1-dev", "wan2.1-t2v-1.3b", "tiny-flux-kontext", "flux.1-kontext-dev"] = "tiny"
-    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev edits (--prompts: a .jsonl with a source
-    image per line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained here on
-    handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
+    model: Literal[models.MODELS] = "tiny"  # the registry's names (models.SPECS), each a choice of --model
+    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev, Qwen-Image-Edit edit (--prompts: a
+    .jsonl, a source image a line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained
+    on handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     run_dir: str | None = None
@@ -274,7 +273,7 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
                                 chunk=a.micro_batch, first=engine.dp_rank * share, metadata=[m for _, m in mine])
     scores, info = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
     scores, images = engine.all_gather(scores), engine.all_gather(images)
-    log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())])
+    log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())], [m for _, m in evalset])
     gathered = {k: engine.all_gather(v) for k, v in info.items()}  # (eval_images,) each, in evalset's order
     parts = {f"eval/{k}/mean": v.mean().item() for k, v in gathered.items()}  # e.g. a weight-0 judge
     tags = [m.get("tag") for _, m in evalset]  # GenEval-style categories, where the prompts carry them

@@ -1,13 +1,12 @@
 """The registry of `--model` names: what each is (its family's adapter, its pipeline, its size multiples) before
 anything loads, the start-up checks of the model flags, and `load_model`.
 
-One adapter per family, each a small class in a file of its own around that family's diffusers pipeline (the base
-class and the shared tiny parts in models_base.py): Qwen-Image with `tiny` and `nano` (models_qwen.py), Stable
-Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video (models_wan.py), and the edit family
-FLUX.1 Kontext (models_kontext.py: a source image per prompt). Each family has a
-`tiny` variant: the same diffusers classes with toy configs and random weights, built in code from a seed, no
-downloads. Importing this module loads neither diffusers nor transformers (`--help` stays fast): they are imported
-where a pipeline is built or loaded.
+One adapter per family, each a small class in a file of its own around that family's diffusers pipeline (the base class
+and the shared tiny parts in models_base.py): Qwen-Image with `tiny` (models_qwen.py; the laptop tasks' `nano*` in
+models_nano.py), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video (models_wan.py),
+and the edit families FLUX.1 Kontext (models_kontext.py) and Qwen-Image-Edit (models_qwen_edit.py): a source image per
+prompt. Each family has a `tiny` variant: the same diffusers classes with toy configs and random weights, built in code
+from a seed, no downloads. Importing this module loads neither diffusers nor transformers (`--help` stays fast).
 """
 import functools
 import math
@@ -22,6 +21,7 @@ from models_flux import Flux
 from models_kontext import FluxKontext
 from models_nano import NanoComposeQwenImage, NanoEdit, NanoQwenImage
 from models_qwen import QwenImage
+from models_qwen_edit import QwenImageEdit
 from models_sd3 import SD3
 from models_wan import Wan
 
@@ -37,6 +37,8 @@ SPECS = {
     "flux.1-dev": Spec(Flux, "FluxPipeline", 16, guidance_embedding=True),
     "tiny-flux-kontext": Spec(FluxKontext, "FluxKontextPipeline", 8, guidance_embedding=True, edits=True),
     "flux.1-kontext-dev": Spec(FluxKontext, "FluxKontextPipeline", 16, guidance_embedding=True, edits=True),
+    "tiny-qwen-image-edit": Spec(QwenImageEdit, "QwenImageEditPlusPipeline", 8, edits=True),
+    "qwen-image-edit": Spec(QwenImageEdit, "QwenImageEditPlusPipeline", 16, edits=True),
     "tiny-wan": Spec(Wan, "WanPipeline", 8, frame_multiple=4),
     "wan2.1-t2v-1.3b": Spec(Wan, "WanPipeline", 16, frame_multiple=4),
 }

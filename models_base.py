@@ -68,6 +68,11 @@ class Adapter:
     sp_degree = 1  # --sp N: each rank of a group holds 1/N of each sequence (set by sequence_parallel.enable_ulysses)
     num_frames: int = 1  # frames per sample: 1 for images (the servers are told it per request)
 
+    def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
+        """What a vLLM-Omni request adds to its knobs for one prompt's metadata: nothing for text to image (an edit
+        family sends its source image)."""
+        return {}
+
     def __init__(self, pipe, device, dtype: torch.dtype):
         self.pipe, self.device, self.dtype = pipe, torch.device(device), dtype
         pipe.set_progress_bar_config(disable=True)
@@ -140,6 +145,23 @@ class Adapter:
         """Write a LoRA that `<pipeline_class>.load_lora_weights(directory)` loads, alpha included."""
         type(self.pipe).save_lora_weights(directory, transformer_lora_layers=state_dict,
                                           transformer_lora_adapter_metadata=metadata)
+
+
+class EditAdapter:
+    """What the edit families share, mixed in before the family's adapter (`FluxKontext(EditAdapter, Flux)`): their
+    pipelines' `prepare_latents` take the source image first, and no --sp yet."""
+
+    @classmethod
+    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
+        """No --sp yet: the source's tokens join the sequence, which is not tested under context parallelism."""
+        raise ValueError(f"--sp: --model {model} has no sequence parallelism yet (its source image's tokens join the "
+                         "sequence); run without --sp")
+
+    def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
+        """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents` draws it."""
+        channels = self.transformer.config.in_channels // 4
+        return self.pipe.prepare_latents(None, len(generators), channels, height, width, torch.float32, self.device,
+                                         generators)[0]
 
 
 # ---- tiny parts the families' toy models share (random weights, built in code, no downloads) -------------

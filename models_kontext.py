@@ -8,10 +8,13 @@ sees the noisy tokens followed by the source's, whose position ids are the same 
 returns the velocity of the noisy tokens alone, as `FluxKontextPipeline.__call__` does per step (one pass with the
 guidance embedding, no CFG).
 """
+import base64
+import io
+
 import torch
 from PIL import Image
 
-from models_base import Spec
+from models_base import EditAdapter
 from models_flux import Flux, build_tiny_flux_pipeline
 
 
@@ -21,7 +24,7 @@ def build_tiny_kontext_pipeline(seed: int = 0):
     return build_tiny_flux_pipeline(seed, pipeline="FluxKontextPipeline")
 
 
-class FluxKontext(Flux):
+class FluxKontext(EditAdapter, Flux):
     """FLUX.1 Kontext around FluxKontextPipeline. x is FLUX's packed latents (B, S, C·4); `cond["source"]` the
     packed source latents (B, S, C·4) in the model dtype, beside FLUX's `embeds` and `pooled`.
 
@@ -30,20 +33,8 @@ class FluxKontext(Flux):
     output to 1024² pixels) for a source of the output's aspect ratio, which prompts.py checks at start-up."""
     pipeline_class = "FluxKontextPipeline"
     default_path = "black-forest-labs/FLUX.1-Kontext-dev"
-    omni_pipeline_class = None  # no vLLM-Omni pipeline yet: startup refuses --rollout vllm-omni for an edit model
+    omni_pipeline_class = "omni_pipeline_edit.FlowGRPOFluxKontextPipeline"
     build_tiny = staticmethod(build_tiny_kontext_pipeline)
-
-    @classmethod
-    def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
-        """No --sp yet: the source's tokens join the sequence, which is not tested under context parallelism."""
-        raise ValueError(f"--sp: --model {model} has no sequence parallelism yet (its source image's tokens join the "
-                         "sequence); run without --sp")
-
-    def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
-        """x at σ = 1, one generator per image: (B, S, C·4) float32, as the pipeline's `prepare_latents` draws it."""
-        channels = self.transformer.config.in_channels // 4
-        return self.pipe.prepare_latents(None, len(generators), channels, height, width, torch.float32, self.device,
-                                         generators)[0]
 
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
                      metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:
@@ -60,13 +51,24 @@ class FluxKontext(Flux):
         cond["source"] = encoded[torch.tensor([distinct.index(p) for p in paths], device=self.device)]
         return cond
 
+    def resized_source(self, path: str, height: int, width: int) -> Image.Image:
+        """One source image (an RGB image file) at the output size, resized as the pipeline resizes it."""
+        with Image.open(path) as im:
+            return self.pipe.image_processor.resize(im.convert("RGB"), height, width)
+
+    def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
+        """`source`: the prompt's source image at the output size, a base64 PNG (the same pixels). vLLM-Omni's Kontext
+        pipeline resizes a source to its own size: sent resized, it is encoded as `encode_source` encodes it."""
+        png = io.BytesIO()
+        self.resized_source(metadata["image"], height, width).save(png, format="PNG")
+        return {"source": base64.b64encode(png.getvalue()).decode("ascii")}
+
     @torch.no_grad()
     def encode_source(self, path: str, height: int, width: int) -> torch.Tensor:
         """One source image (an RGB image file) → its packed latents (1, S, C·4) in the model dtype: resized to
         (height, width), then the pipeline's own preprocessing, VAE encoding (argmax) and packing."""
         pipe = self.pipe
-        with Image.open(path) as im:
-            image = pipe.image_processor.resize(im.convert("RGB"), height, width)
+        image = self.resized_source(path, height, width)
         pixels = pipe.image_processor.preprocess(image, height, width).to(self.device, self.dtype)
         z = pipe._encode_vae_image(pixels, generator=None)  # (1, C, h, w), normalised by the VAE's shift and scale
         return pipe._pack_latents(z, 1, z.shape[1], z.shape[2], z.shape[3]).to(self.dtype)

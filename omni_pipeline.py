@@ -5,7 +5,7 @@
         '{"pipeline_class": "omni_pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
-FlowGRPOWanPipeline).
+FlowGRPOWanPipeline; the edit families' are omni_pipeline_edit.py's).
 Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
@@ -19,6 +19,8 @@ A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend
     max_sequence_length  the trainer's text length (its adapter's): T5 pads every prompt to it, so it shapes the
                   conditioning (the request API has no field for it)
     num_frames    frames per sample (a video model's; 1, the default, for images): the image API has no field for it
+    source        an edit model's source image, a base64 PNG (omni_pipeline_edit.py): /v1/images/generations
+                  takes no image, and /v1/images/edits no extra_params
 A request without it (the server's start-up warm-up, a plain generation) runs vLLM-Omni's own sampler and
 writes nothing. Everything else (prompt encoding, latent packing, the transformer, CFG, the VAE decode) stays
 vLLM-Omni's: only the denoising loop is ours (`FlowGRPOSampler`), plus fixes to three 0.30.0 defects: Qwen-Image's
@@ -54,6 +56,13 @@ from models_wan import WAN_SCHEDULER, wan_scheduler_class
 KEY = "flowgrpo"  # the extra_params entry that carries our knobs
 FORMAT = "flowgrpo-trajectory-v2"
 SAMPLER_KNOBS = ("steps", "noise_level", "sde_type", "max_sequence_length", "num_frames")  # one per sampling pass
+def expose_flux_lora_names(transformer) -> None:
+    """0.30.0's FLUX transformer keeps this mapping local to load_weights (SD3's and Qwen-Image's expose it): its LoRA
+    manager then refuses to_q/k/v, add_q/k/v_proj (diffusers' names, Flow-GRPO's targets). Expose it."""
+    transformer.stacked_params_mapping = [  # (fused module, diffusers' module, shard)
+        (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
+        (".add_kv_proj", ".add_q_proj", "q"), (".add_kv_proj", ".add_k_proj", "k"),
+        (".add_kv_proj", ".add_v_proj", "v")]
 
 
 def checked_root(custom_pipeline_args: dict | None) -> str | None:
@@ -131,7 +140,7 @@ class FlowGRPOSampler:
         super().__init__(od_config=od_config, prefix=prefix)
         self.trajectory_root = root
 
-    def forward(self, req: DiffusionRequestBatch):
+    def forward(self, req: DiffusionRequestBatch, **kwargs):  # kwargs: the parent's (Kontext: the source image)
         params = req.sampling_params_list
         n = params[0].num_outputs_per_prompt if params[0].num_outputs_per_prompt > 0 else 1
         name = f"{type(self).__module__}.{type(self).__name__}"
@@ -141,18 +150,19 @@ class FlowGRPOSampler:
         if len({json.dumps(k and [k[s] for s in SAMPLER_KNOBS]) for k in knobs}) > 1:
             return [out for r in req.requests for out in self.forward(DiffusionRequestBatch(requests=[r]))]
         if knobs[0] is None:
-            return super().forward(req)
+            return super().forward(req, **kwargs)
         # Rows of the batch are [request 0 × n, request 1 × n, …], as the conditioning is repeated.
         self._run = dict(knobs[0], gens=[torch.Generator().manual_seed(s) for k in knobs for s in k["seeds"]])
         try:
-            outputs = super().forward(req)
+            outputs = super().forward(req, **kwargs)
             run = self._run
         finally:
             self._run = None
         # The runner returns the outputs of global rank 0 only (diffusion_model_runner.py, `is_primary`);
         # with several devices (TP/SP/CFG-parallel) every rank holds the same tensors, so rank 0 writes.
         if not dist.is_initialized() or dist.get_rank() == 0:
-            for i, (k, out) in enumerate(zip(knobs, outputs)):
+            # one output per request; a pipeline without request batching (Kontext) returns its one request's
+            for i, (k, out) in enumerate(zip(knobs, outputs if isinstance(outputs, list) else [outputs])):
                 rows = slice(i * n, (i + 1) * n)
                 # out.output: (n, 3, H, W) in [-1, 1]; [0, 1] as VaeImageProcessor.postprocess(output_type="pt")
                 images = (self.samples(out).float() / 2 + 0.5).clamp(0, 1)
@@ -221,6 +231,26 @@ class FlowGRPOSampler:
         return x.to(latents.dtype)
 
 
+def qwen_velocity(pipe, a: SimpleNamespace):
+    """v(x, t) (B·n, S, C) as Qwen-Image's `diffuse` computes it: vLLM-Omni's true CFG n + s·(p − n), rescaled to the
+    conditional norm per token, when a negative prompt is given with true_cfg_scale > 1; an edit model's on [x, source]
+    (B·n, S + S', C), its output's first S tokens."""
+    pipe.transformer.do_true_cfg = a.do_true_cfg
+    dtype = a.prompt_embeds.dtype  # the transformer's; the state x stays float32 (as in rollout.sample)
+
+    def v(x, t):
+        hidden = x.to(dtype) if a.image_latents is None else torch.cat([x.to(dtype), a.image_latents], 1)
+        pos = dict(hidden_states=hidden, timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
+                   guidance=a.guidance, encoder_hidden_states_mask=a.prompt_embeds_mask,
+                   encoder_hidden_states=a.prompt_embeds, img_shapes=a.img_shapes, txt_seq_lens=a.txt_seq_lens,
+                   **(a.additional_transformer_kwargs or {}))
+        neg = dict(pos, encoder_hidden_states_mask=a.negative_prompt_embeds_mask,
+                   encoder_hidden_states=a.negative_prompt_embeds, txt_seq_lens=a.negative_txt_seq_lens)
+        return pipe.predict_noise_maybe_with_cfg(a.do_true_cfg, a.true_cfg_scale, pos, neg if a.do_true_cfg else None,
+                                                 a.cfg_normalize, output_slice=x.shape[1])
+    return v
+
+
 class FlowGRPOQwenImagePipeline(FlowGRPOSampler, QwenImagePipeline):
     """vLLM-Omni's QwenImagePipeline with this project's sampler (models.QwenImage's twin on the server)."""
 
@@ -236,23 +266,9 @@ class FlowGRPOQwenImagePipeline(FlowGRPOSampler, QwenImagePipeline):
         return embeds.repeat_interleave(num_images_per_prompt, 0), mask.repeat_interleave(num_images_per_prompt, 0)
 
     def velocity(self, a: SimpleNamespace):
-        """v(x, t) (B·n, S, C) as QwenImagePipeline.diffuse computes it: vLLM-Omni's true CFG n + s·(p − n),
-        rescaled to the conditional norm per token, when a negative prompt is given with true_cfg_scale > 1."""
         if a.image_latents is not None:
             raise ValueError("FlowGRPOQwenImagePipeline samples text-to-image only (no image latents)")
-        self.transformer.do_true_cfg = a.do_true_cfg
-        dtype = a.prompt_embeds.dtype  # the transformer's; the state x stays float32 (as in rollout.sample)
-
-        def v(x, t):
-            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
-                       guidance=a.guidance, encoder_hidden_states_mask=a.prompt_embeds_mask,
-                       encoder_hidden_states=a.prompt_embeds, img_shapes=a.img_shapes, txt_seq_lens=a.txt_seq_lens,
-                       **(a.additional_transformer_kwargs or {}))
-            neg = dict(pos, encoder_hidden_states_mask=a.negative_prompt_embeds_mask,
-                       encoder_hidden_states=a.negative_prompt_embeds, txt_seq_lens=a.negative_txt_seq_lens)
-            return self.predict_noise_maybe_with_cfg(a.do_true_cfg, a.true_cfg_scale, pos,
-                                                     neg if a.do_true_cfg else None, a.cfg_normalize)
-        return v
+        return qwen_velocity(self, a)
 
 
 class FlowGRPOSD3Pipeline(FlowGRPOSampler, StableDiffusion3Pipeline):
@@ -289,33 +305,34 @@ class FlowGRPOSD3Pipeline(FlowGRPOSampler, StableDiffusion3Pipeline):
         return v
 
 
+def flux_velocity(pipe, a: SimpleNamespace, img_ids, source=None):
+    """v(x, t) (B·n, S, 4C) as FLUX's `diffuse` computes it: one pass with the guidance embedding; Kontext's on
+    [x, source] (B·n, 2S, 4C) with the source's ids after x's, its output's first S tokens."""
+    if a.do_true_cfg:  # the trainer never asks for it (models.check_model_args: --cfg-scale 1 for FLUX)
+        raise ValueError(f"{type(pipe).__name__} samples with the guidance embedding only: no true_cfg_scale > 1 with "
+                         "a negative prompt")
+    pipe.transformer.do_true_cfg = False
+    dtype = a.prompt_embeds.dtype
+
+    def v(x, t):
+        hidden = x.to(dtype) if source is None else torch.cat([x.to(dtype), source], 1)
+        pos = dict(hidden_states=hidden, timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000, guidance=a.guidance,
+                   pooled_projections=a.pooled_prompt_embeds, encoder_hidden_states=a.prompt_embeds,
+                   txt_ids=a.text_ids, img_ids=img_ids, joint_attention_kwargs=pipe.joint_attention_kwargs,
+                   return_dict=False)
+        return pipe.predict_noise_maybe_with_cfg(False, a.true_cfg_scale, pos, None, False, output_slice=x.shape[1])
+    return v
+
+
 class FlowGRPOFluxPipeline(FlowGRPOSampler, FluxPipeline):
     """vLLM-Omni's FluxPipeline (FLUX.1-dev) with this project's sampler (models_flux.Flux's twin)."""
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
-        # 0.30.0's FLUX transformer keeps this mapping local to load_weights (SD3's and Qwen-Image's expose it): its
-        # LoRA manager then refuses to_q/k/v, add_q/k/v_proj (diffusers' names, Flow-GRPO's targets). Expose it.
-        self.transformer.stacked_params_mapping = [  # (fused module, diffusers' module, shard)
-            (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
-            (".add_kv_proj", ".add_q_proj", "q"), (".add_kv_proj", ".add_k_proj", "k"),
-            (".add_kv_proj", ".add_v_proj", "v")]
+        expose_flux_lora_names(self.transformer)
 
     def velocity(self, a: SimpleNamespace):
-        """v(x, t) (B·n, S, 4C) as FluxPipeline.diffuse computes it: one pass with the guidance embedding."""
-        if a.do_true_cfg:  # the trainer never asks for it (models.check_model_args: --cfg-scale 1 for FLUX)
-            raise ValueError("FlowGRPOFluxPipeline samples with the guidance embedding only: no true_cfg_scale > 1 "
-                             "with a negative prompt")
-        self.transformer.do_true_cfg = False
-        dtype = a.prompt_embeds.dtype
-
-        def v(x, t):
-            pos = dict(hidden_states=x.to(dtype), timestep=t.expand(x.shape[0]).to(x.device, dtype) / 1000,
-                       guidance=a.guidance, pooled_projections=a.pooled_prompt_embeds,
-                       encoder_hidden_states=a.prompt_embeds, txt_ids=a.text_ids, img_ids=a.latent_image_ids,
-                       joint_attention_kwargs=self.joint_attention_kwargs, return_dict=False)
-            return self.predict_noise_maybe_with_cfg(False, a.true_cfg_scale, pos, None, a.cfg_normalize)
-        return v
+        return flux_velocity(self, a, a.latent_image_ids)
 
 
 class FlowGRPOWanPipeline(FlowGRPOSampler, Wan22Pipeline):

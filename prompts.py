@@ -84,6 +84,7 @@ def _hold_out(pairs, every: int) -> PromptSet:
     return PromptSet([x for i, x in enumerate(pairs) if i % every != every - 1], pairs[every - 1::every])
 
 _DIGITS = [(f"a handwritten digit {d}", {}) for d in range(10)]  # nano.py: digit d at index d
+SOURCE_PIXELS = 4096 * 4096  # the largest source image read (omni_pipeline_edit.py's servers take no larger)
 _COMPOSE = Path(__file__).parent / "assets" / "nano-compose" / "prompts.jsonl"
 BUILTIN = {
     "ocr": lambda: PromptSet([(s.format(p), {}) for s in _SCENES for p in _TRAIN_PHRASES],
@@ -139,10 +140,14 @@ def _source_image(path: Path, n: int, name, size: tuple[int, int] | None) -> str
         raise ValueError(f"{where} {name} is missing or not a file ({file}): paths are relative to the prompt file")
     try:
         with Image.open(file) as im:
-            im.load()
-            w, h = im.size
+            w, h = im.size  # from the header: a source too large is refused before its pixels are decoded
+            if w * h <= SOURCE_PIXELS:
+                im.load()
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # not an image, truncated, too many pixels
         raise ValueError(f"{where} {name} cannot be read as an image ({e}): save it as a PNG or JPEG") from None
+    if w * h > SOURCE_PIXELS:
+        raise ValueError(f"{where} {name} is {w}×{h}, more than {SOURCE_PIXELS} pixels: resize it (the edit models "
+                         "take a source at about a megapixel or less)")
     if size and w * size[0] != h * size[1]:
         raise ValueError(f"{where} {name} is {w}×{h}, not the run's aspect ratio (--width {size[1]} --height "
                          f"{size[0]}): crop it to {size[1]}:{size[0]}, or set --height/--width to its ratio")

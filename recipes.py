@@ -27,6 +27,7 @@ RECIPES: dict[str, dict] = {
                      lora_targets=LORA_TARGETS["tiny-sd3"]),
     "tiny-flux": dict(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
     "tiny-flux-kontext": dict(model="tiny-flux-kontext", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
+    "tiny-qwen-image-edit": dict(model="tiny-qwen-image-edit", cfg_scale=4.0),  # true CFG at the pipeline's default
     # 9 frames (3 latent frames), a reward on the frames' motion. Rise in 30 iterations (12) in iteration-0 within-
     # batch stds, seeds 0, 1, 2: 5.4 (1.0), 3.4 (1.4), 7.0 (3.0); at clip 0.2 (which never acted) 5.6 (4.1), 3.1
     # (3.6), 6.9 (4.7); at 0.2 with 8 videos per prompt 4.9, 3.1, 5.3; at 0.2 with the noise and lr of `tiny` (0.7,
@@ -71,6 +72,18 @@ RECIPES: dict[str, dict] = {
                        guidance=3.5, noise_level=0.9, window_range=(0, 3), clip_range=1e-4, lr=3e-4, lora_rank=64,
                        lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"], mixed_precision=True, ema_decay=0.9,
                        ema_every=8, ema_repeat=6, zero_advantage="keep", checkpoint_every=30, eval_every=30),
+    # Flow-GRPO's public config counting_flux_kontext (config/grpo.py) and scripts/train_flux_kontext.py: FLUX.1-dev's
+    # values at guidance 2.5, 21 images a prompt, LoRA also on the single blocks' MLP (proj_mlp), zero-advantage images
+    # dropped. Departure: its reward (CLIP image similarity 0.5 + a GenEval counting check 0.5 on its counting_edit
+    # set) is not here; a VL judge of the instruction (expected on 127.0.0.1:8000) and preserve, 0.5 each; its prompts
+    # are a .jsonl edit set of the user's (--prompts). docs/algorithm.md §7
+    "flux.1-kontext-dev": dict(model="flux.1-kontext-dev", iterations=300,
+                               reward="judge:edit=http://127.0.0.1:8000=0.5,preserve=0.5", group_size=21,
+                               prompts_per_iteration=48, micro_batch=3, height=512, width=512, num_steps=6,
+                               eval_steps=28, guidance=2.5, noise_level=0.9, clip_range=1e-4, lr=3e-4, lora_rank=64,
+                               lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"] + ("proj_mlp",),
+                               mixed_precision=True, ema_decay=0.9, ema_every=8, ema_repeat=6, checkpoint_every=30,
+                               eval_every=30),
     # Flow-GRPO's public config grpo_guard.py:general_ocr_sd3_rationorm and scripts/train_sd3_GRPO_Guard.py
     "sd3.5-medium-guard": dict(model="sd3.5-medium", iterations=300, prompts="ocr", reward="ocr", group_size=24,
                                prompts_per_iteration=48, micro_batch=9, height=512, width=512, num_steps=10,

@@ -1,34 +1,31 @@
 """Rewards by name, weighted multi-reward, asynchronous scoring, and the rewards over HTTP (the client transport in
 reward_http.py, the bounded server in reward_server.py): a remote reward (`remote=URL`), a vision-language judge
-(`judge:TASK=URL`), and `python rewards.py serve`.
+(`judge:TASK=URL`, its client and tasks in reward_judge.py), and `python rewards.py serve`.
 
 --reward SPEC:  SPEC = ITEM[,ITEM...]
                 ITEM = NAME[:ARG][=WEIGHT] | remote=URL[=WEIGHT] | judge:TASK=URL[+URL...][=WEIGHT]
   e.g. jpeg_compressibility | ocr=1.0,pickscore=0.5 | pickscore:/ckpt/pickscore | remote=http://host:8000
        | judge:ocr=http://h1:8000+http://h2:8000 | ocr=1,judge:match=http://h1:8000=0.5     (ARG: no "," or "=")
+       | judge:edit=http://h1:8000=1,preserve=0.3      (an edit model: following against preservation of the source)
 A reward: fn(images (B,3,H,W) float in [0,1] on CPU, or uint8 pixels, prompts, metadata) -> (scores (B,) float64,
 info), info = each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to
 uint8 exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. Videos (B,F,3,H,W): an
 image reward scores every FRAME_STRIDE-th frame (0, 4, 8, …) and averages; a VIDEO_REWARDS one sees whole videos.
-ARG of the CLIP rewards: a hub id or a directory holding a CLIPModel and its CLIPProcessor; TASK of the judge: a key
-of JUDGE_TASKS.
+ARG of the CLIP rewards: a hub id or a directory holding a CLIPModel and its CLIPProcessor; of preserve, the side in
+pixels at which result and source are compared; TASK of the judge: a key of JUDGE_TASKS.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import io
-import json
 import math
 import os
 import re
 import threading
 import time
 import urllib.parse
-import weakref
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 import torch
@@ -38,6 +35,7 @@ import nano
 import nano_compose
 import nano_edit
 import reward_http
+import reward_judge
 import reward_server
 
 # ---------------------------------------------------------------- rewards without models (as ddpo-pytorch)
@@ -59,6 +57,32 @@ def brightness():
     """Mean pixel value in [0, 1]. The `tiny` demo's reward: its random-weight VAE can move overall brightness
     (hue-specific rewards such as redness did not move on CPU), so the learning it shows is real."""
     return lambda images, prompts, metadata: images.reshape(len(images), -1).mean(axis=1) / 255
+
+# ---------------------------------------------------------------- an edit against its source image
+PRESERVE_SIDE = 64  # preserve compares result and source at PRESERVE_SIDE × PRESERVE_SIDE pixels, unless its ARG says
+
+def _preserve_side(side=None) -> int:
+    text = str(PRESERVE_SIDE if side is None else side)
+    if not text.isdigit() or not 4 <= int(text) <= 1024:
+        raise ValueError(f"--reward preserve:{side}: ARG is the side in pixels at which result and source are "
+                         "compared, a whole number in [4, 1024], e.g. preserve:64=0.3")
+    return int(text)
+
+def preserve(side=None):
+    """1 − the mean absolute difference, in [0, 1], between the result and its prompt's source image
+    (metadata["image"]), both averaged down to side × side pixels (PIL's box filter: each small pixel the mean of the
+    area it covers); 1 is the source unchanged. Coarse on purpose: it scores what an edit changed of the layout and
+    colours, not the texture a VAE round trip redraws (docs/rewards.md). Videos: each scored frame against the source."""
+    n = _preserve_side(side)
+
+    def small(pixels: np.ndarray) -> np.ndarray:  # (H, W, 3) uint8 -> (n, n, 3) float32 in [0, 255], unrounded
+        return np.stack([np.asarray(Image.fromarray(c).resize((n, n), Image.BOX))
+                         for c in pixels.astype(np.float32).transpose(2, 0, 1)], axis=-1)
+
+    def fn(images, prompts, metadata):
+        sources = [small(np.asarray(reward_judge.source_image(m, p, "preserve"))) for p, m in zip(prompts, metadata)]
+        return [1 - np.abs(small(image) - source).mean(dtype=np.float64) / 255 for image, source in zip(images, sources)]
+    return fn
 
 # ---------------------------------------------------------------- rewards of videos (B, F, H, W, 3) uint8, F >= 2
 FRAME_STRIDE = 4  # image rewards score frames 0, 4, 8, … of a video (Flow-GRPO's video OCR reward: every 4th frame)
@@ -174,9 +198,8 @@ def aesthetic(model=None):
         return head(_image_embeds(model, processor, images)).squeeze(1).double().cpu().numpy()
     return fn
 
-# ---------------------------------------------------------------- a vision-language judge: its questions and scores
-# What is asked and how a reply becomes a score, beside `ocr`; the client, `judge`, is with `remote` below.
-YES_NO = {"Yes": 1.0, "No": 0.0}  # the match task's answers and their values
+# ---------------------------------------------------------------- a vision-language judge reading text (reward_judge.py)
+# The judge's task beside `ocr`, whose formula scores its reading; the other tasks and the client are reward_judge's.
 READ_CHARS = 64  # the ocr task's longest reading (the ocr prompt set's targets have at most 14 characters)
 
 def _score_reading(choice: dict, prompt: str) -> float:
@@ -186,106 +209,31 @@ def _score_reading(choice: dict, prompt: str) -> float:
         raise ValueError("the reply has no text")
     return ocr_score(text, ocr_target(prompt))
 
-def _score_yes_no(choice: dict, prompt: str) -> float:
-    """match: E[value] = P(Yes)·1 + P(No)·0 under the judge's probabilities for the answer's first token. A listed
-    token counts for the one answer it begins ("Y", "Ye" and "Yes" all begin Yes); the sum is renormalised over the
-    answers, so a server that reports unconstrained probabilities gives the same expectation."""
-    if choice["message"]["content"] not in YES_NO:
-        raise ValueError(f"the answer is not one of {list(YES_NO)}")
-    mass = dict.fromkeys(YES_NO, 0.0)
-    for top in choice["logprobs"]["content"][0]["top_logprobs"]:
-        token = top["token"].strip()
-        begun = [answer for answer in YES_NO if token and answer.startswith(token)]
-        if not top["logprob"] <= 0:  # a log-probability; exp(1000) would overflow
-            raise ValueError(f"logprob {top['logprob']!r} of token {token!r} is not a log-probability (<= 0)")
-        if len(begun) == 1:
-            mass[begun[0]] += math.exp(top["logprob"])
-    total = sum(mass.values())
-    if not total > 0:
-        raise ValueError("no token of its top_logprobs begins an answer")
-    return sum(YES_NO[answer] * p for answer, p in mass.items()) / total
-
-@dataclass(frozen=True)
-class JudgeTask:
-    question: str  # sent with the image; {prompt} is the image's prompt
-    request: dict  # decoding options: length, logprobs, and the constrained answer (vLLM's `structured_outputs`)
-    score: Callable[[dict, str], float]  # (the reply's choices[0], prompt) -> score
-    check: Callable[[str], object] | None = None  # a cheap start-up check of each prompt
-
 JUDGE_TASKS = {
-    "ocr": JudgeTask("Read the text in this image. Reply with the text only, on one line.",
-                     # A token holds >= 1 byte of UTF-8 (<= 4 a character): the regex ends the reply within this length.
-                     {"max_completion_tokens": 4 * READ_CHARS + 1,
-                      "structured_outputs": {"regex": f"[^\\n]{{0,{READ_CHARS}}}"}},
-                     _score_reading, ocr_target),
-    "match": JudgeTask("Description: {prompt}\nDoes this image match the description? Answer Yes or No.",
-                       {"max_completion_tokens": 8, "logprobs": True, "top_logprobs": 20,
-                        "structured_outputs": {"choice": list(YES_NO)}}, _score_yes_no),
+    "ocr": reward_judge.JudgeTask("Read the text in this image. Reply with the text only, on one line.",
+                                  # A token holds >= 1 byte of UTF-8 (<= 4 a character): the regex ends the reply
+                                  # within this length.
+                                  {"max_completion_tokens": 4 * READ_CHARS + 1,
+                                   "structured_outputs": {"regex": f"[^\\n]{{0,{READ_CHARS}}}"}},
+                                  _score_reading, ocr_target),
+    **reward_judge.TASKS,
 }
 
 # ---------------------------------------------------------------- rewards over HTTP (the transport: reward_http.py)
-JUDGE_CONCURRENCY = 8  # requests in flight per judge server, unless FLOWGRPO_JUDGE_CONCURRENCY says otherwise
-
 def _remote_knobs():
     """(client, images per request) of `remote`, from FLOWGRPO_REMOTE_*: checked at start-up by _parse."""
     return (reward_http.client_from_env("FLOWGRPO_REMOTE", "remote reward server",
                                         "is `python rewards.py serve` running and reachable there?"),
             reward_http.knob("FLOWGRPO_REMOTE_BATCH", 16, 1, 4096))
 
-def _judge_knobs(concurrency=None):
-    """(client, requests in flight per server) of `judge`, from FLOWGRPO_JUDGE_*: checked at start-up by _parse."""
-    return (reward_http.client_from_env("FLOWGRPO_JUDGE", "judge server",
-                                        "is the judge (e.g. `vllm serve`) running and reachable there?"),
-            concurrency or reward_http.knob("FLOWGRPO_JUDGE_CONCURRENCY", JUDGE_CONCURRENCY, 1, 256))
-
 def remote(url):
     """--reward remote=URL: POST /score of a `python rewards.py serve`, FLOWGRPO_REMOTE_BATCH images a request."""
     return reward_http.score_client(url, *_remote_knobs())
 
-def _judge_model(client, urls: list[str]) -> str:
-    """The served model: FLOWGRPO_JUDGE_MODEL, else the one model every server lists at GET /v1/models."""
-    want = os.environ.get("FLOWGRPO_JUDGE_MODEL")
-    for url in urls:
-        reply = client.call(url, "/v1/models")  # also: the server is up, at start-up
-        data = reply.get("data") if isinstance(reply, dict) else None
-        served = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
-        if want is None and len(served) == 1:
-            want = served[0]
-        if want not in served:
-            raise ValueError(f"judge server {url} serves {served}, not {want!r}: set FLOWGRPO_JUDGE_MODEL to the model "
-                             "to use, served by every judge server")
-    return want
-
 def judge(task: str, urls: list[str], concurrency: int | None = None):
-    """--reward judge:TASK=URL[+URL...]: each image, with JUDGE_TASKS[task]'s question, to POST /v1/chat/completions
-    of an OpenAI-compatible server (vLLM's `structured_outputs` constrain the answer), at temperature 0; `concurrency`
-    (FLOWGRPO_JUDGE_CONCURRENCY, JUDGE_CONCURRENCY) requests in flight per server, each to whichever server is free."""
-    spec = JUDGE_TASKS[task]
-    client, per_server = _judge_knobs(concurrency)
-    model = _judge_model(client, urls)
-    workers = reward_http.Workers(urls * per_server, "judge")
-
-    def ask(url, image, prompt):
-        url_of_image = "data:image/png;base64," + reward_http.png_base64(image)
-        content = [{"type": "image_url", "image_url": {"url": url_of_image}},
-                   {"type": "text", "text": spec.question.format(prompt=prompt)}]
-        body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, **spec.request}
-        reply = client.call(url, "/v1/chat/completions", body, f" for prompt {prompt!r}")
-        try:
-            choice = reply["choices"][0]
-            if choice["finish_reason"] != "stop":
-                raise ValueError(f"finish_reason {choice['finish_reason']!r}: the answer is cut or refused")
-            return spec.score(choice, prompt)
-        except (LookupError, TypeError, AttributeError, ValueError) as e:
-            raise ValueError(f"judge server {url}: the reply for prompt {prompt!r} does not parse ({e}): "
-                             f"{json.dumps(reply)[:600]}") from None
-
-    def fn(images, prompts, metadata):
-        for prompt in prompts if spec.check else ():
-            spec.check(prompt)  # before any request
-        return reward_http.gather([workers.submit(ask, image, prompt) for image, prompt in zip(images, prompts)])
-    weakref.finalize(fn, workers.close)
-    return fn
+    """--reward judge:TASK=URL[+URL...]: JUDGE_TASKS[task] asked of OpenAI-compatible servers (reward_judge.client);
+    `concurrency` (FLOWGRPO_JUDGE_CONCURRENCY, reward_judge.JUDGE_CONCURRENCY) requests in flight per server."""
+    return reward_judge.client(task, JUDGE_TASKS[task], urls, concurrency)
 
 # ---------------------------------------------------------------- make_reward: parse, quantise, call, check
 def _weight(text, item):
@@ -309,7 +257,7 @@ def _judge_item(task, text, item):
         raise ValueError(f"--reward: judge needs a task, one of {', '.join(JUDGE_TASKS)}, got {item!r}; write "
                          "judge:ocr=http://HOST:PORT[+http://HOST2:PORT]")
     urls = reward_http.server_urls(text, item, "judge:TASK=http://HOST:PORT[+http://HOST2:PORT...]")
-    _judge_knobs()
+    reward_judge.knobs()
     netlocs = "+".join(urllib.parse.urlsplit(u).netloc for u in urls)
     return f"judge:{task}@{netlocs}", f"judge:{task}", (task, urls)
 
@@ -333,8 +281,8 @@ def _parse(spec):
             raise ValueError(f"--reward: reward {name!r} takes no argument, got {item!r}")
         else:
             label, kind, args = name, name, (arg,) if arg else ()
-        if name == "aesthetic":
-            _aesthetic_head_path()
+        if name in START_CHECKS:
+            START_CHECKS[name](*args)
         if label in [p[0] for p in parsed]:
             raise ValueError(f"--reward: reward {label!r} appears twice in {spec!r}")
         parsed.append((label, kind, name, args, _weight(rest, item) if eq else 1.0))
@@ -348,11 +296,26 @@ def check_reward_spec(spec: str, video: bool = False) -> None:
             raise ValueError(f"--reward {name} scores videos: it needs a video --model (tiny-wan, wan2.1-t2v-1.3b) "
                              "and --num-frames > 1")
 
-def check_prompts_for_reward(spec: str, prompts: list[str]) -> None:
-    """Start-up validation that every prompt suits every reward of spec (ocr needs quoted text)."""
+def check_prompts_for_reward(spec: str, prompts: list[str], metadata: list[dict] | None = None) -> None:
+    """Start-up validation that every prompt suits every reward of spec: ocr needs quoted text; preserve and
+    judge:edit a source image in each prompt's metadata (checked when `metadata` is given)."""
     for _, kind, _, _, _ in _parse(spec):
         for prompt in prompts if kind in PROMPT_CHECKS else ():
             PROMPT_CHECKS[kind](prompt)
+        missing = [p for p, m in zip(prompts, metadata or ()) if kind in SOURCE_REWARDS and "image" not in m]
+        if missing:
+            raise ValueError(f"--reward {kind} compares each result with its prompt's source image, and {len(missing)} "
+                             f"of the {len(prompts)} prompts have none (the first: {missing[0]!r}): "
+                             f"{reward_judge.SOURCE_FIX}")
+
+def check_servable(spec: str) -> None:
+    """`python rewards.py serve`'s check: check_reward_spec, and no reward that reads a source image. Its path comes in
+    each request's metadata: a server would open whatever file a client names, on the server's machine."""
+    check_reward_spec(spec)
+    for _, kind, _, _, _ in _parse(spec):
+        if kind in SOURCE_REWARDS:
+            raise ValueError(f"--reward {kind} reads each prompt's source image from a path in the request, which a "
+                             "server would open for any client: score it in the trainer, not behind remote=URL")
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """(B, 3, H, W) float in [0, 1] (or uint8) -> (B, H, W, 3) uint8, rounded as ddpo-pytorch and a saved PNG do;
@@ -479,11 +442,13 @@ class AsyncRewards:
 # The laptop tasks' readers (nano.py, …): each task file's reward and judge, name -> (factory, prompt check)
 TASK_REWARDS = nano.REWARDS | nano_compose.REWARDS | nano_edit.REWARDS
 REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
-                                    aesthetic, remote, judge, temporal_consistency, motion)} | {
+                                    aesthetic, preserve, remote, judge, temporal_consistency, motion)} | {
     name: factory for name, (factory, _) in TASK_REWARDS.items()}
 VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B, F, H, W, 3); the others images
+SOURCE_REWARDS = {"preserve", *(f"judge:{k}" for k, t in JUDGE_TASKS.items() if t.source)}  # compare with the source
+START_CHECKS = {"aesthetic": lambda model=None: _aesthetic_head_path(), "preserve": _preserve_side}  # set-up, at start
 PROMPT_CHECKS = {"ocr": ocr_target, **{name: check for name, (_, check) in TASK_REWARDS.items()},
                  **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 
 if __name__ == "__main__":  # python rewards.py serve --reward SPEC --port P: reward_server's server of this reward
-    reward_server.serve_cli(make_reward, check_reward_spec)
+    reward_server.serve_cli(make_reward, check_servable)

@@ -228,21 +228,24 @@ class LocalBackend:  # the trainer's own model samples (`sample`); nothing to sy
 
 
 def build_requests(model, prompts, image_ids, *, steps, num_steps, height, width, cfg_scale, negative_prompt,
-                   noise_level, sde_type, seed, iteration, lora: dict, prefix: str) -> list[tuple[list[int], dict]]:
+                   noise_level, sde_type, seed, iteration, lora: dict, prefix: str,
+                   metadata: list[dict] | None = None) -> list[tuple[list[int], dict]]:
     """(positions in the batch, body) of each POST /v1/images/generations: the images of one prompt, <= MAX_N
     a request. Each image has its own seed (`image_seed`), from which the server draws its initial and SDE
     noise: images do not depend on the grouping and equal the local backend's, draw for draw. The model's
-    adapter gives what differs by family: how CFG or guidance is asked for, and the text length."""
-    where = {}
-    for pos, prompt in enumerate(prompts):
-        where.setdefault(prompt, []).append(pos)
+    adapter gives what differs by family: how CFG or guidance is asked for, the text length, an edit model's source
+    image (a request is one prompt and one source image, prompts.py's "image")."""
+    where, metadata = {}, metadata or [{}] * len(prompts)
+    for pos, (prompt, meta) in enumerate(zip(prompts, metadata)):
+        where.setdefault((prompt, meta.get("image")), []).append(pos)
     jobs = []
-    for prompt, all_pos in where.items():
+    for (prompt, _), all_pos in where.items():
+        extra = model.omni_knobs(metadata[all_pos[0]], height, width)
         for pos in (all_pos[c:c + MAX_N] for c in range(0, len(all_pos), MAX_N)):
             seeds = [image_seed(seed, iteration, image_ids[i]) for i in pos]
             knobs = dict(trajectory=f"{prefix}-{len(jobs):04d}.safetensors", seeds=seeds, steps=list(steps),
                          noise_level=noise_level, sde_type=sde_type, max_sequence_length=model.max_sequence_length,
-                         num_frames=model.num_frames)
+                         num_frames=model.num_frames, **extra)
             jobs.append((pos, dict(prompt=prompt, n=len(pos), size=f"{width}x{height}", num_inference_steps=num_steps,
                                    seed=seeds[0], output_format="png", extra_params={KEY: knobs}, lora=lora,
                                    **model.omni_request(cfg_scale, negative_prompt))))
@@ -373,7 +376,8 @@ class OmniBackend:
                               height=height, width=width, cfg_scale=cfg_scale, negative_prompt=negative_prompt,
                               noise_level=noise_level, sde_type=sde_type, seed=seed, iteration=iteration,
                               lora=self.lora, prefix=os.path.join(self.traj_dir, f"it{iteration:06d}-r{self.rank}-"
-                                                                                  f"{uuid.uuid4().hex[:8]}"))
+                                                                                  f"{uuid.uuid4().hex[:8]}"),
+                              metadata=list(metadata))
         sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
         expect = dict(sigmas=sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0], sigma_max=float(sigmas[1]),
                       image_shape=model.sample_shape(height, width), pipeline=model.omni_pipeline_class, root=self.root,

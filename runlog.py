@@ -1,7 +1,8 @@
 """What a run leaves behind for people, written by rank 0 only, in the run directory it claimed (rundir.py): args.json,
 metrics.jsonl (one line per iteration, mirrored to wandb), reward_curve.png (redrawn as rows arrive while that takes
 at most 2% of the run's time, and at its end), captioned sample grids (for a video model the first frames' grid, and
-the grid animated as a GIF), and what it tells its user (a warning when nothing can be learned, the closing summary)."""
+the grid animated as a GIF; for an edit model each result beside its source image), and what it tells its user (a
+warning when nothing can be learned, the closing summary)."""
 import json
 import os
 import sys
@@ -32,28 +33,45 @@ def wrap(text: str, font, width: float, max_lines: int) -> list[str]:
     return lines
 
 
-def save_grid(path: str, images: torch.Tensor, captions: list[str]) -> None:
-    """Images (N, 3, H, W) in [0, 1] captioned `prompt | reward` as one readable PNG (grid_image)."""
-    grid_image(images, captions).save(path)
+def save_grid(path: str, images: torch.Tensor, captions: list[str], sources: list[str | None] | None = None) -> None:
+    """Images (N, 3, H, W) in [0, 1] captioned `prompt | reward` as one readable PNG (grid_image), each beside its
+    source image where `sources` names one (an edit model's)."""
+    grid_image(images, captions, sources).save(path)
 
 
 VIDEO_FPS = 16  # Wan2.1's frame rate
 
 
-def save_video_grid(path: str, videos: torch.Tensor, captions: list[str]) -> None:
+def save_video_grid(path: str, videos: torch.Tensor, captions: list[str], sources: list[str | None] | None = None):
     """Videos (N, F, 3, H, W) in [0, 1] as one animated GIF of captioned grids, frame by frame (diffusers' GIF
     writer, Pillow's encoder: no video codec needed), looping at VIDEO_FPS."""
     from diffusers.utils import export_to_gif
-    export_to_gif([grid_image(videos[:, f], captions) for f in range(videos.shape[1])], path, fps=VIDEO_FPS)
+    export_to_gif([grid_image(videos[:, f], captions, sources) for f in range(videos.shape[1])], path, fps=VIDEO_FPS)
+
+
+def beside_sources(images: torch.Tensor, sources: list[str | None]) -> torch.Tensor:
+    """Each image (N, 3, H, W) in [0, 1] with its source image (a path, resized to H × W) on its left: (N, 3, H, 2W);
+    grey where an image has no source."""
+    n, _, h, w = images.shape
+    left = torch.full_like(images, 0.5)
+    for i, path in enumerate(sources):
+        if path:
+            with Image.open(path) as im:
+                pixels = np.array(im.convert("RGB").resize((w, h), Image.LANCZOS))  # (H, W, 3) uint8
+            left[i] = torch.from_numpy(pixels).permute(2, 0, 1) / 255
+    return torch.cat([left, images], dim=-1)
 
 
 ROWS, PER_ROW, FLAT = 16, 8, 32  # the most prompt rows, images per prompt row, and images of a flat grid shown
 
 
-def grid_image(images: torch.Tensor, captions: list[str]) -> Image.Image:
+def grid_image(images: torch.Tensor, captions: list[str], sources: list[str | None] | None = None) -> Image.Image:
     """save_grid's picture, readable at any count: where prompts repeat (an eval set of few prompts, many seeds), one
     row per prompt under its text (at most ROWS rows of PER_ROW images), each image with its reward; otherwise 4 images
-    a row, each under its prompt and reward, at most FLAT images. A first line says how many are shown."""
+    a row, each under its prompt and reward, at most FLAT images. A first line says how many are shown. With `sources`
+    (an edit model's source image paths, None where a prompt has none), each tile is the pair source | result."""
+    pairs = bool(sources and any(sources))
+    images = beside_sources(images, sources) if pairs else images
     n, _, h, w = images.shape
     prompts = [c.rpartition(" | ")[0] for c in captions]
     rows = {p: [i for i, q in enumerate(prompts) if q == p] for p in dict.fromkeys(prompts)}
@@ -63,15 +81,15 @@ def grid_image(images: torch.Tensor, captions: list[str]) -> Image.Image:
     else:
         rows = {None: list(range(min(n, FLAT)))}
     cols = max(map(len, rows.values())) if per_prompt else min(n, 4)
-    cell = min(max(w, 96 if per_prompt else 192), 256)
+    cell = min(max(w, 96 if per_prompt else 192), 256 * (1 + pairs))  # a pair: two images of up to 256
     tile_h, title_h, text_h = cell * h // w, 16 if per_prompt else 0, 14 if per_prompt else 44
     font = ImageFont.load_default(size=11)  # Pillow's bundled TrueType font: real word spacing, no system fonts needed
     lines = [ids[j:j + cols] for ids in rows.values() for j in range(0, len(ids), cols)]
     grid = Image.new("RGB", (cols * cell, 18 + len(lines) * (title_h + tile_h + text_h)), "white")
     draw, y = ImageDraw.Draw(grid), 18
     shown = sum(map(len, rows.values()))
-    draw.text((2, 2), f"{shown} of {n} images" + (f", {len(rows)} prompts: one row each" if per_prompt else ""),
-              fill="black", font=font)
+    draw.text((2, 2), f"{shown} of {n} images" + (f", {len(rows)} prompts: one row each" if per_prompt else "") +
+              (", each as source | result" if pairs else ""), fill="black", font=font)
     for line in lines:
         if per_prompt:
             draw.text((2, y + 2), wrap(prompts[line[0]], font, cols * cell - 4, max_lines=1)[0], fill="black", font=font)
@@ -206,16 +224,17 @@ class RunLog:
         plot_curve(os.path.join(self.run_dir, "reward_curve.png"), self.rows, self.judges)
         self.drawing += time.time() - t0
 
-    def samples(self, iteration: int, images: torch.Tensor, captions: list[str]) -> None:
+    def samples(self, iteration: int, images: torch.Tensor, captions: list[str], metadata: list[dict] | None = None):
         """Images (N, 3, H, W) as eval_<it>.png; videos (N, F, 3, H, W) as eval_<it>.gif, their first frames as the
-        .png grid."""
+        .png grid. Each image's prompt `metadata` names its source image where it has one (an edit model's): each
+        result is then drawn beside it."""
         if not self.enabled:
             return
         path = os.path.join(self.run_dir, "samples", f"eval_{iteration:05d}")
-        video = images.ndim == 5
+        video, sources = images.ndim == 5, [m.get("image") for m in metadata or ()]
         if video:
-            save_video_grid(path + ".gif", images, captions)
-        save_grid(path + ".png", images[:, 0] if video else images, captions)
+            save_video_grid(path + ".gif", images, captions, sources)
+        save_grid(path + ".png", images[:, 0] if video else images, captions, sources)
         if self.wandb:
             import wandb
             videos = {"eval/videos": wandb.Video(path + ".gif", format="gif")} if video else {}

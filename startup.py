@@ -102,10 +102,11 @@ def check_args(a) -> tuple[str, dict] | None:
          'its prompts have none: give it a .jsonl whose every line has "image": "path.png" (relative to the file)')
     need(edits or missing == len(prompts.train + prompts.eval), f"--prompts {a.prompts}: its prompts carry source "
          f'images ("image"), which --model {a.model} (text to image) cannot use: choose an edit model '
-         "(tiny-flux-kontext, flux.1-kontext-dev) or prompts without images")
-    need(not edits or a.rollout == "local", f"--rollout vllm-omni: --model {a.model} edits a source image, which the "
-         "vLLM-Omni pipeline cannot take yet: use --rollout local")
-    rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval])  # ocr: quoted text?
+         f"({', '.join(m for m, spec in models.SPECS.items() if spec.edits)}) or prompts without images")
+    need(a.rollout == "local" or models.adapter_class(a.model).omni_pipeline_class, f"--rollout vllm-omni: --model "
+         f"{a.model} has no vLLM-Omni pipeline yet (docs/vllm-omni.md lists the families): use --rollout local")
+    rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
+                                     [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
     rollout.check_backend(a.rollout, a.rollout_url)
     if not a.resume:
         return None

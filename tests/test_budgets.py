@@ -22,6 +22,7 @@ BUDGETS = {
     "model_files.py": 150,  # a model directory's files read within bounds before anything is built from them
     "models_qwen.py": 200, "models_sd3.py": 200, "models_flux.py": 200, "models_wan.py": 200,  # one family each
     "models_kontext.py": 200,  # the first edit family: FLUX.1 Kontext, a source image per prompt
+    "models_qwen_edit.py": 200,  # the second edit family: Qwen-Image-Edit, the source through the VL encoder and VAE
     "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here (nano-edit's edit call too)
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, EMA, the old policy, process groups
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
@@ -30,10 +31,14 @@ BUDGETS = {
     "checkpoint.py": 300,
     "rollout.py": 450,  # trajectories with log-probs: the local backend and the vLLM-Omni client
     "omni_pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
-    "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote and judge clients
+    "omni_pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
+    "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote reward, the judge's registration
+    "reward_judge.py": 250,  # the vision-language judge: its tasks, their scores, its client; an edit's source image
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies
     "reward_server.py": 420,  # the bounded reward server
-    "prompts.py": 200,  # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler
+    # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler; raised from 200: an edit
+    # set's source images are checked as they are read (decodable, within the pixel bound before decoding, the ratio)
+    "prompts.py": 210,
     "runlog.py": 300,  # what a run leaves for people: metrics, curves, grids, the closing summary
     "rundir.py": 200,  # a run directory belongs to one run: claimed, locked, refused to another, resumed
     "nano.py": 450,  # the digits task and what the laptop tasks share (data, pretraining, held-out sampling)

@@ -1,8 +1,12 @@
 """The first edit family, FLUX.1 Kontext (`tiny-flux-kontext`), and the data path that brings it a source image: the
 ODE rollout against diffusers' own FluxKontextPipeline, the source's effect on the velocity, an exactly on-policy
-first update in the real training script, the start-up refusals of prompt sets, and the source in a reward's metadata."""
+first update in the real training script, the start-up refusals of prompt sets, the source in a reward's metadata, the
+LoRA export loaded by the pipeline, exact resume and 1-vs-2 ranks."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,11 +15,13 @@ from PIL import Image
 
 import flowgrpo
 import models
+import prompts as prompt_sets
 import rewards
 import rollout
 import scheduler as sch
 import startup
-from tiny_setup import main_here
+from test_engine import ENV, ROOT, assert_same, lora, relative_difference, train_state
+from tiny_setup import check_lora_export, main_here
 
 PROMPTS = ["make the cat red", "add a hat to the dog"]
 
@@ -140,18 +146,20 @@ def test_the_source_image_reaches_the_rewards_metadata(edit_run):
 @pytest.mark.parametrize("case,needle", [
     ("missing", r"edits\.jsonl:2: source image sources/1\.png is missing or not a file .*relative to the prompt file"),
     ("unreadable", r"edits\.jsonl:2: source image sources/1\.png cannot be read as an image .*save it as a PNG"),
+    ("large", r"edits\.jsonl:1: source image sources/0\.png is 32×32, more than 1000 pixels: resize it"),
     ("ratio", r"edits\.jsonl:2: source image sources/1\.png is 48×32, not the run's aspect ratio \(--width 32 "
               r"--height 32\): crop it to 32:32, or set --height/--width to its ratio"),
     ("no images", r"--prompts general: --model tiny-flux-kontext edits a source image, and 48 of its prompts have "
                   r'none: give it a \.jsonl whose every line has "image"'),
     ("text to image", r"its prompts carry source images \(\"image\"\), which --model tiny-flux \(text to image\) "
                       r"cannot use: choose an edit model"),
-    ("vllm-omni", r"--rollout vllm-omni: --model tiny-flux-kontext edits a source image.*use --rollout local"),
+    ("vllm-omni", r"--rollout vllm-omni: --model tiny-flux-kontext has no vLLM-Omni pipeline yet .*use --rollout "
+                  r"local"),
     ("sp", r"--sp: --model tiny-flux-kontext has no sequence parallelism yet .*run without --sp"),
 ])
-def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_path, case, needle):
+def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_path, monkeypatch, case, needle):
     """Each refusal is one line naming the file and line (or the flags) and the fix, raised by startup.check_args,
-    before anything is built."""
+    before anything is built (vllm-omni: as for a family without a vLLM-Omni pipeline, which Kontext has)."""
     prompts = edit_prompts(tmp_path)
     source = tmp_path / "sources" / "1.png"
     change = dict(prompts=prompts)
@@ -159,6 +167,8 @@ def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_pat
         source.unlink()
     elif case == "unreadable":
         source.write_text("not an image")
+    elif case == "large":
+        monkeypatch.setattr(prompt_sets, "SOURCE_PIXELS", 1000)
     elif case == "ratio":
         write_png(source, 32, 48, seed=1)
     elif case == "no images":
@@ -169,7 +179,43 @@ def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_pat
         change["sp"] = 2
     else:
         change |= dict(rollout="vllm-omni", rollout_url="http://127.0.0.1:1")
+        monkeypatch.setattr(models.adapter_class("tiny-flux-kontext"), "omni_pipeline_class", None)
     args = dataclasses.replace(flowgrpo.RECIPES["tiny-flux-kontext"], **change)
     with pytest.raises(ValueError, match=needle) as refusal:
         startup.check_args(args)
     assert "\n" not in str(refusal.value)
+
+
+def test_the_exported_lora_loads_into_a_fresh_kontext_pipeline(tmp_path):
+    """One update on an edit batch, exported, loaded by `FluxKontextPipeline.load_lora_weights` into a fresh tiny
+    pipeline: its velocity on the same source and noise is the trained one (alpha included)."""
+    check_lora_export("tiny-flux-kontext", str(tmp_path), [{"image": write_png(tmp_path / "s.png", 32, 32, 0)}] * 4)
+
+
+def check_resume_and_ranks(model: str, prompts: str, tmp_path, script: str = os.path.join(ROOT, "flowgrpo.py")):
+    """An edit family under the engine's guarantees: 2 iterations straight; 1, then --resume auto to 2 (the same LoRA
+    and AdamW state, bit for bit: the prompt embeddings and source latents are rebuilt from the prompt set, not
+    checkpointed); and `script` (flowgrpo.py, or a launcher of it) on 2 torchrun ranks against one process (the LoRA
+    as a whole within test_engine's 1e-3 relative: only the gradient sums' order differs). 4 edit images an iteration:
+    4 micro-batches of 1 in one process, 2 on each of two ranks; a checkpoint per iteration."""
+    run = ["--model", model, "--prompts", prompts, "--iterations", "2", "--group-size", "2", "--prompts-per-iteration",
+           "2", "--micro-batch", "1", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
+    straight, resumed, ranks = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ranks"
+    main_here(*run, "--run-dir", straight)
+    main_here(*run, "--run-dir", resumed, "--iterations", "1")
+    main_here(*run, "--run-dir", resumed, "--resume", "auto")
+    assert_same(lora(straight), lora(resumed), exact=True)
+    assert_same(train_state(straight, "iter_000001", tmp_path), train_state(resumed, "iter_000001", tmp_path),
+                exact=True)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                          "--no-wandb", *run, "--run-dir", str(ranks)], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    for ckpt in ("iter_000000", None):
+        rel, worst = relative_difference(lora(straight, ckpt), lora(ranks, ckpt))
+        print(f"\n{model}: {ckpt or 'final'} LoRA, 1 vs 2 ranks: {rel:.3g} relative, max |Δ| {worst:.3g}")
+        assert rel < 1e-3, f"{ckpt or 'final'} LoRA: 1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
+
+
+def test_an_edit_run_resumes_bit_for_bit_and_two_ranks_agree_with_one(tmp_path):
+    check_resume_and_ranks("tiny-flux-kontext", edit_prompts(tmp_path), tmp_path)

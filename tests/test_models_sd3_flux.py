@@ -12,7 +12,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
-from tiny_setup import check_ode_path_against_the_pipeline
+from tiny_setup import check_lora_export, check_ode_path_against_the_pipeline
 
 H = W = 32
 PROMPTS = ["a red cat", "a blue dog sitting on a green hill at sunset"]
@@ -118,27 +118,7 @@ def test_first_update_is_exactly_on_policy(name, guide, window):
 def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(name, tmp_path):
     """Train one update in-process, export, load with `<Pipeline>.load_lora_weights` into a fresh pipeline: the
     trained transformer's output, alpha included (Wan too: WanPipeline, one-frame videos)."""
-    args = dataclasses.replace(flowgrpo.RECIPES["tiny"], model=name, group_size=4, prompts_per_iteration=1,
-                               micro_batch=4, optimizer_steps=1, cfg_scale=1.0)
-    model = models.load_model(name, None, "cpu", seed=0)
-    engine = eng.Engine(model, lora_rank=4, lora_alpha=16, lora_targets=model.lora_targets, lr=5e-2, weight_decay=0,
-                        max_grad_norm=1.0, seed=0)
-    batch = rollout.sample(model, ["a cat"] * 4, [{}] * 4, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4, height=H,
-                           width=W, cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0,
-                           iteration=0, chunk=4)
-    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
-    engine.export_lora(str(tmp_path / "lora"))
-    family = models.adapter_class(name)
-    fresh = family.build_tiny(0)
-    fresh.load_lora_weights(str(tmp_path / "lora"))
-    x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
-    with torch.no_grad():
-        trained = model.velocity(x, sigma, batch.cond, 1.0, H, W)
-        base = family(family.build_tiny(0), "cpu", torch.float32).velocity(x, sigma, batch.cond, 1.0, H, W)
-        loaded = family(fresh, "cpu", torch.float32).velocity(x, sigma, batch.cond, 1.0, H, W)
-    assert (trained - base).abs().max() > 1e-4  # the adapter changed the output ...
-    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)  # ... and the export carries it
+    check_lora_export(name, str(tmp_path), [{}] * 4)
 
 
 @pytest.mark.parametrize("model,change,needle", [

@@ -220,8 +220,10 @@ def test_each_family_asks_for_its_own_guidance():
     wan = models.adapter_class("tiny-wan").omni_request  # and its frame count rides in the request's knobs
     assert wan(None, 1.0, "") == {"guidance_scale": 1.0} and wan(None, 4.5, "") == {"guidance_scale": 4.5,
                                                                                      "negative_prompt": ""}
-    assert [(models.adapter_class(m).omni_pipeline_class or ".none").split(".")[1] for m in models.TINY] == [
-        "FlowGRPOQwenImagePipeline", "FlowGRPOSD3Pipeline", "FlowGRPOFluxPipeline", "none", "FlowGRPOWanPipeline"]
+    assert [models.adapter_class(m).omni_pipeline_class for m in models.TINY] == [
+        "omni_pipeline.FlowGRPOQwenImagePipeline", "omni_pipeline.FlowGRPOSD3Pipeline",
+        "omni_pipeline.FlowGRPOFluxPipeline", "omni_pipeline_edit.FlowGRPOFluxKontextPipeline",
+        "omni_pipeline_edit.FlowGRPOQwenImageEditPlusPipeline", "omni_pipeline.FlowGRPOWanPipeline"]
 
 
 # ---- trajectory files ---------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def test_start_up_checks_build_no_models():
     ("remote=http://a:1=inf", "bad weight 'inf'"),
     ("remote=http://a:1,remote=http://a:1/", "'remote@a:1' appears twice"),
     ("judge=http://a:1", "judge needs a task, one of ocr, match"),
-    ("judge:foo=http://a:1", "judge needs a task, one of ocr, match, got 'judge:foo=http://a:1'"),
+    ("judge:foo=http://a:1", "judge needs a task, one of ocr, match, edit, got 'judge:foo=http://a:1'"),
     ("judge:ocr", r"bad server URL '' in 'judge:ocr' .*; write judge:TASK=http://HOST:PORT\[\+http://HOST2:PORT"),
     ("judge:match=http://a:1+http://a:1", "bad server URL 'http://a:1'.*each server once"),
     ("judge:match=http://a:1+http://b:70000", "bad server URL 'http://b:70000'"),

@@ -10,6 +10,7 @@ from unittest import mock
 import psutil
 import torch
 
+import algorithms
 import engine as eng
 import flowgrpo
 import models
@@ -90,6 +91,32 @@ def check_ode_path_against_the_pipeline(model, prompts: list[str], cfg: float, h
             x, *_ = sch.step(v, x, sig[i], sig[i + 1], sigma_max=sig[1], noise_level=0)
     assert torch.equal(x, ref_latents), (x - ref_latents).abs().max()  # bit for bit
     return (batch.images - ref_samples).abs().max().item()
+def check_lora_export(name: str, directory: str, metadata: list[dict], cfg: float = 1.0, negative: str = "") -> None:
+    """One update of tiny model `name` (4 images of one prompt with `metadata`, full mode, 4 steps, 32²), exported and
+    loaded by its pipeline's `load_lora_weights` into a fresh tiny pipeline: the loaded velocity is the trained one
+    (alpha included), which the update moved away from the base one."""
+    args = dataclasses.replace(flowgrpo.RECIPES[name], group_size=4, prompts_per_iteration=1, micro_batch=4,
+                               optimizer_steps=1, cfg_scale=cfg)
+    model = models.load_model(name, None, "cpu", seed=0)
+    engine = eng.Engine(model, lora_rank=4, lora_alpha=16, lora_targets=model.lora_targets, lr=5e-2, weight_decay=0,
+                        max_grad_norm=1.0, seed=0)
+    batch = rollout.sample(model, ["make it red"] * 4, metadata, [0] * 4, range(4), steps=[0, 1, 2], num_steps=4,
+                           height=32, width=32, cfg_scale=cfg, negative_prompt=negative, noise_level=0.7,
+                           sde_type="sde", seed=0, iteration=0, chunk=4)
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
+    engine.export_lora(os.path.join(directory, "lora"))
+    family = models.adapter_class(name)
+    fresh = family.build_tiny(0)
+    fresh.load_lora_weights(os.path.join(directory, "lora"))
+    x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
+    with torch.no_grad():
+        trained, base, loaded = (m.velocity(x, sigma, batch.cond, cfg, 32, 32) for m in (
+            model, family(family.build_tiny(0), "cpu", torch.float32), family(fresh, "cpu", torch.float32)))
+    assert (trained - base).abs().max() > 1e-4  # the adapter changed the output ...
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-6)  # ... and the export carries it
+
+
 def stop(proc, sig, seconds: float = 60) -> tuple[str, str]:
     """(stdout, stderr) of `proc` once `sig` ended it, which must be within `seconds`; else the test fails saying where
     the trainer was: every thread's stack, which it prints on SIGUSR1 (engine.handle_signals), for it and its
