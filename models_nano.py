@@ -4,6 +4,7 @@ float16). `--model nano` asks for one handwritten digit at 16×16."""
 import os
 
 import torch
+from PIL import Image
 
 from models_qwen import QwenImage, build_tiny_qwen_pipeline
 
@@ -81,7 +82,6 @@ class NanoEdit(NanoQwenImage):
         """One source image file -> its packed latents (1, S, C·4): resized to (height, width) and preprocessed by the
         pipeline's image processor, encoded alone, the posterior's mode normalised by the VAE's latents_mean and
         latents_std (QwenImageEditPlusPipeline._encode_vae_image), packed."""
-        from PIL import Image
         pipe, vae = self.pipe, self.pipe.vae
         with Image.open(path) as im:
             image = pipe.image_processor.resize(im.convert("RGB"), height, width)
