@@ -320,17 +320,19 @@ def test_cli_dppo_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, tmp_pa
     assert rel < 1e-3, f"dppo --sp 2: LoRA {rel:.3g} relative from 1 process (max |Δ| {worst:.3g})"
 
 
-@pytest.mark.parametrize("name,flags,bound", [("dpo", DPO, 1e-3), ("dgpo", DGPO, 1e-2)])
+@pytest.mark.parametrize("name,flags,bound", [("dpo", DPO, 1e-2), ("dgpo", DGPO, 1e-2)])
 def test_cli_preference_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, tmp_path, name, flags, bound):
     """Online DPO (the full-mode SDE rollout under its reference, one pair per group at a shared noise and timestep)
     and DGPO (whole groups, timesteps shared by the iteration, its KL) through the split model: --sp 2 on 2 ranks
-    (two_ranks) takes the steps of one process: the rewards and the loss, and the trained weights in the 1e-3
-    bound (DGPO: 1e-2). DGPO's loss is what is left of terms A·d of order 1 that nearly cancel in a group (its
+    (two_ranks) takes the steps of one process: the rewards and the loss, and the trained weights within 1e-2.
+    DGPO's loss is what is left of terms A·d of order 1 that nearly cancel in a group (its
     advantages sum to 0; its noise and timesteps are shared by the group): its rounding is the terms', so it is
     compared within 1e-5 absolute (measured: 3.3e-6 on a loss of 5.1e-3). The same cancellation leaves some LoRA
     gradients at the size of the split attention's rounding, and AdamW moves a parameter by about the learning rate
     whatever its gradient's size: measured 2.5e-3 relative (max |Δ| 0.015, the tiny recipe's lr 1e-2) after 4 steps,
-    hence its bound; a wrong draw or group would differ by order 1."""
+    hence its bound. DPO's loss is a difference of the pair's two terms, and its LoRA agreed within 1e-3 on one
+    machine but measured 1.95e-3 (max |Δ| 0.0148, again about 1.5 lr) on another with the same packages: the same
+    mechanism, so the same bound. A wrong draw, pair or group would differ by order 1."""
     runs = {"one": tmp_path / "one", "sp2": two_ranks[1][name]}
     launch(runs["one"], pipeline, *flags)
     one, split = rows(runs["one"]), rows(runs["sp2"])
