@@ -22,7 +22,6 @@ import binascii
 import io
 from types import SimpleNamespace
 
-import torch
 from PIL import Image
 from vllm_omni.diffusion.models.flux.pipeline_flux_kontext import FluxKontextPipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit import calculate_dimensions
