@@ -84,6 +84,16 @@ RECIPES: dict[str, dict] = {
                                lora_alpha=128, lora_targets=LORA_TARGETS["tiny-flux"] + ("proj_mlp",),
                                mixed_precision=True, ema_decay=0.9, ema_every=8, ema_repeat=6, checkpoint_every=30,
                                eval_every=30),
+    # verl-omni's public Qwen-Image-Edit-2511 example (examples/flowgrpo_trainer/qwen_image_edit/
+    # run_qwen_image_edit_lora.sh at a1139ba, as added in 01c87ee5): PickScore of result and instruction, 12 / 40
+    # steps, true CFG 4, noise 0.7, window 3 in [0, 6), 16 × 32, 2 optimizer steps, group std, every image trained.
+    # Departures: LoRA without to_out.0 and to_add_out, the group std over n (not n − 1), a source whose aspect is not
+    # the run's refused (it letterboxes). Its prompts, as here, are the user's .jsonl (--prompts). docs/algorithm.md §7
+    "qwen-image-edit": dict(model="qwen-image-edit", iterations=300, reward="pickscore", group_size=16,
+                            prompts_per_iteration=32, micro_batch=16, height=512, width=512, num_steps=12,
+                            eval_steps=40, cfg_scale=4.0, noise_level=0.7, window=3, window_range=(0, 6), std="group",
+                            zero_advantage="keep", clip_range=1e-4, lr=3e-4, lora_rank=64, lora_alpha=128,
+                            mixed_precision=True, activation_checkpointing=True, checkpoint_every=5, eval_every=20),
     # Flow-GRPO's public config grpo_guard.py:general_ocr_sd3_rationorm and scripts/train_sd3_GRPO_Guard.py
     "sd3.5-medium-guard": dict(model="sd3.5-medium", iterations=300, prompts="ocr", reward="ocr", group_size=24,
                                prompts_per_iteration=48, micro_batch=9, height=512, width=512, num_steps=10,

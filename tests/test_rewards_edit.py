@@ -227,20 +227,45 @@ def test_an_edit_run_with_preserve_shows_sources_in_its_grid(tmp_path):
     assert evaluated, "no source's colours are in the evaluation grid"
 
 
-# ---------------------------------------------------------------- the Kontext recipe
+# ---------------------------------------------------------------- the public edit recipes
+
+def edit_set(tmp_path, height: int = 512, width: int = 512) -> str:
+    """A .jsonl of two edit instructions, each with its own random source of height × width pixels."""
+    (tmp_path / "sources").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(2):
+        write_png(tmp_path / "sources" / f"{i}.png", random_pixels(height, width, seed=i))
+        lines.append(json.dumps({"prompt": f"add {i + 2} apples", "image": f"sources/{i}.png"}))
+    (tmp_path / "edits.jsonl").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "edits.jsonl")
+
 
 def test_the_kontext_recipe_starts_with_an_edit_prompt_set(tmp_path):
     """flux.1-kontext-dev (recipes.py, from Flow-GRPO's counting_flux_kontext) passes every start-up check given a
     .jsonl of 512² sources, before anything loads; its LoRA targets, proj_mlp included, name modules of the Kontext
     transformer (its tiny twin's, built from the same classes)."""
-    (tmp_path / "sources").mkdir()
-    lines = []
-    for i in range(2):
-        write_png(tmp_path / "sources" / f"{i}.png", random_pixels(512, 512, seed=i))
-        lines.append(json.dumps({"prompt": f"add {i + 2} apples", "image": f"sources/{i}.png"}))
-    (tmp_path / "edits.jsonl").write_text("\n".join(lines) + "\n")
     recipe = flowgrpo.RECIPES["flux.1-kontext-dev"]
     assert (recipe.group_size, recipe.prompts_per_iteration, recipe.num_steps, recipe.guidance) == (21, 48, 6, 2.5)
-    startup.check_args(dataclasses.replace(recipe, prompts=str(tmp_path / "edits.jsonl")))
+    startup.check_args(dataclasses.replace(recipe, prompts=edit_set(tmp_path)))
     models.check_lora_targets("tiny-flux-kontext", None, recipe.lora_targets)
     assert "proj_mlp" in recipe.lora_targets
+
+
+def test_the_qwen_image_edit_recipe_starts_with_an_edit_prompt_set(tmp_path):
+    """qwen-image-edit (recipes.py, from verl-omni's run_qwen_image_edit_lora.sh) is what `--model qwen-image-edit`
+    alone picks, passes every start-up check given a .jsonl of 512² sources (its PickScore reward included), splits
+    its 32 × 16 images into 2 optimizer steps of whole micro-batches of 16 on the public run's 8 GPUs, and its LoRA
+    targets name modules of the edit transformer; a source of another aspect ratio is refused at start-up, where the
+    public converter letterboxes it (docs/algorithm.md §7)."""
+    recipe = flowgrpo.RECIPES["qwen-image-edit"]
+    assert startup.parse_args(flowgrpo.Args, ["--model", "qwen-image-edit"]) == recipe
+    assert (recipe.group_size, recipe.prompts_per_iteration, recipe.num_steps, recipe.window, recipe.window_range,
+            recipe.cfg_scale, recipe.noise_level, recipe.std, recipe.reward) == (
+        16, 32, 12, 3, (0, 6), 4.0, 0.7, "group", "pickscore")
+    startup.check_args(dataclasses.replace(recipe, prompts=edit_set(tmp_path)))
+    layout = flowgrpo.batch_arithmetic(recipe, world_size=8)
+    assert (layout["images_per_rank"], layout["micro_batches_per_optimizer_step"]) == (64, 2), layout
+    models.check_lora_targets("tiny-qwen-image-edit", None, recipe.lora_targets)
+    with pytest.raises(ValueError, match="aspect ratio") as refusal:
+        startup.check_args(dataclasses.replace(recipe, prompts=edit_set(tmp_path / "wide", 512, 768)))
+    assert "\n" not in str(refusal.value)
