@@ -150,31 +150,86 @@ def needs_means(a) -> bool:
     return a.guard in NEEDS_MEANS or a.trust_region == "dppo"
 
 
+def transition(model, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Trained transition j of a micro-batch of b images under the current weights: the recorded step's log-prob (b,),
+    the step's mean (b, S, C) and std."""
+    x, sigma = mb.latents[:, j], mb.sigmas[j]
+    v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
+    _, logp, mean, std = sch.step(v, x, sigma, mb.sigmas[j + 1], sigma_max=mb.sigma_max, noise_level=a.noise_level,
+                                  sde_type=a.sde_type, x_next=mb.latents[:, j + 1])
+    return logp, mean, std
+
+
 def policy_loss(model, engine, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, dict]:
     """PPO's loss (and optional KL) of trained transition j for a micro-batch of b images, under the trust region
     --trust-region names, image i weighted by mb.weights[i] (none: 1; --zero-advantage drop gives A = 0 images weight
-    0)."""
-    x, x_next, sigma, sigma_next = mb.latents[:, j], mb.latents[:, j + 1], mb.sigmas[j], mb.sigmas[j + 1]
-    kw = dict(sigma_max=mb.sigma_max, noise_level=a.noise_level, sde_type=a.sde_type, x_next=x_next)
-    v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
-    _, logp, mean, std = sch.step(v, x, sigma, sigma_next, **kw)  # logp: (b,)
+    0) and, with --stale-correction decoupled, transition (i, j) by its importance weight mb.is_weights[i, j]."""
+    sigma, sigma_next = mb.sigmas[j], mb.sigmas[j + 1]
+    logp, mean, std = transition(model, mb, j, a)  # logp: (b,)
     delta = logp - mb.log_probs[:, j]
-    ratio = torch.exp(LOG_RATIOS[a.guard](logp, mean, std, mb, j, a))
+    log_r = LOG_RATIOS[a.guard](logp, mean, std, mb, j, a)
+    ratio = torch.exp(log_r)
     adv = mb.advantages
     w = torch.ones_like(adv) if mb.weights is None else mb.weights
     surrogate, acted = TRUST_REGIONS[a.trust_region](adv, ratio, mean, std, mb, j, a)  # (b,), (b,) bool
-    loss = (w * surrogate).mean() / REWEIGHTS[a.guard](sigma, sigma_next)
+    w_is = w if mb.is_weights is None else w * mb.is_weights[:, j]
+    loss = (w_is * surrogate).mean() / REWEIGHTS[a.guard](sigma, sigma_next)
     # detached tensors, read once per iteration: an .item() here would sync the GPU every step
     stats = {"gap": delta.detach().abs().mean(), "clipfrac": acted.float().mean(),
-             "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(())}
+             "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(()),
+             "log_ratio": log_r.detach()}
     if a.kl_beta > 0:
+        x = mb.latents[:, j]
         with torch.no_grad(), engine.reference():
             v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
-            _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, **kw)
+            _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, sigma_max=mb.sigma_max,
+                                         noise_level=a.noise_level, sde_type=a.sde_type, x_next=mb.latents[:, j + 1])
         kl = KL_FORMS[a.kl_form](mean, mean_ref, std, sigma_next - sigma, a.sde_type)  # (b,)
         loss = loss + a.kl_beta * (w * kl).mean()
         stats["kl"] = kl.mean().detach()
     return loss, stats
+
+
+# ---- samples from older weights (--off-policy, --stale-correction; docs/algorithm.md §16) -------------------------
+
+def correction_stats(log_ratio: torch.Tensor, applied: torch.Tensor | None) -> dict:
+    """verl's rollout_corr/* metrics of the log-ratios log(π_current/π_behaviour) of (n, W) transitions, under the
+    weights at the start of the update: the importance weights' mean, max and effective sample size (1: all equal),
+    each trained step's mean |log-ratio|, and the fraction of transitions the correction gave weight 0."""
+    w = log_ratio.double().exp()
+    return {"rollout_corr/is_mean": w.mean().item(), "rollout_corr/is_max": w.max().item(),
+            "rollout_corr/ess": (w.sum() ** 2 / (w.numel() * (w ** 2).sum())).item(),
+            "rollout_corr/rejected_fraction": 0.0 if applied is None else (applied == 0).double().mean().item(),
+            **{f"rollout_corr/logp_diff/step{j}": log_ratio[:, j].abs().mean().item() for j in range(w.shape[1])}}
+
+
+def bypass(model, batch: rollout.Batch, a) -> dict:
+    """Flow-GRPO's own ratio, verl's bypass mode: PPO against the log-probs the sampler recorded, whichever weights
+    sampled. Nothing to compute first; its metrics are read from the first optimizer step (train_on)."""
+    return {}
+
+
+def decoupled(model, batch: rollout.Batch, a) -> dict:
+    """Decoupled PPO: the proximal log-probs, recomputed (no grad) under the weights at the start of the update on
+    the rollout's own chunks, become the ratio's reference (so the first update's ratio is exactly 1 again), and each
+    transition's loss is weighted by its importance weight min(π_prox/π_behaviour, --is-cap), or 0 where |log of it|
+    exceeds --reject-band (> 0). Costs one forward per trained step of every image."""
+    W, b = len(batch.sigmas) - 1, a.micro_batch
+    prox, log_is = torch.empty_like(batch.log_probs), torch.empty_like(batch.log_probs)  # (B, W)
+    with torch.no_grad():
+        for m in range(0, len(batch.prompts), b):
+            mb = batch.chunk(m, m + b)
+            for j in range(W):
+                logp, _, std = transition(model, mb, j, a)
+                prox[m:m + b, j], log_is[m:m + b, j] = logp, CPS_DENSITIES[a.cps_density](
+                    logp - mb.log_probs[:, j], std, a.sde_type)
+    kept = log_is.abs() <= a.reject_band if a.reject_band > 0 else torch.ones_like(log_is, dtype=torch.bool)
+    batch.behaviour_log_probs, batch.log_probs = batch.log_probs, prox
+    batch.is_weights = log_is.exp().clamp(max=a.is_cap) * kept
+    return correction_stats(log_is, batch.is_weights)
+
+
+STALE_CORRECTIONS = {"bypass": bypass, "decoupled": decoupled}  # --stale-correction
 
 
 def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool) -> dict:
@@ -183,7 +238,8 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
     shuffled when they were assigned), so the first one is exactly what the rollout computed."""
     n_micro, per_step = arith["micro_batches_per_rank"], arith["micro_batches_per_optimizer_step"]
     W = len(batch.sigmas) - 1  # trained steps per image
-    logs, gap = [], None
+    corrected = STALE_CORRECTIONS[a.stale_correction](model, batch, a)  # decoupled: the proximal pass, its metrics
+    logs, gap, first = [], None, []
     bar = tqdm(total=n_micro * W, desc="train", unit="step", disable=not progress, leave=False)
     for k in range(a.optimizer_steps):
         for m in range(k * per_step, (k + 1) * per_step):
@@ -191,18 +247,22 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
             for j in range(W):
                 loss, stats = policy_loss(model, engine, mb, j, a)
                 (loss / (W * per_step)).backward()  # mean over trained steps and micro-batches
+                log_ratio = stats.pop("log_ratio")  # (b,): under the update's starting weights while k == 0
+                first += [log_ratio] if k == 0 else []
                 logs.append(stats)
                 bar.update()
             gap = float(sum(s["gap"] for s in logs[-W:]) / W) if gap is None else gap  # first micro-batch: on-policy
         grad_norm, skipped = engine.step()
         logs[-1] |= {"grad_norm": grad_norm, "skipped_fraction": float(skipped)}
     bar.close()
+    if a.off_policy and not corrected:  # bypass: the first optimizer step's images, (per_step·b, W)
+        corrected = correction_stats(torch.stack(first).view(per_step, W, -1).transpose(1, 2).flatten(0, 1), None)
 
     def mean(key):
         return float(np.mean([float(s[key]) for s in logs if key in s]))
     return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
             "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
-            "train/skipped_fraction": mean("skipped_fraction"), "train/skipped_steps": engine.skipped_steps}
+            "train/skipped_fraction": mean("skipped_fraction"), "train/skipped_steps": engine.skipped_steps} | corrected
 
 
 # ---- start-up checks: each algorithm's, and the flags that mean nothing for it -----------------------
@@ -243,7 +303,7 @@ def check_flags(a, recipe) -> None:
 
 SDE_FLAGS = frozenset({"sde_type", "noise_level", "window", "window_range", "window_schedule", "slide_every",
                        "branch", "guard", "cps_density", "clip_range", "zero_advantage", "kl_form", "trust_region",
-                       "dppo_threshold"})
+                       "dppo_threshold", "stale_correction", "is_cap", "reject_band"})
 FORWARD_FLAGS = frozenset({"old_decay", "old_every", "train_timesteps", "train_timestep_range"})
 
 

@@ -359,9 +359,9 @@ class Engine:
     def _state(self):
         return get_state_dict(self.model.transformer, self.optimizer, options=self._OPTIONS)
 
-    def save_checkpoint(self, directory: str, meta: dict, keep: int) -> None:
+    def save_checkpoint(self, directory: str, meta: dict, keep: int, extra=None) -> None:
         """Write `directory` atomically: everything goes to a temporary directory renamed when complete, so a crash at
-        any moment leaves the previous checkpoints intact. `meta` (JSON: the loop's state, the run's flags and id)
+        any moment leaves the previous checkpoints intact; `extra(dir)`, if given, adds a rank's own files to it. `meta` (JSON: the loop's state, the run's flags and id)
         goes to meta.json with a SHA-256 manifest of every other file. Keeps this run's newest `keep`. A failure to
         write (a full disk) removes the temporary directory and stops the run in one line (checkpoint.write_error)."""
         root, tmp = os.path.dirname(directory), self.broadcast_object(ckpt.temporary(directory))  # rank 0's name
@@ -374,6 +374,8 @@ class Engine:
             dcp.save({"model": model_sd, "optim": optim_sd, **self._ema_state()},
                      checkpoint_id=os.path.join(tmp, "dcp"))
             ckpt.save_rng_state(os.path.join(tmp, f"rng_rank{self.rank}.safetensors"))
+            if extra is not None:
+                extra(tmp)
             self.export_lora(os.path.join(tmp, "lora"))  # ends with a barrier: every rank's files are written
             if self.is_main:
                 ckpt.write_meta(tmp, dict(meta, world_size=self.world_size))

@@ -48,7 +48,9 @@ Variants, each one flag chosen by name from its table (docs/algorithm.md §10); 
     --guard full                 GRPO-Guard: normalised log-ratio and 1/|dt| step reweight   algorithms.py
     --ema-decay D --ema-every K  EMA weights for evaluation and the exported LoRA             engine.py
 """
+import contextlib
 import dataclasses
+import functools
 import os
 import time
 import traceback
@@ -64,6 +66,7 @@ import algorithms
 import checkpoint
 import engine as eng
 import models
+import offpolicy
 import prompts as prompt_sets
 import recipes
 import rewards
@@ -106,6 +109,16 @@ class Args:
     """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni_pipeline.py"""
     rollout_url: str | None = None
     """vLLM-Omni server URLs for `--rollout vllm-omni`, comma-separated (http://HOST:PORT,...)"""
+    off_policy: int = 0
+    """1: iteration k+1 samples on the vLLM-Omni servers, under the weights before k's update, while k trains; 0: in
+    turn (docs/running.md#rollout-and-training-at-once)"""
+    stale_correction: Literal["bypass", "decoupled"] = "bypass"
+    """the ratio of samples from older weights: against their recorded log-probs (Flow-GRPO's, verl's bypass mode), or
+    decoupled PPO (against log-probs recomputed under the update's starting weights, truncated importance weights)"""
+    is_cap: float = 2.0
+    """decoupled: each transition's importance weight π_current/π_behaviour is truncated at this (verl's default)"""
+    reject_band: float = 0.0
+    """decoupled: a transition whose |log π_current/π_behaviour| exceeds this weighs 0 in the loss (0 = off)"""
     optimizer_steps: int = 2
     """K: optimizer steps per iteration, each on 1/K of its images (1: every ratio is 1, the clip never acts)"""
     height: int = 32
@@ -262,6 +275,43 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
                 micro_batches_per_optimizer_step=per_rank // a.micro_batch // k)
 
 
+# ---- an iteration's rollout phase -------------------------------------------------------------------
+
+def draw(it: int, scorer, *, a: Args, algo, engine, model, backend, reward_fn, trainset, sampler,
+         images: bool = True) -> offpolicy.Sampled:
+    """Phases 1-3 of iteration `it` on this rank: its prompts and image assignment, the rollout and the rewards,
+    scored chunk by chunk by `scorer` while the next chunk samples (or, without one, at the end). `images=False`: the
+    plan and the prompts' conditioning only (a resumed rollout in flight, offpolicy.Rollouts.load)."""
+    # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks ---------
+    span0, passes = time.time(), model.passes  # passes: models_base.Adapter counts
+    chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
+    assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps, engine.dp_size,
+                                   seed=a.seed * 7919 + it, unit=a.group_size if algo.whole_groups else 1)
+    mine = assignment[engine.dp_rank]
+    group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
+    steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
+    texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
+    if not images:
+        cond = model.conditioning(texts, a.negative_prompt, a.cfg_scale, metadata, a.height, a.width)
+        batch = rollout.Batch(texts, metadata, group, None, None, None, 0.0, cond, None, ids=mine, iteration=it)
+        return offpolicy.Sampled(it, assignment, mine, steps, batch, None, {}, 0.0, 0, version=it)
+
+    # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
+    def score_chunk(c, x):  # each decoded chunk is scored while the next one samples
+        scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])
+    batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps, height=a.height,
+                           width=a.width, cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt,
+                           noise_level=a.noise_level, sde_type=a.sde_type, seed=a.seed, iteration=it,
+                           chunk=a.micro_batch, progress=engine.is_main and scorer is not None,
+                           on_images=score_chunk if scorer else None, branch=a.branch, ode_solver=a.ode_solver)
+
+    # --- 3. rewards: already running since each chunk was decoded (one ahead: scored here, in its thread) ----
+    scores, info, wait = scorer.collect() if scorer else (*reward_fn(batch.images.detach().cpu().clone(), texts,
+                                                                     [dict(m) for m in metadata]), 0.0)
+    return offpolicy.Sampled(it, assignment, mine, steps, batch, scores, info, wait, model.passes - passes,
+                             span=(span0, time.time()), version=it)
+
+
 # ---- evaluation ------------------------------------------------------------------------------------
 
 def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.RunLog) -> dict:
@@ -324,6 +374,17 @@ def main(a: Args) -> list[dict]:
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
     backend = rollout.make_backend(a.rollout, a.rollout_url, run_dir, engine)  # local, or vLLM-Omni servers
+    plan = functools.partial(draw, a=a, algo=algo, engine=engine, model=model, backend=backend, reward_fn=reward_fn,
+                             trainset=trainset, sampler=sampler)
+
+    @contextlib.contextmanager
+    def publish(it):  # the weights that sample iteration `it`: current (or DiffusionNFT's old policy), and published
+        with algo.behaviour(engine, a, it):
+            backend.sync(engine, it)  # vllm-omni: as adapter version `it`
+            yield
+    rollouts = offpolicy.Rollouts(plan, publish, reward_fn, scorer, engine, a.off_policy, a.iterations)
+    if ckpt:
+        rollouts.load(ckpt, functools.partial(plan, scorer=None, images=False))  # --off-policy 1: the one in flight
     log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb, weights=rewards.weights(a.reward))
     if rank == 0:  # the run directory exists from here on (a start that failed before left none to name)
         print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
@@ -333,33 +394,15 @@ def main(a: Args) -> list[dict]:
     previous = time.perf_counter()  # when the last iteration's row was made: perf/iteration_s counts from there
     try:
         for it in bar:
-            # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks ---------
-            chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
-            assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps, engine.dp_size,
-                                           seed=a.seed * 7919 + it, unit=a.group_size if algo.whole_groups else 1)
-            mine = assignment[engine.dp_rank]
-            group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
-            steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
-
-            # --- 2. rollout: SDE on the trained steps, ODE elsewhere; latents, log-probs, images ----
-            t0, cpu0, passes = time.perf_counter(), time.process_time(), model.passes  # passes: models_base.Adapter counts
+            # --- 1-3. prompts, rollout and rewards (draw): this iteration's, made now; or with --off-policy 1, made
+            # under the weights before the last update while it ran (the next one's starts here, in a thread)
+            t0, cpu0, passes = time.time(), time.process_time(), model.passes  # time.time(): the spans' clock
             model.transformer.eval()
-            texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
-            def score_chunk(c, x):  # each decoded chunk is scored while the next one samples
-                scorer.submit(x, texts[c:c + len(x)], metadata[c:c + len(x)])
-            with algo.behaviour(engine, a, it):  # the weights that sample: the trained ones, or DiffusionNFT's old policy
-                backend.sync(engine, it)  # vllm-omni: publish them as adapter version `it`
-                batch = backend.sample(model, texts, metadata, group, mine, steps=steps, num_steps=a.num_steps,
-                                       height=a.height, width=a.width, cfg_scale=a.cfg_scale,
-                                       negative_prompt=a.negative_prompt, noise_level=a.noise_level,
-                                       sde_type=a.sde_type, seed=a.seed, iteration=it, chunk=a.micro_batch,
-                                       progress=engine.is_main, on_images=score_chunk, branch=a.branch,
-                                       ode_solver=a.ode_solver)
-            t1, rollout_passes = time.perf_counter(), model.passes - passes
-
-            # --- 3. rewards (already running since each chunk was decoded), gathered over ranks -----
-            scores, info, reward_wait = scorer.collect()
-            gathered = engine.all_gather(scores)  # (P·G,) in assignment order
+            got = rollouts.get(it)
+            t1, rollout_passes = time.time(), model.passes - passes
+            batch, assignment, mine, steps, info, reward_wait = got.batch, got.assignment, got.mine, got.steps, got.info, \
+                got.reward_wait
+            gathered = engine.all_gather(got.scores)  # (P·G,) in assignment order
             r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image id
             rewards.check_iteration(r_all, a.reward)  # a finite mean and spread, or the run stops naming the reward
 
@@ -373,18 +416,20 @@ def main(a: Args) -> list[dict]:
             # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
             stats = engine.mean_over_ranks(algo.update(model, engine, batch, a, arith, engine.is_main))
-            t2 = time.perf_counter()
+            t2 = time.time()
 
             # --- 6. log -----------------------------------------------------------------------------
             comps = {f"reward/{k}/mean": engine.all_gather(v).mean().item() for k, v in info.items()}
             row = {"iteration": it, "reward/mean": r_all.mean().item(), "reward/std": r_all.std(unbiased=False).item(),
                    "reward/min": r_all.min().item(), "reward/max": r_all.max().item(),
                    "reward/zero_std_ratio": zero_std, **comps, **stats,
-                   "perf/rollout_s": t1 - t0, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1 - reward_wait,
+                   "perf/rollout_s": t1 - t0 - reward_wait, "perf/reward_wait_s": reward_wait, "perf/train_s": t2 - t1,
                    "perf/rollout_passes": rollout_passes, "perf/train_passes": model.passes - passes - rollout_passes,
                    "perf/cpu_s": time.process_time() - cpu0, "perf/iteration_s": time.perf_counter() - previous}
             previous = time.perf_counter()
             row |= {"train/window_start": steps[0]} if steps else {}  # an ODE-only rollout has no window
+            row |= {"rollout_corr/staleness": it - got.version, "time/rollout_start": got.span[0],  # time.time()
+                    "time/rollout_end": got.span[1], "time/train_start": t1, "time/train_end": t2} if a.off_policy else {}
 
             # --- 7. eval every K iterations and at the end ------------------------------------------
             if a.eval_every and (it % a.eval_every == 0 or it == a.iterations - 1):
@@ -404,8 +449,9 @@ def main(a: Args) -> list[dict]:
                         "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train)}
                 engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
                                        {"run_id": run.run_id, "flags": startup.fingerprint(a), "loop": loop},
-                                       a.keep_checkpoints)
+                                       a.keep_checkpoints, extra=rollouts.save)  # with the rollout in flight, if any
     finally:  # an error or Ctrl-C too: stop scoring threads and remove exchange files; checkpoints stay as written
+        rollouts.close()
         scorer.close()
         backend.close()
 

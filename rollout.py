@@ -9,6 +9,7 @@ chunking or ranks. Backend `vllm-omni`: vLLM-Omni servers running `omni_pipeline
 `Batch`. This module never imports vllm_omni.
 """
 import contextlib
+import dataclasses
 import functools
 import glob
 import http.client
@@ -19,7 +20,6 @@ import shutil
 import time
 import urllib.parse
 import uuid
-from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load, save_file
@@ -30,7 +30,7 @@ import reward_http
 import scheduler as sch
 
 
-@dataclass
+@dataclasses.dataclass
 class Batch:
     """One rank's share of an iteration. B images, W trained steps, S latent tokens, C channels."""
     prompts: list[str]  # (B,)
@@ -47,18 +47,16 @@ class Batch:
     weights: torch.Tensor | None = None  # (B,) each image's weight in the loss mean, set by the loop (None: 1)
     x0: torch.Tensor | None = None  # (B, S, C) float32: each image's final latents (the forward-process algorithms')
     ids: torch.Tensor | None = None  # (B,) long: global image index (with `iteration`, it seeds the image's noise)
+    behaviour_log_probs: torch.Tensor | None = None  # (B, W): the sampler's, where log_probs were recomputed (decoupled)
+    is_weights: torch.Tensor | None = None  # (B, W): each transition's truncated importance weight (0: rejected)
     iteration: int = 0
 
     def chunk(self, start: int, stop: int) -> "Batch":
-        """Images [start, stop) as a Batch (views, no copies)."""
-        s = slice(start, stop)
-
-        def part(t):
-            return None if t is None else t[s]
-        return Batch(self.prompts[s], self.metadata[s], self.group[s], self.latents[s], self.log_probs[s],
-                     self.sigmas, self.sigma_max, {k: v[s] for k, v in self.cond.items()}, self.images[s],
-                     part(self.advantages), part(self.means), part(self.weights), part(self.x0), part(self.ids),
-                     self.iteration)
+        """Images [start, stop) as a Batch (views, no copies): every per-image field sliced, the schedule shared."""
+        s, shared = slice(start, stop), {"sigmas", "sigma_max", "iteration", "cond"}
+        per_image = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in shared}
+        return dataclasses.replace(self, cond={k: v[s] for k, v in self.cond.items()},
+                                   **{k: None if v is None else v[s] for k, v in per_image.items()})
 
 
 def image_seed(seed: int, iteration: int, image_id: int) -> int:

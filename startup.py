@@ -14,6 +14,7 @@ import tyro
 import algorithms
 import checkpoint
 import models
+import offpolicy
 import prompts as prompt_sets
 import recipes
 import rewards
@@ -108,6 +109,7 @@ def check_args(a) -> tuple[str, dict] | None:
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
                                      [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
     rollout.check_backend(a.rollout, a.rollout_url)
+    offpolicy.check(a)  # --off-policy 1: with vLLM-Omni servers and grpo
     if not a.resume:
         return None
     ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))

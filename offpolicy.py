@@ -1,0 +1,145 @@
+"""An iteration's rollout phase (prompts → images → scores), now or one iteration ahead of the update (`--off-policy`,
+docs/running.md#rollout-and-training-at-once).
+
+`--off-policy 0` is the synchronous loop: iteration k publishes its weights, samples, scores, then trains. With
+`--off-policy 1` the rollout of iteration k+1 runs while iteration k trains: before k's update the trainer publishes
+the weights it holds then (version k+1 of the adapter) and sends k+1's requests to the vLLM-Omni servers from a
+thread, which also scores the images; the update of k overlaps them. Every batch after the first is thus sampled by
+weights one update older than those it trains (its staleness, 1); algorithms.py's --stale-correction decides what the
+update makes of that. Weights are published in the main thread (a collective, on every rank), in the same order on
+every rank; the thread runs no collective.
+
+The in-flight rollout belongs to a checkpoint (`save`, `load`): each rank writes its share of it (the servers'
+latents, log-probs, images and final latents, and the scores) into the checkpoint being written, and a resumed run
+trains on exactly those. Sampling it again would need the weights before the last update and servers that repeat
+themselves to the bit; the tensors of one iteration cost little.
+"""
+import glob
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import reward_http
+import rollout
+from algorithms import need
+
+INFLIGHT = "inflight_rank{}.safetensors"  # a checkpoint's file of a rank's rollout in flight (--off-policy 1)
+SAVED = ("latents", "log_probs", "images", "x0", "sigmas")  # the Batch fields the servers returned (x0 may be None)
+
+
+@dataclass
+class Sampled:
+    """Iteration `it`'s rollout on this rank: what it trains on, and when it was made."""
+    it: int
+    assignment: torch.Tensor  # (dp ranks, images per rank): global image ids, the order optimizer steps take them in
+    mine: torch.Tensor  # (B,) this rank's row of it
+    steps: list[int]  # the recorded (SDE) step indices
+    batch: rollout.Batch
+    scores: np.ndarray  # (B,) the weighted reward of each of this rank's images
+    info: dict  # {reward name: (B,)}
+    reward_wait: float  # seconds the caller waited for the rewards after the images were made
+    passes: int  # transformer passes the trainer's model made (local rollout)
+    span: tuple = field(default=(0.0, 0.0))  # (start, end) of the sampling and scoring, time.time()
+    version: int = 0  # the iteration whose weights sampled: `it` when synchronous, it − 1 when one ahead
+
+
+def check(a) -> None:
+    """--off-policy and --stale-correction's start-up checks (startup.check_args)."""
+    need(a.off_policy in (0, 1), f"--off-policy must be 0 (synchronous) or 1 (one iteration ahead), got {a.off_policy}")
+    need(a.is_cap >= 1 and a.reject_band >= 0, f"--is-cap must be >= 1 and --reject-band >= 0 (0 = off), got "
+         f"{a.is_cap}, {a.reject_band}")
+    need(a.reject_band == 0 or a.stale_correction == "decoupled", "--reject-band needs --stale-correction decoupled: "
+         "the staleness log-ratio it bounds is measured by that correction's proximal pass")
+    need(a.algorithm == "grpo" or a.off_policy == 0, f"--off-policy 1: --algorithm {a.algorithm} trains on no "
+         "behaviour log-probs to correct staleness with, and its old policy already lags on a schedule of its own: use "
+         "it with grpo")
+    need(a.off_policy == 0 or a.rollout == "vllm-omni", "--off-policy 1 needs --rollout vllm-omni: the servers sample "
+         "while this process trains (a local rollout on ranks of their own is not built yet)")
+    need(a.off_policy == 0 or not a.shard_text_encoder, "--off-policy 1 with --shard-text-encoder: the prompts are "
+         "encoded in the rollout thread, where a sharded encoder's collectives would interleave with training's")
+
+
+class Rollouts:
+    """`get(it)`: iteration it's Sampled. `ahead` 0: made now, in this thread, as the loop always did (the local
+    backend scores each chunk while the next samples). `ahead` 1: the one started before the previous update,
+    and it+1's is started before returning. `draw(it, scorer)` makes one (flowgrpo.draw); `publish(it)` is the
+    context in which the weights that sample iteration it are current and published (the behaviour policy, sync)."""
+
+    def __init__(self, draw, publish, reward_fn, scorer, engine, ahead: int, iterations: int):
+        self.draw, self.publish, self.reward_fn, self.scorer, self.engine = draw, publish, reward_fn, scorer, engine
+        self.ahead, self.iterations, self.pending = ahead, iterations, None  # pending: (it, Future of Sampled)
+        self.worker = reward_http.Workers([None], "rollout-ahead") if ahead else None
+
+    def get(self, it: int) -> Sampled:
+        if not self.ahead:
+            with self.publish(it):
+                return self.draw(it, self.scorer)
+        if self.pending is None or self.pending[0] != it:  # the first iteration (or a resume from a synchronous run)
+            self._start(it, version=it)
+        start = time.perf_counter()
+        got = reward_http.gather([self.pending[1]])[0]  # the thread's error (a server down) raises here, named
+        got.reward_wait, self.pending = time.perf_counter() - start, None
+        if it + 1 < self.iterations:
+            self._start(it + 1, version=it)
+        return got
+
+    def _start(self, it: int, version: int) -> None:
+        with self.publish(it):  # the weights held now, as adapter version `it`: a collective, here on every rank
+            pass
+        self.pending = (it, self.worker.submit(self._sample, it, version))
+
+    def _sample(self, _key, it: int, version: int) -> Sampled:
+        span0 = time.time()
+        got = self.draw(it, None)  # scores with self.reward_fn once the images are made (rollout's on_images unused)
+        got.span, got.version = (span0, time.time()), version
+        return got
+
+    def save(self, directory: str) -> None:
+        """Write this rank's rollout in flight (waiting for it) into the checkpoint being written, `directory`."""
+        if self.pending is None:
+            return
+        got = reward_http.gather([self.pending[1]])[0]
+        self.pending = (got.it, done(got))
+        tensors = {k: getattr(got.batch, k).contiguous().cpu() for k in SAVED if getattr(got.batch, k) is not None}
+        tensors |= {"scores": torch.tensor(got.scores)} | {f"info.{k}": torch.tensor(v) for k, v in got.info.items()}
+        save_file(tensors, os.path.join(directory, INFLIGHT.format(self.engine.rank)),
+                  metadata={"iteration": str(got.it), "version": str(got.version), "sigma_max": repr(got.batch.sigma_max)})
+
+    def load(self, directory: str, plan) -> None:
+        """Take the rollout in flight that `directory` holds for this rank (--off-policy 1): `plan(it)` gives its
+        prompts and conditioning again, the file the servers' tensors and the scores."""
+        path = os.path.join(directory, INFLIGHT.format(self.engine.rank))
+        if not self.ahead or not os.path.exists(path):
+            return
+        need(len(glob.glob(os.path.join(directory, INFLIGHT.format("*")))) == self.engine.world_size, f"{directory} "
+             "holds a rollout in flight split over another number of ranks: resume --off-policy 1 on as many ranks")
+        with safe_open(path, "pt") as f:  # its header: the iteration and version, as strings
+            meta = f.metadata()
+        t = load_file(path, device=str(self.engine.device))
+        got = plan(int(meta["iteration"]))
+        got.batch.latents, got.batch.log_probs, got.batch.images = t["latents"], t["log_probs"], t["images"].cpu()
+        got.batch.x0, got.batch.sigmas, got.batch.sigma_max = t.get("x0"), t["sigmas"].cpu(), float(meta["sigma_max"])
+        got.scores = t["scores"].cpu().numpy()
+        got.info = {k.removeprefix("info."): v.cpu().numpy() for k, v in t.items() if k.startswith("info.")}
+        got.version = int(meta["version"])
+        self.pending = (got.it, done(got))
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending[1].cancel()
+        if self.worker is not None:
+            self.worker.close()
+
+
+def done(value):
+    """A finished Future holding `value`."""
+    future = Future()
+    future.set_result(value)
+    return future
+
