@@ -38,9 +38,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment (env:// rendezvous, any number of nodes);
     a single process gets a world of one through an in-memory store. gloo on CPU, nccl on CUDA
     (with gloo beside it for CPU tensors)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    if not dist.is_initialized():
+    world, device = int(os.environ.get("WORLD_SIZE", 1)), local_device()
+    if not dist.is_initialized():  # (rollout_ranks.split initialised it for the training ranks alone)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -48,7 +47,12 @@ def init_distributed() -> tuple[int, int, torch.device]:
             dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return rank, world, device
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def local_device() -> torch.device:
+    """This process's device: its node-local rank's GPU, or the CPU."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def handle_signals() -> None:

@@ -71,6 +71,7 @@ import prompts as prompt_sets
 import recipes
 import rewards
 import rollout
+import rollout_ranks
 import rundir
 import runlog
 import startup
@@ -109,9 +110,12 @@ class Args:
     """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni_pipeline.py"""
     rollout_url: str | None = None
     """vLLM-Omni server URLs for `--rollout vllm-omni`, comma-separated (http://HOST:PORT,...)"""
+    rollout_ranks: int = 0
+    """with torchrun and --rollout local: the last R ranks only sample, receiving the LoRA after each update and sending
+    the trajectories back (rollout_ranks.py); 0: every rank samples its own images"""
     off_policy: int = 0
-    """1: iteration k+1 samples on the vLLM-Omni servers, under the weights before k's update, while k trains; 0: in
-    turn (docs/running.md#rollout-and-training-at-once)"""
+    """1: iteration k+1 samples (on the vLLM-Omni servers or --rollout-ranks) under the weights before k's update while
+    k trains; 0: in turn (docs/running.md#rollout-and-training-at-once)"""
     stale_correction: Literal["bypass", "decoupled"] = "bypass"
     """the ratio of samples from older weights: against their recorded log-probs (Flow-GRPO's, verl's bypass mode), or
     decoupled PPO (against log-probs recomputed under the update's starting weights, truncated importance weights)"""
@@ -284,12 +288,9 @@ def draw(it: int, scorer, *, a: Args, algo, engine, model, backend, reward_fn, t
     plan and the prompts' conditioning only (a resumed rollout in flight, offpolicy.Rollouts.load)."""
     # --- 1. prompts: P per iteration, each repeated G times; a group may span ranks ---------
     span0, passes = time.time(), model.passes  # passes: models_base.Adapter counts
-    chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
-    assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps, engine.dp_size,
-                                   seed=a.seed * 7919 + it, unit=a.group_size if algo.whole_groups else 1)
+    assignment, steps, chosen = offpolicy.plan(it, a, algo, trainset, sampler, engine.dp_size)
     mine = assignment[engine.dp_rank]
     group = mine // a.group_size  # (B,) global prompt-group id of each of this rank's images
-    steps = algo.rollout_steps(a, it)  # the SDE (recorded) steps: grpo's trained ones; nft, awm: none
     texts, metadata = [chosen[g][0] for g in group], [chosen[g][1] for g in group]
     if not images:
         cond = model.conditioning(texts, a.negative_prompt, a.cfg_scale, metadata, a.height, a.width)
@@ -340,6 +341,9 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 def main(a: Args) -> list[dict]:
     resume = startup.check_args(a)  # before any model is built or process group joined
     algo = algorithms.ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update
+    exchange = rollout_ranks.split(a.rollout_ranks)  # --rollout-ranks R: the world's last R ranks only sample
+    if exchange and exchange.is_rollout:
+        return rollout_ranks.serve(a, exchange, algo)
     rank, world, device = eng.init_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # it wins when set (torchrun: 1 per rank)
         # one thread per physical core it may use, split among the node's ranks; more wait on each other (BENCHMARKS.md)
@@ -373,7 +377,8 @@ def main(a: Args) -> list[dict]:
         loop = engine.load_checkpoint(ckpt)["loop"]
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
-    backend = rollout.make_backend(a.rollout, a.rollout_url, run_dir, engine)  # local, or vLLM-Omni servers
+    backend = rollout_ranks.RankBackend(exchange, engine) if exchange else rollout.make_backend(  # local, or vLLM-Omni
+        a.rollout, a.rollout_url, run_dir, engine)
     plan = functools.partial(draw, a=a, algo=algo, engine=engine, model=model, backend=backend, reward_fn=reward_fn,
                              trainset=trainset, sampler=sampler)
 

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import engine as eng
 import reward_http
 import rollout
 from algorithms import need
@@ -49,6 +50,16 @@ class Sampled:
     version: int = 0  # the iteration whose weights sampled: `it` when synchronous, it − 1 when one ahead
 
 
+def plan(it: int, a, algo, trainset: list, sampler, dp_size: int) -> tuple[torch.Tensor, list[int], list]:
+    """Iteration it's work, a function of (--seed, it) alone: its image assignment (dp ranks, images per rank) of
+    global image ids, the SDE (recorded) steps, and the P chosen (prompt, metadata) pairs, image i's being
+    chosen[i // G] (a group may span ranks)."""
+    chosen = [trainset[i] for i in sampler.sample(it, a.prompts_per_iteration)]
+    assignment = eng.assign_images(a.prompts_per_iteration * a.group_size, a.optimizer_steps, dp_size,
+                                   seed=a.seed * 7919 + it, unit=a.group_size if algo.whole_groups else 1)
+    return assignment, algo.rollout_steps(a, it), chosen  # steps: grpo's trained ones; nft, awm: none
+
+
 def check(a) -> None:
     """--off-policy and --stale-correction's start-up checks (startup.check_args)."""
     need(a.off_policy in (0, 1), f"--off-policy must be 0 (synchronous) or 1 (one iteration ahead), got {a.off_policy}")
@@ -59,8 +70,8 @@ def check(a) -> None:
     need(a.algorithm == "grpo" or a.off_policy == 0, f"--off-policy 1: --algorithm {a.algorithm} trains on no "
          "behaviour log-probs to correct staleness with, and its old policy already lags on a schedule of its own: use "
          "it with grpo")
-    need(a.off_policy == 0 or a.rollout == "vllm-omni", "--off-policy 1 needs --rollout vllm-omni: the servers sample "
-         "while this process trains (a local rollout on ranks of their own is not built yet)")
+    need(a.off_policy == 0 or a.rollout == "vllm-omni" or a.rollout_ranks, "--off-policy 1 needs someone else to "
+         "sample while this process trains: --rollout vllm-omni (servers) or --rollout-ranks R (torchrun ranks)")
     need(a.off_policy == 0 or not a.shard_text_encoder, "--off-policy 1 with --shard-text-encoder: the prompts are "
          "encoded in the rollout thread, where a sharded encoder's collectives would interleave with training's")
 

@@ -7,6 +7,7 @@ this file imports nothing of the loop.
 """
 import dataclasses
 import math
+import os
 import sys
 
 import tyro
@@ -14,18 +15,18 @@ import tyro
 import algorithms
 import checkpoint
 import models
-import offpolicy
 import prompts as prompt_sets
 import recipes
 import rewards
 import rollout
+import rollout_ranks
 from algorithms import need
 
 # Flags that say only how the work is done or recorded: they may change on --resume without breaking exactness
 # (micro-batches and ranks change float reduction order only). Every other flag decides the result.
 HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images",
              "eval_steps", "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
-             "activation_checkpointing", "compile", "shard_text_encoder", "sp"}
+             "activation_checkpointing", "compile", "shard_text_encoder", "sp", "rollout_ranks"}
 SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
 
 
@@ -109,7 +110,7 @@ def check_args(a) -> tuple[str, dict] | None:
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
                                      [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
     rollout.check_backend(a.rollout, a.rollout_url)
-    offpolicy.check(a)  # --off-policy 1: with vLLM-Omni servers and grpo
+    rollout_ranks.check(a, int(os.environ.get("WORLD_SIZE", 1)))  # --rollout-ranks, --off-policy (offpolicy.check)
     if not a.resume:
         return None
     ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))

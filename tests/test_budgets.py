@@ -14,6 +14,7 @@ BUDGETS = {
     # rollout phase as a function of its own (`draw`, which --off-policy 1 runs a step ahead in a thread) and its flags
     "flowgrpo.py": 500,
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
+    "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
     "startup.py": 150,  # what a run checks before anything expensive starts
     "recipes.py": 200,  # the named configurations, each value with its source
     "algorithms.py": 450,  # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables
@@ -52,6 +53,7 @@ BUDGETS = {
     "nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, its pretraining
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
+    "bench_overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
     "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
     "bench_gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows
     "bench_soak.py": 400,  # the reward server under load and attack

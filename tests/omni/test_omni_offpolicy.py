@@ -3,7 +3,7 @@
 A run's rollout of iteration k+1 overlaps iteration k's update (their logged intervals intersect), samples under the
 adapter published before that update (one version a batch, in order), and every batch after the first is one update
 stale; with weights that do not move (--lr 1e-30) the decoupled correction's importance weights are 1 to the server's
-rounding and `train/logp_gap` is 0. A run resumed from a checkpoint holding the rollout in flight ends with the same
+rounding and `train/logp_gap` is 0. Two training ranks agree with one. A run resumed from a checkpoint holding the rollout in flight ends with the same
 LoRA to the bit; a server error and SIGTERM stop the run, the error naming the server. Without a server:
 tests/test_offpolicy.py.
 """
@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from harness import ROOT, train_here
 
 import checkpoint
+from test_engine import ENV, lora, relative_difference
 
 
 def off_policy_run(server, pipeline_dir, run, *flags):
@@ -97,3 +98,19 @@ def test_a_server_error_or_sigterm_stops_the_run(omni_server, tiny_pipeline_dir,
             proc.kill()
             proc.wait()
     assert proc.returncode != 0 and "flowgrpo.py: interrupted" in stderr, stderr[-3000:]
+
+
+def test_two_training_ranks_agree_with_one(omni_server, tiny_pipeline_dir, tmp_path):
+    """`torchrun --nproc_per_node 2` against one process, both --off-policy 1: each rank sends its share of the next
+    iteration's requests from its own thread, publishing stays a collective of the main threads. The final LoRA
+    within test_engine's 1e-3 relative (the gradient sums' order differs, and the server's rounding between runs)."""
+    flags = ["--model", "tiny", "--model-path", str(tiny_pipeline_dir), "--rollout", "vllm-omni", "--rollout-url",
+             omni_server.url, "--eval-every", "0", "--off-policy", "1", "--iterations", "3", "--micro-batch", "4"]
+    off_policy_run(omni_server, tiny_pipeline_dir, tmp_path / "one", "--iterations", "3", "--micro-batch", "4")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(ROOT / "flowgrpo.py"), "--no-wandb", *flags, "--run-dir", str(tmp_path / "two")],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rel, worst = relative_difference(lora(tmp_path / "one"), lora(tmp_path / "two"))
+    print(f"\n--off-policy 1, 1 vs 2 ranks: final LoRA {rel:.3g} relative, max |Δ| {worst:.3g}")
+    assert rel < 1e-3, f"1 vs 2 ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"

@@ -1,0 +1,102 @@
+"""`--rollout-ranks R` on CPU (gloo, torchrun): the world's last R ranks sample for the others. With `--off-policy 0`
+one training rank and one rollout rank take the synchronous loop's steps (the same rewards, the same LoRA); with
+`--off-policy 1` the rollout rank samples iteration k+1 while iteration k trains (their intervals intersect) and the
+run resumes to the bit from a checkpoint holding the batch in flight; a killed rollout rank or SIGTERM stops every
+rank, naming the rank; the start-up refusals."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import checkpoint
+import flowgrpo
+import startup
+from test_engine import ENV, ROOT, lora, relative_difference
+from tiny_setup import main_here
+
+FLAGS = ("--iterations", "3", "--eval-every", "0", "--group-size", "4", "--prompts-per-iteration", "2",
+         "--micro-batch", "4")
+
+
+def torchrun(run_dir, *flags, n=2, wait=True):
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            os.path.join(ROOT, "flowgrpo.py"), "--no-wandb", "--run-dir", str(run_dir), *FLAGS, *flags]
+    kw = dict(cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return subprocess.Popen(argv, start_new_session=True, **kw)
+    out = subprocess.run(argv, timeout=600, **kw)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_rollout_rank_in_turn_takes_the_synchronous_loops_steps(tmp_path):
+    plain = main_here(*FLAGS, "--run-dir", tmp_path / "plain")
+    ranks = torchrun(tmp_path / "ranks", "--rollout-ranks", "1")
+    assert [r["reward/mean"] for r in ranks] == [r["reward/mean"] for r in plain]
+    assert all(r["train/logp_gap"] == 0 for r in ranks), [r["train/logp_gap"] for r in ranks]
+    rel, worst = relative_difference(lora(tmp_path / "plain"), lora(tmp_path / "ranks"))
+    assert rel < 1e-6, f"the LoRA differs by {rel:.3g} relative (max |Δ| {worst:.3g})"
+
+
+def test_one_ahead_overlaps_and_resumes_to_the_bit(tmp_path):
+    run = tmp_path / "run"
+    rows = torchrun(run, "--rollout-ranks", "1", "--off-policy", "1", "--checkpoint-every", "1",
+                    "--keep-checkpoints", "3")
+    assert [r["rollout_corr/staleness"] for r in rows] == [0, 1, 1]
+    for this, following in zip(rows, rows[1:]):  # rollout of k+1 ∩ update of k
+        assert max(this["time/train_start"], following["time/rollout_start"]) < \
+            min(this["time/train_end"], following["time/rollout_end"]), (this, following)
+    assert rows[0]["train/logp_gap"] == 0 and min(r["train/logp_gap"] for r in rows[1:]) > 0
+    first = lora(run)
+    shutil.rmtree(checkpoint.list_checkpoints(str(run / "checkpoints"))[-1])  # stopped after iteration 1's
+    again = torchrun(run, "--rollout-ranks", "1", "--off-policy", "1", "--checkpoint-every", "1",
+                     "--keep-checkpoints", "3", "--resume", "auto")
+    assert again[2]["reward/mean"] == rows[2]["reward/mean"] and again[2]["train/grad_norm"] == rows[2]["train/grad_norm"]
+    rel, worst = relative_difference(first, lora(run))
+    assert worst == 0, f"the resumed LoRA differs by {worst:.3g} (relative {rel:.3g})"
+
+
+@pytest.mark.parametrize("how", ["kill the rollout rank", "SIGTERM"])
+def test_a_dead_rollout_rank_or_sigterm_stops_every_rank(tmp_path, how):
+    run = tmp_path / "run"
+    proc = torchrun(run, "--rollout-ranks", "1", "--off-policy", "1", "--iterations", "200", "--checkpoint-every", "1",
+                    wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / f"{checkpoint.PREFIX}{0:06d}" / "meta.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        if how == "SIGTERM":
+            os.kill(proc.pid, signal.SIGTERM)
+        else:
+            sampler = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+            assert len(sampler) == 1, sampler
+            sampler[0].kill()
+        out, err = proc.communicate(timeout=120)  # no hang: every rank ends
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = out + err  # all of it: torchrun's own report follows the trainer's line
+    assert proc.returncode != 0, said[-5000:]
+    assert ("flowgrpo.py: interrupted" in said) if how == "SIGTERM" else ("rollout rank 1" in said or
+                                                                           "local_rank: 1" in said), said[-5000:]
+
+
+@pytest.mark.parametrize("world,flags,needle", [
+    (2, ("--rollout-ranks", "2"), "leaves no rank to train"),
+    (4, ("--rollout-ranks", "3"), "must split evenly"),
+    (3, ("--rollout-ranks", "1", "--algorithm", "nft"), "--rollout-ranks: a local rollout of grpo"),
+    (3, ("--rollout-ranks", "1", "--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9"), "--rollout-ranks"),
+])
+def test_impossible_splits_are_refused_in_one_line(monkeypatch, world, flags, needle):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ValueError) as e:
+        startup.check_args(startup.parse_args(flowgrpo.Args, list(flags)))
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
