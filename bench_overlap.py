@@ -27,7 +27,6 @@ import numpy as np
 
 import matplotlib
 
-import models
 import models_nano
 import nano
 import nano_compare
@@ -38,7 +37,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # the tiny recipe with one trained step of four (--window 1): the server's rollout (4 steps, no gradient) and the
 # update (1 step, forward and backward, 2 optimizer steps) take similar time on one core each
-TRAIN_FLAGS = ("--height", "64", "--width", "64", "--kl-beta", "0.04", "--eval-every", "0", "--checkpoint-every", "0")
+# the nano recipe with a KL to the base (one more forward per trained step): the update then takes about as long as the
+# rollout on one core each
+TRAIN_FLAGS = ("--kl-beta", "0.04", "--eval-every", "0", "--checkpoint-every", "0")
 WARMUP = 2
 
 
@@ -64,12 +65,12 @@ def serve(model_dir: str, root: str, port: int, core: int, log: str) -> subproce
     raise RuntimeError(f"the vLLM-Omni server did not answer /health; its log: {log}")
 
 
-def train(model: str, model_dir: str, url: str, run_dir: str, off_policy: int, core: int, root: str, *flags) -> list:
-    """One run of flowgrpo.py on `core`; its metrics rows."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "flowgrpo.py"), "--model", model, "--model-path",
-                          model_dir, "--rollout", "vllm-omni", "--rollout-url", url, "--run-dir", run_dir, "--no-wandb",
-                          "--off-policy", str(off_policy), *flags], capture_output=True, text=True,
-                         preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+def train(model_dir: str, run_dir: str, off_policy: int, cores: set, root: str, *flags, ranks: int = 1) -> list:
+    """One run of flowgrpo.py (`ranks` > 1: under torchrun) on `cores`; its metrics rows."""
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
+    out = subprocess.run([sys.executable, *launch, os.path.join(ROOT, "flowgrpo.py"), "--model", "nano", "--model-path",
+                          model_dir, "--run-dir", run_dir, "--no-wandb", "--off-policy", str(off_policy), *flags],
+                         capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores),
                          env=os.environ | {"OMP_NUM_THREADS": "1", "FLOWGRPO_ROLLOUT_DIR": root})
     if out.returncode:
         raise RuntimeError(f"{run_dir}: {out.stderr[-2000:]}")
@@ -78,16 +79,23 @@ def train(model: str, model_dir: str, url: str, run_dir: str, off_policy: int, c
 
 
 def speed(a, work: str, url: str, model_dir: str, root: str) -> None:
-    rows = {0: [], 1: []}
+    """Both ways of sampling elsewhere: the server on its core, the trainer on the other; and torchrun's two ranks,
+    one sampling (--rollout-ranks 1), one training, on the two cores (the server idle)."""
+    kinds = {"server": ({a.trainer_core}, ("--rollout", "vllm-omni", "--rollout-url", url), 1),
+             "rollout rank": ({a.server_core, a.trainer_core}, ("--rollout-ranks", "1"), 2)}
+    rows = {(k, m): [] for k in kinds for m in (0, 1)}
     for r in range(a.rounds):
-        for mode in (0, 1):
-            got = train("tiny", model_dir, url, os.path.join(work, f"run{r}-{mode}"), mode, a.trainer_core, root,
-                        "--iterations", str(a.iterations), *TRAIN_FLAGS)
-            rows[mode] += got[WARMUP:]
-    med = {m: float(np.median([x["perf/iteration_s"] for x in rows[m]])) for m in rows}
-    roll, upd = (float(np.median([x[k] for x in rows[0]])) for k in ("perf/rollout_s", "perf/train_s"))
-    print(f"iteration s (median of {len(rows[0])}): synchronous {med[0]:.3f} (rollout {roll:.3f} + update "
-          f"{upd:.3f}), one ahead {med[1]:.3f}; ratio {med[1] / med[0]:.3f} (bound {max(roll, upd) / (roll + upd):.3f})")
+        for kind, (cores, flags, ranks) in kinds.items():
+            for mode in (0, 1):
+                run = os.path.join(work, f"run{r}-{kind.replace(' ', '-')}-{mode}")
+                rows[kind, mode] += train(model_dir, run, mode, cores, root, "--iterations", str(a.iterations),
+                                          *flags, *TRAIN_FLAGS, ranks=ranks)[WARMUP:]
+    for kind in kinds:
+        med = [float(np.median([x["perf/iteration_s"] for x in rows[kind, m]])) for m in (0, 1)]
+        roll, upd = (float(np.median([x[k] for x in rows[kind, 0]])) for k in ("perf/rollout_s", "perf/train_s"))
+        print(f"{kind}: iteration s (median of {len(rows[kind, 0])}): synchronous {med[0]:.3f} (rollout {roll:.3f} + "
+              f"update {upd:.3f}), one ahead {med[1]:.3f}; ratio {med[1] / med[0]:.3f} (bound "
+              f"{max(roll, upd) / (roll + upd):.3f})", flush=True)
 
 
 def learning(a, url: str, model_dir: str, root: str) -> None:
@@ -97,8 +105,11 @@ def learning(a, url: str, model_dir: str, root: str) -> None:
             run = os.path.join(a.out, f"off-policy{mode}-seed{seed}")
             if not os.path.exists(os.path.join(run, "lora")):  # a finished run is kept: the command continues
                 shutil.rmtree(run, ignore_errors=True)
-                train("nano", model_dir, url, run, mode, a.trainer_core, root, "--seed", str(seed))
-            curves[mode].append(nano_compare.curve(nano, run))
+                train(model_dir, run, mode, {a.trainer_core}, root, "--seed", str(seed), "--rollout", "vllm-omni",
+                      "--rollout-url", url)
+            with open(os.path.join(run, "metrics.jsonl")) as f:  # the loop's judge on its eval images, by iteration
+                rows = [r for r in map(json.loads, f) if f"eval/{nano.JUDGE}/mean" in r]
+            curves[mode].append(([r["iteration"] for r in rows], [r[f"eval/{nano.JUDGE}/mean"] for r in rows]))
             judged[mode].append(nano_compare.final_evaluation(nano, run, 50)["judge_accuracy"])
             print(f"seed {seed}, --off-policy {mode}: held-out judge {judged[mode][-1]:.1%}", flush=True)
     base = nano.evaluate(nano.load(), 50)["judge_accuracy"]
@@ -107,10 +118,10 @@ def learning(a, url: str, model_dir: str, root: str) -> None:
               f"{a.seeds} seeds ({', '.join(f'{j:.1%}' for j in judged[mode])}); base {base:.1%}")
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, colour in ((0, "tab:blue"), (1, "tab:orange")):
-        for i, c in enumerate(curves[mode]):
-            ax.plot(c["rollout_passes"] / 1e3, c["judge"], color=colour, alpha=0.8,
+        for i, (x, y) in enumerate(curves[mode]):
+            ax.plot(x, y, color=colour, alpha=0.8, marker="o", ms=3,
                     label=("synchronous" if mode == 0 else "--off-policy 1") if i == 0 else None)
-    ax.set_xlabel("rollout transformer passes (thousands)")
+    ax.set_xlabel("iteration (the same images and updates per iteration in both)")
     ax.set_ylabel("judge accuracy (loop's eval images)")
     ax.set_title(f"nano through a vLLM-Omni server, {a.seeds} seeds each")
     ax.legend()
@@ -135,11 +146,8 @@ def main(argv=None) -> None:
         ap.error(f"--iterations must be > {WARMUP}, --rounds >= 1 and --seeds >= 2")
     work = tempfile.mkdtemp(prefix="bench-overlap-")
     try:
-        model_dir = os.path.join(work, a.what)
-        if a.what == "speed":
-            models.save_tiny_pipeline(model_dir, 0, "tiny")
-        else:  # the shipped nano weights as a whole pipeline directory, which the server loads
-            models_nano.build_nano_pipeline().save_pretrained(model_dir)
+        model_dir = os.path.join(work, "nano")  # the shipped nano weights as a whole pipeline, which the server loads
+        models_nano.build_nano_pipeline().save_pretrained(model_dir)
         root = os.path.join(work, "exchange")
         os.makedirs(root)
         server = serve(model_dir, root, a.port, a.server_core, os.path.join(work, "server.log"))

@@ -387,7 +387,7 @@ def main(a: Args) -> list[dict]:
         with algo.behaviour(engine, a, it):
             backend.sync(engine, it)  # vllm-omni: as adapter version `it`
             yield
-    rollouts = offpolicy.Rollouts(plan, publish, reward_fn, scorer, engine, a.off_policy, a.iterations)
+    rollouts = offpolicy.Rollouts(plan, publish, scorer, engine, a.off_policy, a.iterations)
     if ckpt:
         rollouts.load(ckpt, functools.partial(plan, scorer=None, images=False))  # --off-policy 1: the one in flight
     log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb, weights=rewards.weights(a.reward))

@@ -82,8 +82,8 @@ class Rollouts:
     and it+1's is started before returning. `draw(it, scorer)` makes one (flowgrpo.draw); `publish(it)` is the
     context in which the weights that sample iteration it are current and published (the behaviour policy, sync)."""
 
-    def __init__(self, draw, publish, reward_fn, scorer, engine, ahead: int, iterations: int):
-        self.draw, self.publish, self.reward_fn, self.scorer, self.engine = draw, publish, reward_fn, scorer, engine
+    def __init__(self, draw, publish, scorer, engine, ahead: int, iterations: int):
+        self.draw, self.publish, self.scorer, self.engine = draw, publish, scorer, engine
         self.ahead, self.iterations, self.pending = ahead, iterations, None  # pending: (it, Future of Sampled)
         self.worker = reward_http.Workers([None], "rollout-ahead") if ahead else None
 
@@ -107,7 +107,7 @@ class Rollouts:
 
     def _sample(self, _key, it: int, version: int) -> Sampled:
         span0 = time.time()
-        got = self.draw(it, None)  # scores with self.reward_fn once the images are made (rollout's on_images unused)
+        got = self.draw(it, None)  # no scorer: the images are scored at the end, in this thread
         got.span, got.version = (span0, time.time()), version
         return got
 
@@ -125,11 +125,12 @@ class Rollouts:
     def load(self, directory: str, plan) -> None:
         """Take the rollout in flight that `directory` holds for this rank (--off-policy 1): `plan(it)` gives its
         prompts and conditioning again, the file the servers' tensors and the scores."""
-        path = os.path.join(directory, INFLIGHT.format(self.engine.rank))
-        if not self.ahead or not os.path.exists(path):
+        path, files = os.path.join(directory, INFLIGHT.format(self.engine.rank)), glob.glob(os.path.join(
+            directory, INFLIGHT.format("*")))
+        if not self.ahead or not files:  # a synchronous run's checkpoint, or the last of a run (nothing in flight)
             return
-        need(len(glob.glob(os.path.join(directory, INFLIGHT.format("*")))) == self.engine.world_size, f"{directory} "
-             "holds a rollout in flight split over another number of ranks: resume --off-policy 1 on as many ranks")
+        need(len(files) == self.engine.world_size and os.path.exists(path), f"{directory} holds a rollout in flight "
+             "split over another number of ranks: resume --off-policy 1 on as many training ranks")
         with safe_open(path, "pt") as f:  # its header: the iteration and version, as strings
             meta = f.metadata()
         t = load_file(path, device=str(self.engine.device))

@@ -131,7 +131,7 @@ def engine_stub():
 
 def test_one_ahead_samples_the_next_iteration_under_the_weights_before_the_update():
     rec = Recorder(sample_s=0.3)
-    rollouts = offpolicy.Rollouts(rec.draw, rec.publish, None, None, engine_stub(), ahead=1, iterations=3)
+    rollouts = offpolicy.Rollouts(rec.draw, rec.publish, None, engine_stub(), ahead=1, iterations=3)
     try:
         got = [rollouts.get(0)]
         t = time.time()
@@ -151,18 +151,18 @@ def test_one_ahead_samples_the_next_iteration_under_the_weights_before_the_updat
 
 def test_synchronous_draws_in_the_callers_thread_inside_publish():
     rec = Recorder()
-    rollouts = offpolicy.Rollouts(rec.draw, rec.publish, None, "scorer", engine_stub(), ahead=0, iterations=2)
+    rollouts = offpolicy.Rollouts(rec.draw, rec.publish, "scorer", engine_stub(), ahead=0, iterations=2)
     assert [rollouts.get(i).version for i in range(2)] == [0, 1]
     assert rec.events == [("publish", 0), ("draw", 0, True), ("publish", 1), ("draw", 1, True)]
 
 
 def test_the_rollout_in_flight_is_checkpointed_and_read_back_to_the_bit(tmp_path):
     rec = Recorder()
-    rollouts = offpolicy.Rollouts(rec.draw, rec.publish, None, None, engine_stub(), ahead=1, iterations=5)
+    rollouts = offpolicy.Rollouts(rec.draw, rec.publish, None, engine_stub(), ahead=1, iterations=5)
     rollouts.get(0)  # iteration 1 is in flight
     rollouts.save(str(tmp_path))
     rollouts.close()
-    resumed = offpolicy.Rollouts(rec.draw, rec.publish, None, None, engine_stub(), ahead=1, iterations=5)
+    resumed = offpolicy.Rollouts(rec.draw, rec.publish, None, engine_stub(), ahead=1, iterations=5)
 
     def plan(it):  # what flowgrpo.draw(images=False) gives: the plan and conditioning, no tensors
         s = fake_sampled(it)
@@ -176,8 +176,8 @@ def test_the_rollout_in_flight_is_checkpointed_and_read_back_to_the_bit(tmp_path
     assert np.array_equal(got.scores, want.scores) and np.array_equal(got.info["r"], want.info["r"])
     assert got.version == 0 and got.batch.sigma_max == want.batch.sigma_max
     assert rec.events.count(("draw", 1, False)) == 1  # iteration 1 was not drawn again
-    bad = offpolicy.Rollouts(rec.draw, rec.publish, None, None, SimpleNamespace(rank=0, world_size=2, device="cpu"),
+    bad = offpolicy.Rollouts(rec.draw, rec.publish, None, SimpleNamespace(rank=0, world_size=2, device="cpu"),
                              ahead=1, iterations=5)
-    with pytest.raises(ValueError, match="on as many ranks"):
+    with pytest.raises(ValueError, match="on as many training ranks"):
         bad.load(str(tmp_path), plan)
     bad.close()
