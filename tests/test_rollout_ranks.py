@@ -1,7 +1,7 @@
 """`--rollout-ranks R` on CPU (gloo, torchrun): the world's last R ranks sample for the others. With `--off-policy 0`
 one training rank and one rollout rank take the synchronous loop's steps (the same rewards, the same LoRA); with
 `--off-policy 1` the rollout rank samples iteration k+1 while iteration k trains (their intervals intersect) and the
-run resumes to the bit from a checkpoint holding the batch in flight; a killed rollout rank or SIGTERM stops every
+run resumes to the bit from a checkpoint holding the batch in flight; two training ranks agree with one; a killed rollout rank or SIGTERM stops every
 rank, naming the rank; the start-up refusals."""
 import json
 import os
@@ -60,6 +60,16 @@ def test_one_ahead_overlaps_and_resumes_to_the_bit(tmp_path):
     assert again[2]["reward/mean"] == rows[2]["reward/mean"] and again[2]["train/grad_norm"] == rows[2]["train/grad_norm"]
     rel, worst = relative_difference(first, lora(run))
     assert worst == 0, f"the resumed LoRA differs by {worst:.3g} (relative {rel:.3g})"
+
+
+def test_two_training_ranks_agree_with_one(tmp_path):
+    """One rollout rank serving two training ranks (3 processes) against serving one: the final LoRA within
+    test_engine's 1e-3 relative (only the gradient sums' order differs)."""
+    torchrun(tmp_path / "one", "--rollout-ranks", "1", "--off-policy", "1", "--micro-batch", "2")
+    torchrun(tmp_path / "two", "--rollout-ranks", "1", "--off-policy", "1", "--micro-batch", "2", n=3)
+    rel, worst = relative_difference(lora(tmp_path / "one"), lora(tmp_path / "two"))
+    print(f"\n--rollout-ranks 1 --off-policy 1, 1 vs 2 training ranks: {rel:.3g} relative, max |Δ| {worst:.3g}")
+    assert rel < 1e-3, f"1 vs 2 training ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
 
 
 @pytest.mark.parametrize("how", ["kill the rollout rank", "SIGTERM"])
