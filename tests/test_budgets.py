@@ -46,7 +46,8 @@ BUDGETS = {
     # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
     # alone, the transformer)
     "nano_compose.py": 630,
-    "nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, its pretraining
+    "nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, evaluation, grid
+    "nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
     "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead

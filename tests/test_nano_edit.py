@@ -171,10 +171,10 @@ def test_start_up_refuses_prompts_without_sources_and_takes_the_recipe():
 
 
 def test_pretraining_on_a_few_steps_writes_a_model_that_loads(tmp_path):
-    """`python nano_edit.py pretrain` for 3 steps writes vae/ and transformer/ (float16) and a report with the VAE's
+    """`python nano_edit_pretrain.py` for 3 steps writes vae/ and transformer/ (float16) and a report with the VAE's
     ceiling per kind; `--model nano-edit --model-path` takes the directory."""
     out = tmp_path / "base"
-    run = subprocess.run([sys.executable, "nano_edit.py", "pretrain", "--out", str(out), "--transformer-steps", "3",
+    run = subprocess.run([sys.executable, "nano_edit_pretrain.py", "--out", str(out), "--transformer-steps", "3",
                           "--per-kind", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
