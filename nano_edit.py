@@ -48,9 +48,9 @@ INSTRUCTIONS = (*GEOMETRIC, "make it a {d}")  # the tags of the evaluation: one 
 BASE_DIR = models_nano.NanoEdit.default_path  # the shipped base (`python nano_edit_pretrain.py`)
 PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_edit.py prompts`)
 MODEL, JUDGE, CATEGORIES = "nano-edit", "edit_judge", INSTRUCTIONS  # what nano_compare.py reads of a task
-# its rows and seeds there: the recipe, its fastest variant and the two forward-process methods, 3 seeds (BENCHMARKS.md;
-# the other rows left out only for CPU time: 64 prompts an iteration cost 4× nano-compose's 16)
-COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "DiffusionNFT", "AWM")
+# its rows and seeds there (BENCHMARKS.md): the recipe and its fastest variant, 3 seeds; DiffusionNFT, AWM and the rest
+# left out only for CPU time (64 prompts an iteration: 16 CPU-s an iteration for DiffusionNFT, 9 for the recipe)
+COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)")
 SEEDS = 3
 
 
@@ -299,7 +299,7 @@ def evaluate(model, per_kind: int = 20, seeds: int = 3, steps: int = 10) -> dict
             "reward_mean": float(reward_scores(images, texts, meta).mean()), "diversity": spread}
 
 
-def grid(run_dir: str, out: str, per_kind: int = 4, cell: int = 40, model_path: str | None = None) -> dict:
+def grid(run_dir: str, out: str, per_kind: int = 4, cell: int = 48, model_path: str | None = None) -> dict:
     """A PNG, one row per instruction kind of `per_kind` held-out prompts, each a triple: the source, the base model's
     edit (the shipped one or `model_path`), the run's (its exported LoRA), from the same seeds; an edit framed green
     where the judge says it is right. Returns the judge's mean on the base's and the run's edits."""
