@@ -32,11 +32,12 @@ from tqdm import tqdm
 import flowgrpo
 import nano
 import nano_compose
+import nano_edit
 import recipes
 import rundir
 import startup
 
-TASKS = {"nano": nano, "nano-compose": nano_compose}  # --task: a module per laptop task
+TASKS = {"nano": nano, "nano-compose": nano_compose, "nano-edit": nano_edit}  # --task: a module per laptop task
 METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later algorithm is one more row
     "Flow-GRPO, full mode": (),
     "window 2": ("--window", "2"),

@@ -2,8 +2,8 @@
 
     python nano_edit.py judge [--per-kind 300]    # judge and reward on exact targets, sources, noise, wrong edits
     python nano_edit.py prompts [--out FILE]      # write the prompt set and its source PNGs (train and held out)
-    python nano_edit.py pretrain [--out DIR]      # the base: nano's VAE, a transformer trained here on edits
     python nano_edit.py evaluate [--lora DIR]     # the judge per instruction on held-out glyphs and seeds
+    python nano_edit_pretrain.py [--out DIR]      # the base: nano's VAE, a transformer trained here on edits
 
 A source is a glyph of scikit-learn's `load_digits` (nano.py's split: train 1,437, held out 360) drawn at 12×12
 (bilinear, its grey doubled and clipped: solid ink) in the middle of the 16×16 canvas, so that every edit stays on it.
@@ -23,8 +23,6 @@ import functools
 import json
 import os
 import re
-import sys
-import time
 
 import numpy as np
 import torch
@@ -47,9 +45,13 @@ GEOMETRIC = {  # instruction -> (edit on images (N, 1, S, S), its inverse or Non
     "move it up": ("up", "down"), "move it down": ("down", "up")}
 _SEMANTIC = re.compile(r"make it an? (\d)")
 INSTRUCTIONS = (*GEOMETRIC, "make it a {d}")  # the tags of the evaluation: one per instruction kind
-BASE_DIR = models_nano.NanoEdit.default_path  # the shipped base (`python nano_edit.py pretrain`)
+BASE_DIR = models_nano.NanoEdit.default_path  # the shipped base (`python nano_edit_pretrain.py`)
 PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_edit.py prompts`)
 MODEL, JUDGE, CATEGORIES = "nano-edit", "edit_judge", INSTRUCTIONS  # what nano_compare.py reads of a task
+# its rows and seeds there (BENCHMARKS.md): the recipe, its fastest variant and DiffusionNFT, 3 seeds; AWM and the rest
+# left out only for CPU time (64 prompts an iteration: 11 CPU-s an iteration for DiffusionNFT, 9 for the recipe)
+COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "DiffusionNFT")
+SEEDS = 3
 
 
 # ---- sources, edits, instructions --------------------------------------------------------------------
@@ -255,122 +257,6 @@ def write_prompts(out: str, train_per_kind: int = 40, eval_per_kind: int = 20) -
     return {s: sum(x["split"] == s for x in lines) for s in ("train", "eval")}
 
 
-# ---- the base model: nano's VAE, a transformer trained here on (source, instruction) -> target -----------------
-
-PRETRAIN = dict(seed=0, transformer_steps=250, transformer_batch=128, transformer_lr=1e-3, ema=0.995,
-                curve_every=0, curve_per_kind=10)
-TEXTS = [*GEOMETRIC, *(f"make it a {d}" for d in range(10))]  # every instruction pretraining conditions on
-
-
-def training_pairs(pipe, gen: torch.Generator):
-    """Every train glyph under every instruction: (source latents (N, S, C·4) normalised and packed as the adapter
-    encodes them, target posterior (mean, std) (M, C, s, s), source index (M,), instruction index (M,)). `make it a
-    d`'s target: a random train glyph of d whose box keeps the source's (`kept`)."""
-    vae, (x_train, _, y_train, _) = pipe.vae, nano.split()
-    src, x3 = quantise(render(x_train)), lambda x: x.expand(-1, 3, -1, -1) * 2 - 1
-    mu, std = nano.latents(vae, x3(src))
-    mean, scale = (torch.tensor(vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
-    z, mus, stds, sidx, tidx = (mu - mean) / scale, [], [], [], []
-    source = pipe._pack_latents(z, len(z), z.shape[1], z.shape[2], z.shape[3])
-    for k, text in enumerate(GEOMETRIC):
-        m, s = nano.latents(vae, x3(quantise(target(src, text))))
-        mus.append(m), stds.append(s), sidx.append(torch.arange(len(src))), tidx.append(torch.full((len(src),), k))
-    b = box(src)[:, None] - box(src)[None]  # (N, N, 3): glyph j in glyph i's place where `kept` would say so
-    near = (b[..., :2].abs().amax(-1) <= CENTRE) & (b[..., 2].abs() <= HEIGHT)
-    for i in range(len(src)):  # make it a d: d ≠ the source's digit, a glyph of d in the source's place
-        for d in set(range(10)) - {int(y_train[i])}:
-            ok = np.flatnonzero((y_train == d) & near[i].numpy())
-            if len(ok):
-                j = int(ok[torch.randint(len(ok), (1,), generator=gen)])
-                mus.append(mu[j:j + 1]), stds.append(std[j:j + 1])
-                sidx.append(torch.tensor([i])), tidx.append(torch.tensor([len(GEOMETRIC) + d]))
-    return source, torch.cat(mus), torch.cat(stds), torch.cat(sidx), torch.cat(tidx)
-
-
-def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, lr: float, ema: float,
-                      gen: torch.Generator, measure=None, measure_every: int = 0) -> list[float]:
-    """nano.train_transformer's rectified flow (the same σ draw, loss, EMA), each pair's target conditioned on its
-    instruction and on its source's latents (`training_pairs`); the instruction kinds drawn equally often."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-    source, mus, stds, sidx, tidx = pairs_
-    pipe, cond = model.pipe, nano.conditioning(models_nano.NanoQwenImage(model.pipe, "cpu", torch.float32), texts)
-    net = model.transformer.requires_grad_(True).train()  # (the conditioning above: the instructions alone)
-    mean, scale = (torch.tensor(pipe.vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
-    cfg = model.scheduler.config
-    mu = calculate_shift(model.image_seq_len(SIDE, SIDE), cfg.base_image_seq_len, cfg.max_image_seq_len,
-                         cfg.base_shift, cfg.max_shift)
-    kinds = tidx.clamp(max=len(GEOMETRIC))
-    weights = 1 / torch.bincount(kinds).float()[kinds]  # each kind equally likely
-    opt, losses = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0), []
-    averaged = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    for step in (bar := nano.tqdm(range(steps), desc="pretrain edit transformer", unit="step")):
-        idx = torch.multinomial(weights, batch, replacement=True, generator=gen)
-        z = (mus[idx] + stds[idx] * torch.randn(mus[idx].shape, generator=gen) - mean) / scale
-        x0 = pipe._pack_latents(z, batch, z.shape[1], z.shape[2], z.shape[3])
-        u = torch.sigmoid(torch.randn(batch, generator=gen))
-        sigma = np.exp(mu) / (np.exp(mu) + (1 / u - 1))
-        eps = torch.randn(x0.shape, generator=gen)
-        x = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * eps
-        c = {k: t[tidx[idx]] for k, t in cond.items()} | {"source": source[sidx[idx]]}
-        loss = (model.velocity(x, sigma, c, 1.0, SIDE, SIDE) - (eps - x0)).square().mean()
-        opt.zero_grad(), loss.backward(), opt.step()
-        with torch.no_grad():
-            for k, t in net.state_dict().items():
-                averaged[k].lerp_(t, 1 - min(ema, (1 + step) / (10 + step)))
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
-        if measure_every and (step + 1) % measure_every == 0:
-            live = {k: v.clone() for k, v in net.state_dict().items()}
-            net.load_state_dict(averaged), measure(step + 1), net.load_state_dict(live)
-    net.load_state_dict(averaged), net.requires_grad_(False).eval()
-    return losses
-
-
-def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int, transformer_batch: int,
-             transformer_lr: float, ema: float, curve_every: int, curve_per_kind: int) -> dict:
-    """Write the base to `out`: nano's VAE (copied) and a transformer of nano's size (4 + 4 tokens at 16×16) trained on
-    the train glyphs' edits, float16; return what it reached (out/pretrain.json): the VAE's ceiling (`ceiling`), the
-    loss, CPU seconds, the held-out judge per instruction (and with curve_every, its curve over the steps)."""
-    from diffusers import QwenImageTransformer2DModel
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    report = {"command": " ".join(["python nano_edit.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}
-    vae = models_nano.build_nano_pipeline(models_nano.NANO_DIR).vae
-    pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**nano.TRANSFORMER))
-    model, report["curve"] = models_nano.NanoEdit(pipe, "cpu", torch.float32), []
-    nano.reached(report, "vae (nano's): the judge on its reconstructions of exact held-out targets", **ceiling(vae))
-    start, data = time.process_time(), training_pairs(pipe, gen)
-
-    def measure(step: int) -> None:  # the budget curve: the EMA weights on curve_per_kind held-out prompts a kind
-        report["curve"].append({"step": step, **evaluate(model, curve_per_kind, seeds=1)})
-        print("curve:", json.dumps({k: round(float(v), 3) for k, v in report["curve"][-1].items()}), flush=True)
-    losses = train_transformer(model, data, TEXTS, transformer_steps, transformer_batch, transformer_lr, ema, gen,
-                               measure, curve_every)
-    nano.reached(report, "transformer", steps=transformer_steps, pairs=len(data[1]), first_loss=np.mean(losses[:10]),
-                 last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start)
-    nano.save_parts(out, vae=pipe.vae, transformer=pipe.transformer)
-    nano.reached(report, "base model", **evaluate(load(out), per_kind))
-    with open(os.path.join(out, "pretrain.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    return report
-
-
-@torch.no_grad()
-def ceiling(vae, per_kind: int = 100) -> dict:
-    """The judge per kind on the VAE's reconstructions of exact held-out targets (`make it a d`: of the held-out
-    source itself, asked for its own digit): what a perfect transformer on this VAE would score."""
-    (_, x_test, _, y_test), result = nano.split(), {}
-    src = quantise(render(x_test))
-    for kind, rows in by_kind(pairs(True, per_kind)).items():
-        i = torch.tensor([r[0] for r in rows])
-        goal = src[i] if kind == "make it a {d}" else target(src[i], kind)
-        mu = nano.latents(vae, goal.expand(-1, 3, -1, -1) * 2 - 1)[0]
-        seen = quantise((nano.decode(vae, mu[:, :, None])[:, :, 0].mean(1, keepdim=True) + 1) / 2)
-        texts = [f"make it a {y_test[n]}" if kind == "make it a {d}" else kind for n in i.tolist()]
-        result[kind] = np.mean([judge_one_kind(seen[n:n + 1], src[i[n:n + 1]], t)[0] for n, t in enumerate(texts)])
-    return result
-
-
 def by_kind(rows: list[tuple[int, str]]) -> dict[str, list]:
     """(glyph, instruction) rows grouped by their instruction kind, in INSTRUCTIONS' order."""
     return {k: [r for r in rows if parse(r[1])["kind"] == k] for k in INSTRUCTIONS}
@@ -387,18 +273,62 @@ def load(path: str | None = None, lora: str | None = None):
     return model.pipe.load_lora_weights(lora) or model if lora else model
 
 
-def evaluate(model, per_kind: int = 20, seeds: int = 3, steps: int = 10) -> dict:
-    """The judge per instruction kind (and overall: their mean) and the mean reward of ODE samples of the shipped
-    held-out prompts (the first `per_kind` of each kind), each from `seeds` seeds."""
+def held_out(per_kind: int) -> list[tuple[str, dict]]:
+    """The first `per_kind` shipped held-out prompts (instruction, metadata with its source) of each kind, kind by kind."""
     rows = [r for r in prompt_sets.read_prompt_file(PROMPTS) if r[1]["split"] == "eval"]
-    rows = [r for k in INSTRUCTIONS for r in [r for r in rows if r[1]["tag"] == k][:per_kind]] * seeds
-    texts, meta = [p for p, _ in rows], [m for _, m in rows]
-    images = nano.quantised(rollout.sample_ode(model, texts, num_steps=steps, height=SIDE, width=SIDE, cfg_scale=1.0,
-                                               negative_prompt=" ", seed=EVAL_SEED, chunk=64, metadata=meta))
+    return [r for k in INSTRUCTIONS for r in [r for r in rows if r[1]["tag"] == k][:per_kind]]
+
+
+def sample(model, rows: list[tuple[str, dict]], steps: int = 10) -> np.ndarray:
+    """uint8 images (N, 16, 16, 3): ODE samples of (instruction, metadata) rows, image i from the evaluation's seed i."""
+    return nano.quantised(rollout.sample_ode(model, [p for p, _ in rows], num_steps=steps, height=SIDE, width=SIDE,
+                                             cfg_scale=1.0, negative_prompt=" ", seed=EVAL_SEED, chunk=64,
+                                             metadata=[m for _, m in rows]))
+
+
+def evaluate(model, per_kind: int = 20, seeds: int = 3, steps: int = 10) -> dict:
+    """The judge per instruction kind (and overall: their mean), the mean reward and the diversity (nano.diversity:
+    the per-pixel spread across one prompt's `seeds` images) of ODE samples of the held-out prompts (`held_out`)."""
+    rows = held_out(per_kind) * seeds
+    texts, meta, images = [p for p, _ in rows], [m for _, m in rows], sample(model, rows, steps)
     judged, tags = judge_scores(images, texts, meta), np.array([m["tag"] for m in meta])
     kinds = {k: float(judged[tags == k].mean()) for k in INSTRUCTIONS}
+    prompt = np.arange(len(rows)) % (len(rows) // seeds)  # which held-out prompt each image answers
+    spread = nano.diversity(torch.from_numpy(images).permute(0, 3, 1, 2) / 255, prompt) if seeds > 1 else 0.0
     return {"images": len(rows), **kinds, "judge_accuracy": float(np.mean(list(kinds.values()))),
-            "reward_mean": float(reward_scores(images, texts, meta).mean())}
+            "reward_mean": float(reward_scores(images, texts, meta).mean()), "diversity": spread}
+
+
+def grid(run_dir: str, out: str, per_kind: int = 4, cell: int = 48, model_path: str | None = None) -> dict:
+    """A PNG, one row per instruction kind of `per_kind` held-out prompts, each a triple: the source, the base model's
+    edit (the shipped one or `model_path`), the run's (its exported LoRA), from the same seeds; an edit framed green
+    where the judge says it is right. Returns the judge's mean on the base's and the run's edits."""
+    from PIL import ImageDraw, ImageFont
+    font, gap, label = ImageFont.load_default(size=13), 14, 150
+    rows = held_out(per_kind)
+    texts, meta = [p for p, _ in rows], [m for _, m in rows]
+    sources = torch.cat([read_source(m["image"]) for m in meta]).expand(-1, 3, -1, -1)
+    edits = {side: sample(load(model_path, lora), rows) for side, lora in (
+        ("before", None), ("after", nano.run_lora(run_dir)))}
+    right = {side: judge_scores(images, texts, meta) for side, images in edits.items()}
+    width = 3 * cell + gap
+    canvas = Image.new("RGB", (label + per_kind * width, 40 + len(INSTRUCTIONS) * cell), "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((4, 3), f"source | base | after RL, {len(rows)} held-out prompts: the judge finds the base's "
+              f"{right['before'].mean():.0%} and the run's {right['after'].mean():.0%} right", fill="black", font=font)
+    for i, (text, tag) in enumerate(zip(texts, [m["tag"] for m in meta])):
+        x, y = label + (i % per_kind) * width, 22 + (i // per_kind) * cell
+        nano.framed(canvas, sources[i], x, y, cell, True, pad=4)
+        draw.rectangle((x, y, x + cell - 1, y + cell - 1), outline="white", width=4)  # the source: no verdict
+        for j, side in enumerate(("before", "after"), start=1):
+            pixels = torch.from_numpy(edits[side][i]).permute(2, 0, 1) / 255
+            nano.framed(canvas, pixels, x + j * cell, y, cell, bool(right[side][i]))
+        if tag == "make it a {d}":  # which digit: in the gap after the triple
+            draw.text((x + 3 * cell + 2, y + cell // 2 - 7), text[-1], fill="black", font=font)
+    for r, kind in enumerate(INSTRUCTIONS):
+        draw.text((4, 22 + r * cell + cell // 2 - 7), kind.replace("{d}", "d"), fill="black", font=font)
+    canvas.save(out)
+    return {side: float(v.mean()) for side, v in right.items()}
 
 
 def measure(per_kind: int = 300, seed: int = 1) -> dict:
@@ -420,24 +350,18 @@ def main(argv=None) -> None:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("pretrain", help="train the base edit model (defaults: the shipped budget), write it to --out")
-    p.add_argument("--out", default=BASE_DIR)
-    for key, value in PRETRAIN.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     e = sub.add_parser("evaluate", help="the base (or --model-path, with a run's --lora) per instruction, held out")
     e.add_argument("--model-path"), e.add_argument("--lora", help="a finished run's lora/ directory")
     e.add_argument("--seeds", type=int, default=3)
     j = sub.add_parser("judge", help="the judge and the reward on exact targets, sources, noise and wrong edits")
     sub.add_parser("prompts", help="write the prompt set and its source PNGs").add_argument("--out", default=PROMPTS)
-    for q, n in ((p, 20), (e, 20), (j, 300)):
+    for q, n in ((e, 20), (j, 300)):
         q.add_argument("--per-kind", type=int, default=n, help="held-out prompts (judge: sources) of each kind")
     a = ap.parse_args(argv)
     if min(getattr(a, "per_kind", 1), getattr(a, "seeds", 1)) < 1:
         ap.exit(2, "nano_edit.py: error: --per-kind and --seeds must be >= 1\n")
     torch.set_num_threads(1)
-    if a.cmd == "pretrain":
-        pretrain(a.out, a.per_kind, **{k: getattr(a, k) for k in PRETRAIN})
-    elif a.cmd == "evaluate":
+    if a.cmd == "evaluate":
         print(json.dumps(evaluate(load(a.model_path, a.lora), a.per_kind, a.seeds)))
     elif a.cmd == "judge":
         for kind, figures in measure(a.per_kind).items():

@@ -50,7 +50,8 @@ BUDGETS = {
     # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
     # alone, the transformer)
     "nano_compose.py": 630,
-    "nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, its pretraining
+    "nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, evaluation, grid
+    "nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
     "bench_overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
