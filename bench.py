@@ -276,7 +276,8 @@ def forward_rows(t: list, o, a: flowgrpo.Args):
             f"{v.height}², VAE decode skipped; {ms(r[k])} vs {ms(r['sde'])}")
 
 def vm_hwm(pid) -> int:  # a process's peak resident memory so far: the kernel's own high-water mark, no sampling gaps
-    return next(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status") if line.startswith("VmHWM:"))
+    # (0 for a process already exiting: its status then lists no memory, and an earlier reading holds its peak)
+    return next((int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status") if line.startswith("VmHWM:")), 0)
 
 def torchrun(n: int, o):  # flowgrpo.py on n gloo ranks -> (wall s per iteration but the first, {rank: VmHWM})
     with tempfile.TemporaryDirectory() as d, open(os.path.join(d, "log"), "w+") as log:
