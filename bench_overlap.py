@@ -3,12 +3,14 @@
     .venv/bin/python bench_overlap.py speed [--rounds 3] [--iterations 8] [--server-core 0] [--trainer-core 1]
     .venv/bin/python bench_overlap.py learning [--seeds 3] [--out runs/nano-off-policy]
 
-Both serve a pipeline with vLLM-Omni (omni/serve_tiny.py, its own venv: omni/setup_env.sh) pinned to one core and
-train against it (`flowgrpo.py --rollout vllm-omni`) on another. `speed`: the tiny pipeline with TRAIN_FLAGS,
-`--off-policy 0` and `1` in alternating rounds (the machine's drift falls on both), each a run of its own; per mode
-the median of `perf/iteration_s` over every round's iterations after the first two (start-up, the first rollout that
-nothing overlaps), and the synchronous run's rollout and update seconds, which bound the gain: at best
-max(rollout, update) ÷ (rollout + update). `learning`: the nano task's recipe (nano.py) through the server, both
+`speed` times two ways of sampling elsewhere on this machine's two cores: a vLLM-Omni server (omni/serve_tiny.py, its
+own venv: omni/setup_env.sh) serving the shipped nano weights on one core while the trainer (`flowgrpo.py --rollout
+vllm-omni`) runs on the other; then, the server stopped, torchrun's two ranks on both cores, one sampling
+(`--rollout-ranks 1`), one training. Each with TRAIN_FLAGS (and RANK_FLAGS), `--off-policy 0` and `1` in
+alternating rounds (the machine's drift falls on both), each a run of its own; per mode the median of
+`perf/iteration_s` over every round's iterations after the first two (start-up, the first rollout that nothing
+overlaps), and the synchronous run's rollout and update seconds, which bound the gain: at best max(rollout, update) ÷
+(rollout + update). `learning`: the nano task's recipe (nano.py) through the server, both
 modes on each seed; each run's final LoRA judged by nano's held-out evaluation (nano_compare.final_evaluation, as the
 method comparison does) and the loop's judge curves drawn in one figure.
 """
@@ -35,11 +37,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# the tiny recipe with one trained step of four (--window 1): the server's rollout (4 steps, no gradient) and the
-# update (1 step, forward and backward, 2 optimizer steps) take similar time on one core each
-# the nano recipe with a KL to the base (one more forward per trained step): the update then takes about as long as the
-# rollout on one core each
+# The nano recipe with a KL to the base (one more forward per trained step), chosen so that sampling and the update
+# take similar time on one core each: through a server in full mode (a server's rollout carries the HTTP and file
+# exchange); on a rollout rank, which samples faster, with a window of 4 of the 10 steps trained (RANK_FLAGS).
 TRAIN_FLAGS = ("--kl-beta", "0.04", "--eval-every", "0", "--checkpoint-every", "0")
+RANK_FLAGS = ("--window", "4")
 WARMUP = 2
 
 
@@ -78,24 +80,19 @@ def train(model_dir: str, run_dir: str, off_policy: int, cores: set, root: str, 
         return [json.loads(line) for line in f]
 
 
-def speed(a, work: str, url: str, model_dir: str, root: str) -> None:
-    """Both ways of sampling elsewhere: the server on its core, the trainer on the other; and torchrun's two ranks,
-    one sampling (--rollout-ranks 1), one training, on the two cores (the server idle)."""
-    kinds = {"server": ({a.trainer_core}, ("--rollout", "vllm-omni", "--rollout-url", url), 1),
-             "rollout rank": ({a.server_core, a.trainer_core}, ("--rollout-ranks", "1"), 2)}
-    rows = {(k, m): [] for k in kinds for m in (0, 1)}
+def speed(a, work: str, kind: str, cores: set, flags: tuple, model_dir: str, root: str, ranks: int = 1) -> None:
+    """One way of sampling elsewhere, `--off-policy 0` and `1` in alternating rounds; the medians and the bound."""
+    rows = {0: [], 1: []}
     for r in range(a.rounds):
-        for kind, (cores, flags, ranks) in kinds.items():
-            for mode in (0, 1):
-                run = os.path.join(work, f"run{r}-{kind.replace(' ', '-')}-{mode}")
-                rows[kind, mode] += train(model_dir, run, mode, cores, root, "--iterations", str(a.iterations),
-                                          *flags, *TRAIN_FLAGS, ranks=ranks)[WARMUP:]
-    for kind in kinds:
-        med = [float(np.median([x["perf/iteration_s"] for x in rows[kind, m]])) for m in (0, 1)]
-        roll, upd = (float(np.median([x[k] for x in rows[kind, 0]])) for k in ("perf/rollout_s", "perf/train_s"))
-        print(f"{kind}: iteration s (median of {len(rows[kind, 0])}): synchronous {med[0]:.3f} (rollout {roll:.3f} + "
-              f"update {upd:.3f}), one ahead {med[1]:.3f}; ratio {med[1] / med[0]:.3f} (bound "
-              f"{max(roll, upd) / (roll + upd):.3f})", flush=True)
+        for mode in (0, 1):
+            run = os.path.join(work, f"run{r}-{kind.replace(' ', '-')}-{mode}")
+            rows[mode] += train(model_dir, run, mode, cores, root, "--iterations", str(a.iterations), *flags,
+                                *TRAIN_FLAGS, ranks=ranks)[WARMUP:]
+    med = [float(np.median([x["perf/iteration_s"] for x in rows[m]])) for m in (0, 1)]
+    roll, upd = (float(np.median([x[k] for x in rows[0]])) for k in ("perf/rollout_s", "perf/train_s"))
+    print(f"{kind}: iteration s (median of {len(rows[0])}): synchronous {med[0]:.3f} (rollout {roll:.3f} + update "
+          f"{upd:.3f}), one ahead {med[1]:.3f}; ratio {med[1] / med[0]:.3f} (bound {max(roll, upd) / (roll + upd):.3f})",
+          flush=True)
 
 
 def learning(a, url: str, model_dir: str, root: str) -> None:
@@ -153,10 +150,18 @@ def main(argv=None) -> None:
         server = serve(model_dir, root, a.port, a.server_core, os.path.join(work, "server.log"))
         try:
             url = f"http://127.0.0.1:{a.port}"
-            speed(a, work, url, model_dir, root) if a.what == "speed" else learning(a, url, model_dir, root)
+            if a.what == "speed":  # the server on its core, the trainer on the other
+                speed(a, work, "server", {a.trainer_core}, ("--rollout", "vllm-omni", "--rollout-url", url), model_dir,
+                      root)
+            else:
+                learning(a, url, model_dir, root)
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(60)
+        if a.what == "speed":  # torchrun's two ranks on the two cores, one sampling, one training; the server gone (it
+            # takes ~7% of a core idle)
+            speed(a, work, "rollout rank", {a.server_core, a.trainer_core}, ("--rollout-ranks", "1", *RANK_FLAGS),
+                  model_dir, root, ranks=2)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -35,6 +35,12 @@ def test_encode_matches_the_pipeline_and_pads(model):
     ref, ref_mask = model.pipe.encode_prompt(PROMPTS, device="cpu")
     assert torch.equal(embeds, ref) and torch.equal(mask, ref_mask)
     assert mask[0].sum() < mask[1].sum() == mask.shape[1]  # the short prompt is padded
+    # the adapter's text encoder computes one position's logits (models_qwen.last_logit_only): a pipeline without
+    # that hook encodes the same bits
+    plain, plain_mask = models_qwen.build_tiny_qwen_pipeline(seed=0).encode_prompt(PROMPTS, device="cpu")
+    assert torch.equal(embeds, plain) and torch.equal(mask, plain_mask), (embeds - plain).abs().max()
+    ids = torch.ones(2, 5, dtype=torch.long)
+    assert model.pipe.text_encoder(input_ids=ids).logits.shape[1] == 1
 
 
 @pytest.mark.parametrize("cfg", [1.0, 4.0])
