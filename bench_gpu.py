@@ -2,6 +2,7 @@
     python bench_gpu.py --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
     python bench_gpu.py --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
     python bench_gpu.py --sp 2 [--device cuda --model qwen-image]        # the --sp 2 ÷ --sp 1 rows (CPU too)
+    python bench_gpu.py --plain [--device cuda] [--layers N]             # the update ÷ plain PyTorch, real width
 Rows: median, min, max over repeats after a warm-up, as bench.py's. See BENCHMARKS.md."""
 import argparse
 import dataclasses
@@ -23,6 +24,7 @@ import flowgrpo
 import models_qwen
 import rewards
 import scheduler as sch
+import bench
 from bench import CUDA, HEAD, ROOT, make_engine, measure, ms, row, sample, sync, texts_of, train, vm_hwm
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, vendor data sheets
@@ -34,13 +36,16 @@ class RandomText(models_qwen.QwenImage):  # no 7B text encoder: the tiny one's t
         e = torch.randn(*mask.shape, self.transformer.config.joint_attention_dim, generator=torch.Generator())
         return {"embeds": (e * mask.cpu()[..., None]).to(self.device, self.dtype), "mask": mask}
 
-def random_model(kind: str, device: str, heads: int = 3) -> RandomText:  # diffusers' defaults = the published configs
-    pipe, dtype = models_qwen.build_tiny_qwen_pipeline(0, heads), torch.bfloat16 if device != "cpu" else torch.float32
+def random_model(kind: str, device: str, heads: int = 3, layers: int = 0, fp32: bool = False) -> RandomText:
+    """diffusers' defaults = the published configs (`layers` > 0: that many blocks; `fp32`: also on a GPU); the
+    transformer's weights drawn from torch's global generator (seed it for twins)."""
+    pipe = models_qwen.build_tiny_qwen_pipeline(0, heads)
+    dtype = torch.bfloat16 if device != "cpu" and not fp32 else torch.float32
     if kind != "tiny":
         default, _ = torch.get_default_dtype(), torch.set_default_dtype(dtype)
         with torch.device(device):
             pipe = QwenImagePipeline(pipe.scheduler, AutoencoderKLQwenImage(), pipe.text_encoder, pipe.tokenizer,
-                                     QwenImageTransformer2DModel())
+                                     QwenImageTransformer2DModel(**({"num_layers": layers} if layers else {})))
         torch.set_default_dtype(default)
     return RandomText(pipe, device, dtype if kind != "tiny" else torch.float32)
 
@@ -99,6 +104,17 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
     splits, mem, _ = end_to_end(o, dataclasses.replace(a, offload=True, group_size=a.micro_batch))
     row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
         f"{a.micro_batch} images: {a.micro_batch / med([s.sum() for s in splits]):.3g} images/s")
+
+def plain_rows(t: list, o, a: flowgrpo.Args):
+    """bench.py's "training ÷ plain PyTorch update" at Qwen-Image's real width (24 heads × 128, text 3584; random
+    weights, fp32, no mixed precision or checkpointing, which the plain update lacks): `--layers` of its 60 blocks, so
+    that two copies fit (CPU: one block, in seconds an update)."""
+    def build():
+        torch.manual_seed(a.seed)  # the same weights for the loop's model and the plain one
+        return random_model("qwen-image", o.device, layers=o.layers, fp32=True)
+    model = build()
+    b = sample(model, a, sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0))
+    bench.plain_rows(t, o, a, build, b, f"real width, {o.layers} of 60 blocks, {a.height}², CFG {a.cfg_scale:g}: ")
 
 def sp_measure(o, sp: int) -> dict:
     """One rank of --sp sp (a torchrun rank; alone with --sp-fake, standing for rank 0 of sp through a process group
@@ -168,6 +184,8 @@ def main(argv=None):
     p.add_argument("--model", choices=("tiny", "qwen-image"), default="tiny")
     p.add_argument("--device", default="cuda" if CUDA else "cpu")
     p.add_argument("--random-init", action="store_true", help="the public recipe end to end, random weights (GPU)")
+    p.add_argument("--plain", action="store_true", help="the loop's update ÷ the plainest PyTorch's at the real width")
+    p.add_argument("--layers", type=int, help="--plain: transformer blocks (default: CPU 1, CUDA 16)")
     p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
     p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
@@ -178,9 +196,9 @@ def main(argv=None):
     p.add_argument("--sp-worker", type=int, help=argparse.SUPPRESS)  # one rank of a sequence-parallel measurement
     p.add_argument("--sp-fake", action="store_true", help=argparse.SUPPRESS)
     o, t = p.parse_args(argv), list(HEAD)
-    if not (o.random_init or o.sp or o.sp_worker):
-        p.error("give --random-init (images/s, MFU, peak memory) or --sp N (the --sp N ÷ --sp 1 rows); the CPU "
-                "overhead table is `python bench.py`")
+    if not (o.random_init or o.sp or o.sp_worker or o.plain):
+        p.error("give --random-init (images/s, MFU, peak memory), --plain (the update ÷ plain PyTorch at the real "
+                "width) or --sp N (the --sp N ÷ --sp 1 rows); the CPU overhead table is `python bench.py`")
     o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
     if o.device == "cpu":
         torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
@@ -192,6 +210,12 @@ def main(argv=None):
         eng.exit_process(0)  # a rank that ran collectives ends without the interpreter's teardown (engine.exit_process)
     if o.sp:
         sp_rows(t, o, o.sp)
+    elif o.plain:  # the recipe without its GPU memory savers; CPU: 32², 2 images, 4 steps; CUDA: 512², 8 images
+        o.layers = o.layers or (16 if CUDA else 1)
+        size = dict(height=512, width=512, group_size=8, micro_batch=4) if CUDA else dict(
+            height=32, width=32, group_size=2, micro_batch=2, num_steps=4, window_range=(0, 3))
+        plain_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], prompts_per_iteration=1,
+                                             mixed_precision=False, activation_checkpointing=False, **size))
     else:  # --random-init: the public recipe, one group per iteration; tiny: at the tiny model's sizes
         toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
         gpu_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,

@@ -7,19 +7,19 @@ import torch
 from peft import LoraConfig
 
 import flowgrpo
-import models
 
 
-def setup(a: flowgrpo.Args, name: str, device) -> tuple:
-    """The same model as a plain module: peft's LoRA added as the engine adds it (same seed, so the same initial
-    weights), no engine, no FSDP; AdamW with the engine's hyper-parameters (foreach, as the engine's)."""
-    model = models.load_model(name, None, device, seed=a.seed)
+def setup(a: flowgrpo.Args, model) -> tuple:
+    """`model`, a fresh twin of the loop's (the same weights), as a plain module: peft's LoRA added as the engine adds
+    it (same seed, so the same initial weights), no engine, no FSDP; AdamW with the engine's hyper-parameters (foreach,
+    as the engine's)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(a.seed)
         model.transformer.add_adapter(LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha,
                                                  target_modules=list(a.lora_targets)))
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, foreach=True), params
+
 
 def update(model, opt, params, batch, a):
     """bench.train's update in the plainest PyTorch: every micro-batch × trained step, Flow-GRPO's SDE step, log-prob

@@ -91,6 +91,13 @@ def test_random_init_dry_run(capsys):
     assert 0.9 < sum(shares) < 1.1  # medians of shares that sum to 1 per iteration (one repeat: exactly)
 
 
+def test_plain_update_at_the_real_width(capsys):
+    """bench_gpu.py --plain on CPU: the loop's update and the plainest PyTorch's on one real-width Qwen-Image block
+    (random weights, twins), which must first land on the same LoRA (bench.plain_rows asserts it), then the ratio."""
+    rows = table_rows(run_bench_gpu(capsys, "--plain", "--quick"))
+    assert list(rows) == ["real width, 1 of 60 blocks, 32², CFG 4: training ÷ plain PyTorch update"], list(rows)
+
+
 def test_flop_formula_matches_torch_flop_counter():
     """pass_flops (the MFU numerator) equals what FlopCounterMode counts for one CFG velocity with LoRA: the math SDPA
     backend, so that attention is counted too (the fused CPU kernel is not)."""
