@@ -185,7 +185,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if CUDA else "cpu")
     p.add_argument("--random-init", action="store_true", help="the public recipe end to end, random weights (GPU)")
     p.add_argument("--plain", action="store_true", help="the loop's update ÷ the plainest PyTorch's at the real width")
-    p.add_argument("--layers", type=int, help="--plain: transformer blocks (default: CPU 1, CUDA 16)")
+    p.add_argument("--layers", type=int, help="--plain: transformer blocks (default: CPU 1, CUDA 4)")
     p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
     p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
@@ -211,7 +211,7 @@ def main(argv=None):
     if o.sp:
         sp_rows(t, o, o.sp)
     elif o.plain:  # the recipe without its GPU memory savers; CPU: 32², 2 images, 4 steps; CUDA: 512², 8 images
-        o.layers = o.layers or (16 if CUDA else 1)
+        o.layers = o.layers or (4 if CUDA else 1)
         size = dict(height=512, width=512, group_size=8, micro_batch=4) if CUDA else dict(
             height=32, width=32, group_size=2, micro_batch=2, num_steps=4, window_range=(0, 3))
         plain_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], prompts_per_iteration=1,
