@@ -101,11 +101,12 @@ def bare_fwd_bwd(model, engine, batch, a):
             v.float().square().mean().backward()
     engine.optimizer.zero_grad(set_to_none=False)
 
-def plain_rows(t: list, o, a: flowgrpo.Args, build, batch, label: str, window_b=None):
+def plain_rows(t: list, o, a: flowgrpo.Args, build, batch, label: str, window_b=None, steps=None):
     """The loop's update ÷ the plain one on the same batch, each on a fresh copy of the model (`build()`: one, the same
     weights each call); first, one update of each from the same initial weights must land on the same LoRA (the plain
     loop computes the same update). With `window_b`, also the plain update's window ÷ full: the fixed cost per update
-    that no framework adds."""
+    that no framework adds. With `steps` (the batch's trained steps), also a whole iteration, the loop's rollout and
+    update against diffusers' pipeline call for the same images (the sampling floor) and the plain update."""
     model = build()
     engine, (pm, opt, params) = make_engine(a, model), bench_plain.setup(a, build())
     start = [p.detach().clone() for p in params]
@@ -117,11 +118,19 @@ def plain_rows(t: list, o, a: flowgrpo.Args, build, batch, label: str, window_b=
     assert len(ours) == len(params) and worst <= 1e-3 * moved, \
         f"{label}the plain update lands {worst:.3g} from the loop's (the update moved the LoRA by {moved:.3g})"
     windowed = {} if window_b is None else {"plain window": lambda: bench_plain.update(pm, opt, params, window_b, a)}
+    whole = {} if steps is None else {"iteration": lambda: train(model, engine, sample(model, a, steps), a),
+                                      "plain iteration": lambda: (diffusers_call(pm, a, a.cfg_scale, batch.prompts),
+                                                                  bench_plain.update(pm, opt, params, batch, a))}
     r = measure({"train": lambda: train(model, engine, batch, a),
-                 "plain": lambda: bench_plain.update(pm, opt, params, batch, a), **windowed}, o.repeats)
+                 "plain": lambda: bench_plain.update(pm, opt, params, batch, a), **windowed, **whole}, o.repeats)
     row(t, f"{label}training ÷ plain PyTorch update", np.divide(r["train"], r["plain"]), "×", "≤ 1.02",
         f"W = {len(batch.sigmas) - 1} trained steps, {len(batch.prompts)} images, each on a model of its own; one update "
         f"of each lands on the same LoRA (max |Δ| {worst:.2g}); train {ms(r['train'])}, plain {ms(r['plain'])}")
+    if whole:
+        row(t, f"{label}whole iteration ÷ diffusers' sampling + plain PyTorch update", np.divide(
+            r["iteration"], r["plain iteration"]), "×", "≤ 1.02", f"the loop's rollout (SDE, log-probs) and update "
+            f"against the pipeline's call for the same images (ODE) and the plain update; {ms(r['iteration'])} vs "
+            f"{ms(r['plain iteration'])}")
     if windowed:
         W = len(window_b.sigmas) - 1
         row(t, f"{label}window ÷ full, plain PyTorch update", np.divide(r["plain window"], r["plain"]), "×",
@@ -147,7 +156,7 @@ def model_rows(t: list, o, a: flowgrpo.Args):
         f"{len(full_b.prompts)} images; train {ms(r['train'])}, bare {ms(r['bare'])}")
     row(t, "window ÷ full training", np.divide(r["window"], r["train"]), "×", f"W/(N−1) = {a.window / len(full):.3f}"
         f" ± 10%", f"W = {a.window} of N = {a.num_steps} steps; window {ms(r['window'])}")
-    plain_rows(t, o, a, lambda: models.load_model(a.model, None, o.device, seed=a.seed), full_b, "", window_b)
+    plain_rows(t, o, a, lambda: models.load_model(a.model, None, o.device, seed=a.seed), full_b, "", window_b, full)
     r = measure({g: lambda ag=dataclasses.replace(a, group_size=g): train(model, engine, sample(model, ag, window), ag)
                  for g in o.groups}, o.repeats)
     cost = {g: np.divide(r[g], a.prompts_per_iteration * g) for g in o.groups}  # seconds per image
@@ -202,7 +211,7 @@ def family_rows(t: list, o, a: flowgrpo.Args, name: str, cfg: float, guide: str)
                  "bare": lambda: bare_fwd_bwd(model, engine, full_b, a)}, o.repeats)
     row(t, f"{name}: training ÷ bare fwd+bwd", np.divide(r["train"], r["bare"]), "×", "≤ 1.15", f"full mode, {guide}, "
         f"W = {len(full)}, {len(full_b.prompts)} images; train {ms(r['train'])}, bare {ms(r['bare'])}")
-    plain_rows(t, o, a, lambda: models.load_model(name, None, o.device, seed=a.seed), full_b, f"{name}: ")
+    plain_rows(t, o, a, lambda: models.load_model(name, None, o.device, seed=a.seed), full_b, f"{name}: ", steps=full)
 
 def variant_rows(t: list, o, a: flowgrpo.Args):
     """--branch and --ode-solver dpm2 against independent Euler rollouts of the same images, window and model: the

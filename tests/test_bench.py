@@ -67,7 +67,10 @@ def test_cpu_table_smallest(tmp_path):
                  "training per image, nft ÷ grpo window 2", "rollout per image, ODE (euler) without log-probs ÷ SDE",
                  "rollout per image, ODE (dpm2-full) without log-probs ÷ SDE", "ranks: peak RSS per rank, 2 ÷ 1",
                  "training ÷ plain PyTorch update", "tiny-sd3: training ÷ plain PyTorch update",
-                 "tiny-flux: training ÷ plain PyTorch update", "window ÷ full, plain PyTorch update"):
+                 "tiny-flux: training ÷ plain PyTorch update", "window ÷ full, plain PyTorch update",
+                 "whole iteration ÷ diffusers' sampling + plain PyTorch update",
+                 "tiny-sd3: whole iteration ÷ diffusers' sampling + plain PyTorch update",
+                 "tiny-flux: whole iteration ÷ diffusers' sampling + plain PyTorch update"):
         assert name in rows, (name, list(rows))
     written = md.read_text()
     assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows
