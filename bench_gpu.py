@@ -19,12 +19,12 @@ import torch
 from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 
 import algorithms
+import bench
 import engine as eng
 import flowgrpo
 import models_qwen
 import rewards
 import scheduler as sch
-import bench
 from bench import CUDA, HEAD, ROOT, make_engine, measure, ms, row, sample, sync, texts_of, train, vm_hwm
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, vendor data sheets
