@@ -112,8 +112,7 @@ def plain_rows(t: list, o, a: flowgrpo.Args):
     def build():
         torch.manual_seed(a.seed)  # the same weights for the loop's model and the plain one
         return random_model("qwen-image", o.device, layers=o.layers, fp32=True)
-    model = build()
-    b = sample(model, a, sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0))
+    b = sample(build(), a, sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0))  # that copy then freed
     bench.plain_rows(t, o, a, build, b, f"real width, {o.layers} of 60 blocks, {a.height}², CFG {a.cfg_scale:g}: ")
 
 def sp_measure(o, sp: int) -> dict:

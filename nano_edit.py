@@ -48,7 +48,7 @@ INSTRUCTIONS = (*GEOMETRIC, "make it a {d}")  # the tags of the evaluation: one 
 BASE_DIR = models_nano.NanoEdit.default_path  # the shipped base (`python nano_edit_pretrain.py`)
 PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_edit.py prompts`)
 MODEL, JUDGE, CATEGORIES = "nano-edit", "edit_judge", INSTRUCTIONS  # what nano_compare.py reads of a task
-# its rows and seeds there (BENCHMARKS.md): nano-compose's seven, 3 seeds (64 prompts an iteration: 6.4 to 11 CPU-s an
+# its rows and seeds there (BENCHMARKS.md): nano-compose's seven, 3 seeds (64 prompts an iteration: 4.5 to 9.4 CPU-s an
 # iteration, so BENCHMARKS ran them at 40 of the recipe's 80 iterations)
 COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "Flow-DPPO (mask 1e-5)", "DiffusionNFT", "AWM", "DGPO",
             "Online DPO")
