@@ -152,9 +152,11 @@ def needs_means(a) -> bool:
 
 def transition(model, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trained transition j of a micro-batch of b images under the current weights: the recorded step's log-prob (b,),
-    the step's mean (b, S, C) and std."""
+    the step's mean (b, S, C) and std. The velocity is the rollout's own, graph and all, where it kept one for this
+    (micro-batch, j) (--reuse-rollout-forward: the weights have not moved since), each used once."""
     x, sigma = mb.latents[:, j], mb.sigmas[j]
-    v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
+    v = mb.graphs.pop((int(mb.ids[0]), j), None) if mb.graphs else None
+    v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width) if v is None else v
     _, logp, mean, std = sch.step(v, x, sigma, mb.sigmas[j + 1], sigma_max=mb.sigma_max, noise_level=a.noise_level,
                                   sde_type=a.sde_type, x_next=mb.latents[:, j + 1])
     return logp, mean, std
@@ -252,6 +254,8 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
                 logs.append(stats)
                 bar.update()
             gap = float(sum(s["gap"] for s in logs[-W:]) / W) if gap is None else gap  # first micro-batch: on-policy
+        # the rollout's kept forwards belong to this first step's micro-batches: none may outlive the weights it moves
+        assert not batch.graphs, f"{len(batch.graphs)} kept rollout forwards were not used by the first optimizer step"
         grad_norm, skipped = engine.step()
         logs[-1] |= {"grad_norm": grad_norm, "skipped_fraction": float(skipped)}
     bar.close()
@@ -273,6 +277,11 @@ def check_sde(a) -> None:
                        window_schedule=a.window_schedule, ode_solver=a.ode_solver)
     need(a.trust_region == "clip" or a.guard == "none", f"--trust-region {a.trust_region} replaces the ratio clip "
          f"that --guard {a.guard} reshapes: choose one (no public code combines them)")
+    need(not a.reuse_rollout_forward or (a.rollout == "local" and not a.rollout_ranks and a.stale_correction == "bypass"),
+         "--reuse-rollout-forward reuses this process's own rollout forwards: it needs --rollout local, no "
+         "--rollout-ranks and --stale-correction bypass (decoupled recomputes them under no gradient)")
+    need(not a.reuse_rollout_forward or a.sp == 1, "--reuse-rollout-forward is not verified with --sp > 1 (its "
+         "all-to-alls in the kept graphs' backward): use one or the other")
 
 
 # The losses' scale flags, each refused outside [lowest, highest] (docs/methods.md#the-losses-flags-are-bounded): far
@@ -303,7 +312,7 @@ def check_flags(a, recipe) -> None:
 
 SDE_FLAGS = frozenset({"sde_type", "noise_level", "window", "window_range", "window_schedule", "slide_every",
                        "branch", "guard", "cps_density", "clip_range", "zero_advantage", "kl_form", "trust_region",
-                       "dppo_threshold", "stale_correction", "is_cap", "reject_band"})
+                       "dppo_threshold", "stale_correction", "is_cap", "reject_band", "reuse_rollout_forward"})
 FORWARD_FLAGS = frozenset({"old_decay", "old_every", "train_timesteps", "train_timestep_range"})
 
 

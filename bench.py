@@ -156,6 +156,12 @@ def model_rows(t: list, o, a: flowgrpo.Args):
         f"{len(full_b.prompts)} images; train {ms(r['train'])}, bare {ms(r['bare'])}")
     row(t, "window ÷ full training", np.divide(r["window"], r["train"]), "×", f"W/(N−1) = {a.window / len(full):.3f}"
         f" ± 10%", f"W = {a.window} of N = {a.num_steps} steps; window {ms(r['window'])}")
+    n = len(full_b.prompts)  # train() takes one optimizer step: every image's forwards can be the rollout's
+    r = measure({"reuse": lambda: train(model, engine, sample(model, a, full, keep=n), a),
+                 "recompute": lambda: train(model, engine, sample(model, a, full), a)}, o.repeats)
+    row(t, "rollout + update, --reuse-rollout-forward ÷ recomputed", np.divide(r["reuse"], r["recompute"]), "×",
+        "< 1: no training forward", f"full mode, W = {len(full)}, {n} images, K = 1 (all in the first optimizer step); "
+        f"{ms(r['reuse'])} vs {ms(r['recompute'])}")
     plain_rows(t, o, a, lambda: models.load_model(a.model, None, o.device, seed=a.seed), full_b, "", window_b, full)
     r = measure({g: lambda ag=dataclasses.replace(a, group_size=g): train(model, engine, sample(model, ag, window), ag)
                  for g in o.groups}, o.repeats)

@@ -33,6 +33,8 @@ are named options, off in the public recipes:
    takes at least one ODE call after the window (it decodes a noisy state where its count leaves none).
 10. The `tiny` recipes are toys (32×32, 4 steps, a cheap image-space reward, a large learning rate, a clip range
    measured so that the clip acts in their second step) chosen so that learning is visible on a CPU in a minute or two.
+11. `--reuse-rollout-forward`: the first optimizer step trains on the rollout's own forwards, kept with their graphs;
+   the public code repeats them. The same update to the bit, 1/K of the training forwards fewer.
 
 Algorithms (`--algorithm`, docs/algorithm.md §12, algorithms.py): `grpo`, the above with its variants below, or the
 forward-process `nft` (DiffusionNFT), `awm` (Advantage Weighted Matching), `dgpo` (DGPO, a group preference) and
@@ -125,6 +127,9 @@ class Args:
     """decoupled: a transition whose |log π_current/π_behaviour| exceeds this weighs 0 in the loss (0 = off)"""
     optimizer_steps: int = 2
     """K: optimizer steps per iteration, each on 1/K of its images (1: every ratio is 1, the clip never acts)"""
+    reuse_rollout_forward: bool = False
+    """grpo: the first optimizer step trains on the rollout's forwards of its images, kept with their graphs (their
+    activations held until the rewards are in), not repeated: the same update to the bit (docs/algorithm.md §8)"""
     height: int = 32
     """image height in pixels"""
     width: int = 32
@@ -304,7 +309,8 @@ def draw(it: int, scorer, *, a: Args, algo, engine, model, backend, reward_fn, t
                            width=a.width, cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt,
                            noise_level=a.noise_level, sde_type=a.sde_type, seed=a.seed, iteration=it,
                            chunk=a.micro_batch, progress=engine.is_main and scorer is not None,
-                           on_images=score_chunk if scorer else None, branch=a.branch, ode_solver=a.ode_solver)
+                           on_images=score_chunk if scorer else None, branch=a.branch, ode_solver=a.ode_solver,
+                           keep=len(mine) // a.optimizer_steps if a.reuse_rollout_forward else 0)
 
     # --- 3. rewards: already running since each chunk was decoded (one ahead: scored here, in its thread) ----
     scores, info, wait = scorer.collect() if scorer else (*reward_fn(batch.images.detach().cpu().clone(), texts,

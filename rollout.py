@@ -50,10 +50,11 @@ class Batch:
     behaviour_log_probs: torch.Tensor | None = None  # (B, W): the sampler's, where log_probs were recomputed (decoupled)
     is_weights: torch.Tensor | None = None  # (B, W): each transition's truncated importance weight (0: rejected)
     iteration: int = 0
+    graphs: dict | None = None  # (a micro-batch's first image id, j) -> velocity (b, S, C) with its graph (`sample`'s keep)
 
     def chunk(self, start: int, stop: int) -> "Batch":
         """Images [start, stop) as a Batch (views, no copies): every per-image field sliced, the schedule shared."""
-        s, shared = slice(start, stop), {"sigmas", "sigma_max", "iteration", "cond"}
+        s, shared = slice(start, stop), {"sigmas", "sigma_max", "iteration", "cond", "graphs"}
         per_image = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in shared}
         return dataclasses.replace(self, cond={k: v[s] for k, v in self.cond.items()},
                                    **{k: None if v is None else v[s] for k, v in per_image.items()})
@@ -89,7 +90,7 @@ def branch_prefixes(model, prompts: list[str], metadata: list[dict], group: torc
 def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *, steps: list[int], num_steps: int,
            height: int, width: int, cfg_scale: float, negative_prompt: str, noise_level: float, sde_type: str,
            seed: int, iteration: int, chunk: int, progress: bool = False, on_images=None, branch: bool = False,
-           ode_solver: str = "euler") -> Batch:
+           ode_solver: str = "euler", keep: int = 0) -> Batch:
     """Sample B images in chunks of `chunk`; SDE (recorded) on `steps` (consecutive: full or window mode),
     ODE elsewhere (no steps and noise 0: the evaluation sampler). Work: one transformer call per step per CFG
     branch, one VAE decode per image, as diffusers' pipeline. `on_images(start, images)` gets each chunk's
@@ -100,7 +101,9 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     ode_solver: how the ODE steps after the window are taken (scheduler.ODE_SOLVERS: `euler`, `dpm2` (diffusers'
     DPM-Solver++(2M) in half the calls) or `dpm2-full`); the trained steps and stored latents do not change.
     No steps (evaluation; the forward-process algorithms' rollout): `ode_solver` walks the whole schedule and the batch
-    holds no log-probs and no per-step latents, only the images and their final latents `x0` (docs/algorithm.md §9)."""
+    holds no log-probs and no per-step latents, only the images and their final latents `x0` (docs/algorithm.md §9).
+    keep: the first `keep` images' trained steps run with autograd on and their velocities, graphs and all, go to
+    `Batch.graphs` (the first optimizer step's update reuses them: --reuse-rollout-forward); the rest is unchanged."""
     assert list(steps) == list(range(steps[0], steps[0] + len(steps))) if steps else True, f"not consecutive: {steps}"
     if branch and not steps:
         raise ValueError("branching needs SDE steps to branch into (a window); the ODE-only sampler has none")
@@ -115,7 +118,7 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
                              negative_prompt=negative_prompt, cfg_scale=cfg_scale, seed=seed, iteration=iteration,
                              height=height, width=width) if branch else {}
     tail_calls = sch.ode_calls(ode_solver, num_steps - tail)
-    latents, log_probs, means, images, x0 = [], [], [], [], []
+    latents, log_probs, means, images, x0, graphs = [], [], [], [], [], {}
     bar = tqdm(total=len(prompts) * (tail - start + tail_calls), desc="rollout", unit="step", disable=not progress,
                leave=False)
     for c in range(0, len(prompts), chunk):
@@ -130,7 +133,10 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
             sde = i in steps
             if sde and not states:
                 states.append(x)
-            v = velocity(x, sigmas[i].expand(x.shape[0]))
+            with torch.enable_grad() if sde and c < keep else contextlib.nullcontext():
+                v = velocity(x, sigmas[i].expand(x.shape[0]))
+            if v.requires_grad:  # the update's forward of (chunk, trained step j); the rollout goes on without its graph
+                graphs[int(image_ids[c]), len(lps)], v = v, v.detach()
             x, log_prob, mean, _ = sch.step(v, x, sigmas[i], sigmas[i + 1], sigma_max=sigma_max,
                                             noise_level=noise_level if sde else 0, sde_type=sde_type, generator=b_gens)
             if sde:
@@ -151,7 +157,7 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     trained = sigmas[steps[0]:steps[-1] + 2] if steps else sigmas[:0]
     return Batch(list(prompts), list(metadata), group, torch.cat(latents), torch.cat(log_probs), trained, sigma_max,
                  cond, torch.cat(images), means=torch.cat(means), x0=torch.cat(x0), ids=torch.as_tensor(image_ids),
-                 iteration=iteration)
+                 iteration=iteration, graphs=graphs)
 
 
 def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width: int, cfg_scale: float,
@@ -362,12 +368,12 @@ class OmniBackend:
 
     def sample(self, model, prompts, metadata, group, image_ids, *, steps, num_steps, height, width, cfg_scale,
                negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False, on_images=None,
-               branch=False, ode_solver="euler") -> Batch:
+               branch=False, ode_solver="euler", keep=0) -> Batch:
         """`sample`'s contract; `chunk` is unused (a request is one prompt's run of at most MAX_N images);
         `on_images` gets the whole batch at the end (the servers already overlap with each other)."""
-        if branch or ode_solver != "euler":  # startup.check_args refuses them before anything is built
+        if branch or ode_solver != "euler" or keep:  # startup.check_args refuses them before anything is built
             raise ValueError("the vLLM-Omni pipeline samples independent images with Euler ODE steps: no --branch, "
-                             "no --ode-solver but euler")
+                             "no --ode-solver but euler, no --reuse-rollout-forward")
         if self.lora is None:
             raise RuntimeError("OmniBackend.sample before sync(): the servers need the current policy")
         jobs = build_requests(model, list(prompts), [int(i) for i in image_ids], steps=steps, num_steps=num_steps,

@@ -108,7 +108,7 @@ class RankBackend:
 
     def sample(self, model, prompts, metadata, group, image_ids, *, steps, num_steps, height, width, cfg_scale,
                negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False, on_images=None,
-               branch=False, ode_solver="euler") -> rollout.Batch:
+               branch=False, ode_solver="euler", keep=0) -> rollout.Batch:
         b, source = len(prompts), self.x.server(self.engine.dp_rank)
         latent = tuple(model.noise([torch.Generator()], height, width).shape[1:])  # one image's (S, C)
         latents, log_probs, images = self.x.recv([(b, len(steps) + 1, *latent), (b, len(steps)),

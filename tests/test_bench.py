@@ -70,7 +70,8 @@ def test_cpu_table_smallest(tmp_path):
                  "tiny-flux: training ÷ plain PyTorch update", "window ÷ full, plain PyTorch update",
                  "whole iteration ÷ diffusers' sampling + plain PyTorch update",
                  "tiny-sd3: whole iteration ÷ diffusers' sampling + plain PyTorch update",
-                 "tiny-flux: whole iteration ÷ diffusers' sampling + plain PyTorch update"):
+                 "tiny-flux: whole iteration ÷ diffusers' sampling + plain PyTorch update",
+                 "rollout + update, --reuse-rollout-forward ÷ recomputed"):
         assert name in rows, (name, list(rows))
     written = md.read_text()
     assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows

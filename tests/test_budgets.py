@@ -11,8 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # above the design's target says why beside it.
 BUDGETS = {
     # the loop: Args (every flag, documented), batch arithmetic, evaluation, an iteration's phases; 450 -> 500 for the
-    # rollout phase as a function of its own (`draw`, which --off-policy 1 runs a step ahead in a thread) and its flags
-    "flowgrpo.py": 500,
+    # rollout phase as a function of its own (`draw`, which --off-policy 1 runs a step ahead in a thread) and its flags,
+    # -> 510 for --reuse-rollout-forward (its flag, its departure, the rollout told what to keep)
+    "flowgrpo.py": 510,
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
     "startup.py": 150,  # what a run checks before anything expensive starts
@@ -33,7 +34,9 @@ BUDGETS = {
     # the checkpoint format and its checks; raised from 250: every count, size, depth and name read back is bounded
     # before use (meta.json's ranks, its size, the manifest's names and sizes before any hashing, the tree's depth)
     "checkpoint.py": 300,
-    "rollout.py": 450,  # trajectories with log-probs: the local backend and the vLLM-Omni client
+    # trajectories with log-probs: the local backend and the vLLM-Omni client; raised from 450 for the rollout's
+    # forwards kept with their graphs for the first update (--reuse-rollout-forward)
+    "rollout.py": 460,
     "omni_pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
     "omni_pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
     "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote reward, the judge's registration

@@ -444,11 +444,13 @@ def test_exit_process_ends_as_sys_exit_would_but_skips_the_teardown(exits, statu
 
 
 @pytest.mark.parametrize("flags,ranks", [(["--mixed-precision", "--offload", "--activation-checkpointing",
-                                           "--shard-text-encoder"], 2),
+                                           "--shard-text-encoder", "--reuse-rollout-forward"], 2),
                                          (["--full-finetune", "--offload"], 1)])
 def test_memory_options_train(flags, ranks, tmp_path):
     """bf16 mixed precision + CPU offload + activation checkpointing + a sharded text encoder under FSDP2
-    (2 ranks); full fine-tuning with offloaded optimizer state. (`--compile` also ran here once, ~4 min on CPU: not part of the suite.)"""
+    (2 ranks), the first update on the rollout's kept forwards (their graphs' backward through FSDP2's hooks, after
+    the other chunks' forwards); full fine-tuning with offloaded optimizer state. (`--compile` also ran here once,
+    ~4 min on CPU: not part of the suite.)"""
     run = tmp_path / "run"
     if ranks == 1:
         train(run, "--iterations", "2", *flags)

@@ -308,6 +308,37 @@ def test_branched_first_update_is_exactly_on_policy(tiny):
     assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0
 
 
+@pytest.mark.parametrize("steps,branch,cfg,kl,k", [([0, 1, 2, 3, 4], False, 3.0, 0.0, 2), ([2, 3], True, 1.0, 0.1, 2),
+                                                    ([1, 2], False, 1.0, 0.0, 1)])
+def test_reusing_the_rollouts_forward_gives_the_same_update_to_the_bit(steps, branch, cfg, kl, k):
+    """--reuse-rollout-forward: the first optimizer step trains on the rollout's own forwards (kept with their graphs),
+    so each trained step of its images costs one transformer forward less, and the update lands on the same weights,
+    bit for bit, as recomputing them (full mode with CFG; a branched window with the KL term; one optimizer step)."""
+    args = dataclasses.replace(flowgrpo.RECIPES["tiny"], num_steps=6, window=len(steps) if len(steps) < 5 else 0,
+                               window_range=(0, 4), group_size=4, prompts_per_iteration=2, micro_batch=2,
+                               optimizer_steps=k, cfg_scale=cfg, kl_beta=kl)
+    loras, calls = [], []
+    for keep in (0, 8 // k):
+        model = models.load_model("tiny", None, "cpu", seed=0)
+        engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2,
+                            weight_decay=0, max_grad_norm=1.0, seed=0)
+        passes = model.passes
+        batch = rollout.sample(model, PROMPTS, [{}] * 8, [0] * 4 + [1] * 4, range(8), steps=steps, chunk=2,
+                               branch=branch, keep=keep, **(KW | dict(noise_level=args.noise_level, cfg_scale=cfg)))
+        assert len(batch.graphs) == keep // 2 * len(steps)  # one per (micro-batch, trained step) of the first step
+        assert all(v.requires_grad for v in batch.graphs.values()) and not batch.latents.requires_grad
+        batch.advantages = torch.linspace(-1, 1, 8)
+        stats = algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), progress=False)
+        assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0 and not batch.graphs
+        calls.append(model.passes - passes)
+        loras.append({n: p.detach().clone() for n, p in model.transformer.named_parameters() if p.requires_grad})
+    for name, p in loras[0].items():
+        assert torch.equal(p, loras[1][name]), (name, (p - loras[1][name]).abs().max())
+    assert any(p.abs().max() > 0 for n, p in loras[0].items() if "lora_B" in n)  # the update moved the weights
+    cfg_rows = 2 if cfg > 1 else 1  # rows per image of one forward: a transformer call holds both CFG branches
+    assert calls[0] - calls[1] == 8 // k * len(steps) * cfg_rows, calls
+
+
 def test_dpm2_changes_only_the_tail(tiny):
     """dpm2 leaves the trained steps' data bit for bit and takes the 9 ODE steps after the window in Flash's 3 calls
     (int(0.4·10) = 4 points) of diffusers' solver, from the window's last state, on the schedule's own sigmas."""
