@@ -73,7 +73,8 @@ def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (second
     steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
     for _ in range(1 + o.repeats):
         start = time.perf_counter()
-        b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]))
+        b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]),
+                   keep=len(texts) if a.reuse_rollout_forward else 0)  # train() takes one optimizer step: all images
         rolled, scores = time.perf_counter(), torch.as_tensor(pool.collect()[0]).float()
         b.advantages = algorithms.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
         scored = time.perf_counter()
@@ -83,10 +84,11 @@ def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (second
     pool.close()
     # An image: N rollout passes and W trained steps of forward + backward per CFG branch; LoRA's backward costs one
     # forward (activation gradients; the frozen weights need none); checkpointing's recompute is not counted (MFU).
+    # --reuse-rollout-forward: the trained steps' forwards are rollout passes already, the backward alone is added.
     flops = sum(pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), b.cond[k].shape[1],
                            a.lora_rank) for k in ("embeds", "neg_embeds")[:1 + (a.cfg_scale > 1)])
     peak = torch.cuda.max_memory_allocated() if CUDA else vm_hwm(os.getpid())
-    return ticks[1:], peak, flops * (a.num_steps + 2 * len(steps))
+    return ticks[1:], peak, flops * (a.num_steps + (1 if a.reuse_rollout_forward else 2) * len(steps))
 
 def gpu_rows(t: list, o, a: flowgrpo.Args):
     name, x = torch.cuda.get_device_name() if CUDA else "cpu", torch.randn(2048, 2048, device=o.device)
@@ -188,6 +190,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
     p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
+    p.add_argument("--reuse-rollout-forward", action="store_true", help="--random-init: the update on the rollout's "
+                   "kept forwards (flowgrpo.py's flag; here every image, one optimizer step)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     p.add_argument("--sp", type=int, help="the rows of Ulysses sequence parallelism, --sp N ÷ --sp 1, instead of "
                    "--random-init's")
@@ -218,7 +222,8 @@ def main(argv=None):
     else:  # --random-init: the public recipe, one group per iteration; tiny: at the tiny model's sizes
         toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
         gpu_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
-                                           reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward, **toy))
+                                           reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward,
+                                           reuse_rollout_forward=o.reuse_rollout_forward, **toy))
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
         command = f"python bench_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}"

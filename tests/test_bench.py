@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from peft import LoraConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -84,9 +85,11 @@ def test_sp_rows_smallest(capsys):
         assert name in rows, (name, list(rows))
 
 
-def test_random_init_dry_run(capsys):
-    """The GPU benchmark's path (random-weight model, text encoder bypassed, offload) at toy size on CPU."""
-    rows = table_rows(run_bench_gpu(capsys, "--model", "tiny", "--random-init", "--quick"))
+@pytest.mark.parametrize("flags", [[], ["--reuse-rollout-forward"]])
+def test_random_init_dry_run(capsys, flags):
+    """The GPU benchmark's path (random-weight model, text encoder bypassed, offload) at toy size on CPU; and with the
+    update on the rollout's kept forwards (its prepared GPU call)."""
+    rows = table_rows(run_bench_gpu(capsys, "--model", "tiny", "--random-init", "--quick", *flags))
     for name in ("images/s per device, end to end", "rollout share of the iteration", "MFU", "peak memory, no offload",
                  "reward wait share of the iteration", "training share of the iteration",
                  "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"):
