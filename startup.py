@@ -26,7 +26,8 @@ from algorithms import need
 # (micro-batches and ranks change float reduction order only). Every other flag decides the result.
 HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb", "eval_every", "eval_images",
              "eval_steps", "checkpoint_every", "keep_checkpoints", "rollout", "rollout_url", "micro_batch", "offload",
-             "activation_checkpointing", "compile", "shard_text_encoder", "sp", "rollout_ranks"}
+             "activation_checkpointing", "compile", "shard_text_encoder", "sp", "rollout_ranks",
+             "reuse_rollout_forward"}  # this one changes no bit of the updates
 SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
 
 

@@ -168,6 +168,16 @@ def test_resume_is_exact_in_one_process(straight, tmp_path):
     assert [r["iteration"] for r in rows(run)] == [0, 1]
 
 
+def test_resume_with_the_rollouts_forward_reused_is_exact(straight, tmp_path):
+    """--reuse-rollout-forward changes how the first update is computed, not one bit of it: a checkpoint written without
+    it resumes with it (no --allow-change needed) and ends on the straight run's weights and AdamW state."""
+    run = tmp_path / "reused"
+    train(run, "--iterations", "2", "--resume", straight / "checkpoints" / "iter_000000", "--reuse-rollout-forward")
+    assert_same(lora(straight), lora(run), exact=True)
+    assert_same(train_state(straight, "iter_000001", tmp_path), train_state(run, "iter_000001", tmp_path), exact=True)
+    assert [without_perf(r) for r in rows(run)] == [without_perf(r) for r in rows(straight)]
+
+
 def test_resume_with_two_ranks(two_ranks, tmp_path):
     """Resumed by path into a new directory (a branch: its metrics start as the checkpoint's run's)."""
     run = tmp_path / "resumed2"
