@@ -280,8 +280,6 @@ def check_sde(a) -> None:
     need(not a.reuse_rollout_forward or (a.rollout == "local" and not a.rollout_ranks and a.stale_correction == "bypass"),
          "--reuse-rollout-forward reuses this process's own rollout forwards: it needs --rollout local, no "
          "--rollout-ranks and --stale-correction bypass (decoupled recomputes them under no gradient)")
-    need(not a.reuse_rollout_forward or a.sp == 1, "--reuse-rollout-forward is not verified with --sp > 1 (its "
-         "all-to-alls in the kept graphs' backward): use one or the other")
 
 
 # The losses' scale flags, each refused outside [lowest, highest] (docs/methods.md#the-losses-flags-are-bounded): far

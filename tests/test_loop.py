@@ -127,7 +127,6 @@ def option_help(text: str, flag: str) -> str:
     (dict(reuse_rollout_forward=True, stale_correction="decoupled"), "--reuse-rollout-forward.*--stale-correction"),
     (dict(reuse_rollout_forward=True, rollout="vllm-omni"), "--reuse-rollout-forward.*--rollout local"),
     (dict(reuse_rollout_forward=True, algorithm="nft"), "--reuse-rollout-forward: not used by --algorithm nft"),
-    (dict(reuse_rollout_forward=True, sp=2), "--reuse-rollout-forward is not verified with --sp > 1"),
 ])
 def test_impossible_configurations_fail_with_the_flag_named(change, flag):
     with pytest.raises((ValueError, FileNotFoundError), match=flag):

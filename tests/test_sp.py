@@ -190,7 +190,8 @@ def two_ranks(tmp_path_factory, pipeline):
     runs = {name: directory / name for name in ("sp2", "resumed", "nft", "dppo", "dpo", "dgpo")}
     sp2 = (*GRPO, "--sp", "2", "--activation-checkpointing", "--checkpoint-every", "1")  # also after the first
     resume = ("--resume", str(runs["sp2"] / "checkpoints" / "iter_000000"))
-    argvs = [sp_argv(pipeline, runs["sp2"], *sp2), sp_argv(pipeline, runs["resumed"], *sp2, *resume),
+    argvs = [sp_argv(pipeline, runs["sp2"], *sp2),  # the resumed run reuses the rollout's forwards: no bit changes
+             sp_argv(pipeline, runs["resumed"], *sp2, *resume, "--reuse-rollout-forward"),
              sp_argv(pipeline, runs["nft"], *NFT, "--sp", "2"), sp_argv(pipeline, runs["dppo"], *DPPO, "--sp", "2"),
              sp_argv(pipeline, runs["dpo"], *DPO, "--sp", "2"), sp_argv(pipeline, runs["dgpo"], *DGPO, "--sp", "2")]
     return run_split_vs_unsplit(directory, argvs), runs
@@ -263,7 +264,8 @@ def test_cli_sp2_takes_the_steps_of_one_process_and_resumes_exactly(pipeline, tw
     """As test_engine.test_two_ranks_match_one_process, with its bound (1e-3 relative on the LoRA): 1 process; --sp 2 on
     2 ranks with activation checkpointing (two_ranks: flowgrpo.main on each rank, as torchrun runs it); --sp 2 on 4
     ranks (2 data-parallel groups of 2), through the CLI and torchrun; and the 2-rank run resumed from its checkpoint
-    after the first iteration, bit for bit."""
+    after the first iteration, bit for bit, with --reuse-rollout-forward (its kept graphs' backward runs Ulysses'
+    all-to-alls after the rollout's other forwards)."""
     runs = two_ranks[1] | {name: tmp_path / name for name in ("one", "dp2sp2")}
     launch(runs["one"], pipeline, *GRPO)
     out = launch(runs["dp2sp2"], pipeline, *GRPO, "--sp", "2", ranks=4)
