@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 import checkpoint as ckpt
+import precision
 import sequence_parallel as seqpar
 from sequence_parallel import data_parallel_size  # noqa: F401 (the loop's batch arithmetic counts data-parallel ranks)
 
@@ -34,13 +35,14 @@ from sequence_parallel import data_parallel_size  # noqa: F401 (the loop's batch
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(device: torch.device | None = None) -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment (env:// rendezvous, any number of nodes);
-    a single process gets a world of one through an in-memory store. gloo on CPU, nccl on CUDA
-    (with gloo beside it for CPU tensors)."""
-    world, device = int(os.environ.get("WORLD_SIZE", 1)), local_device()
+    a single process gets a world of one through an in-memory store. `device`: the one asked for (the engine's: its
+    model's), else this process's own (`local_device`). gloo for CPU tensors, and nccl beside it for CUDA ones wherever
+    this machine has them (a process group serves every model a process builds, on whichever device)."""
+    world, device = int(os.environ.get("WORLD_SIZE", 1)), torch.device(device or local_device())
     if not dist.is_initialized():  # (rollout_ranks.split initialised it for the training ranks alone)
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if world > 1:
@@ -191,7 +193,7 @@ class Engine:
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
                  shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8, ema_repeat: int = 1,
                  ema_form: str = "flow-grpo", sp: int = 1, old_policy: bool = False, shard: bool | None = None):
-        self.rank, self.world_size, self.device = init_distributed()
+        self.rank, self.world_size, self.device = init_distributed(model.device)  # the model's device, as asked
         self.mesh = seqpar.device_mesh(self.world_size, sp, self.device)  # (dp, 1, sp); FSDP2 shards over all of it
         self.dp_rank, self.dp_size = self.mesh.get_local_rank("dp"), self.mesh.size(0)
         self.model, self.max_grad_norm, self.skipped_steps = model, max_grad_norm, 0
@@ -216,16 +218,25 @@ class Engine:
             net.enable_gradient_checkpointing()
         if sp > 1:  # 2b. diffusers' Ulysses attention over each --sp group (hooks inside the blocks, before sharding)
             seqpar.enable_ulysses(model, self.mesh, self.device)
+        # 2c. bf16 compute: the root and every block receive their floating inputs in bf16, as FSDP2's policy casts
+        #     them, and also when activation checkpointing recomputes a block in the backward, where FSDP2 before torch
+        #     2.13 skips its cast (pytorch#159359: the recompute saw float32 RoPE tables where the forward had bf16).
+        if mixed_precision:
+            precision.cast_inputs_to_bf16([*model.blocks, net])
         # 3. Compile each block separately (small graphs, compiled once, reused by every block).
         if compile:
             for block in model.blocks:
                 block.compile()
         # 4–5. Shard each block, then the root (its remaining parameters: embeddings, norms, projections),
         #      so a block's parameters are gathered just before it runs and freed right after. Only where sharding
-        #      does something (`shard` None: several ranks, CPU offload, --sp, or bf16 compute, which FSDP2's policy
-        #      casts): over a world of one FSDP2 shards nothing, and its hooks and copies cost about a fifth of an
-        #      update on CPU (bench.py: training ÷ plain PyTorch update), so the module stays plain.
-        self.sharded = (self.world_size > 1 or offload or sp > 1 or mixed_precision) if shard is None else shard
+        #      does something (`shard` None: several ranks, CPU offload, --sp, or all weights trained in bf16): over a
+        #      world of one FSDP2 shards nothing, yet its hooks, copies and casts nearly double the host's work per
+        #      block (bench.py, "host ops per block"), so the module stays plain and a LoRA computes in bf16 from
+        #      working copies (precision.py: FSDP2's mixed precision without FSDP2).
+        self.sharded = (self.world_size > 1 or offload or sp > 1 or (mixed_precision and full_finetune)) \
+            if shard is None else shard
+        if mixed_precision and not self.sharded:
+            precision.bf16_working_copies(net)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
             else MixedPrecisionPolicy()
         kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload

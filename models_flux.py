@@ -92,7 +92,7 @@ class Flux(Adapter):
             raise ValueError(f"--cfg-scale must be 1 for FLUX (guidance-distilled), got {cfg_scale}")
         batch = x.shape[0]
         # The pipeline feeds timesteps = σ·1000 cast to the latent dtype, then divides by 1000; guidance in float32.
-        timestep = (sigma.float() * 1000).to(self.dtype) / 1000
+        timestep = (sigma.to(self.device, torch.float32) * 1000).to(self.dtype) / 1000
         guidance = torch.full([1], self.guidance, device=self.device, dtype=torch.float32).expand(batch)
         img_ids = self.image_ids(batch, height, width)  # text ids in the text encoder's dtype, as the pipeline's
         txt_ids = torch.zeros(cond["embeds"].shape[1], 3, device=self.device, dtype=self.pipe.text_encoder.dtype)

@@ -138,7 +138,7 @@ class QwenImage(Adapter):
         One transformer call per CFG branch, exactly as the pipeline makes them.
         """
         # The pipeline feeds timesteps = σ·1000 cast to the latent dtype, then divides by 1000.
-        timestep = (sigma.float() * 1000).to(self.dtype) / 1000
+        timestep = (sigma.to(self.device, torch.float32) * 1000).to(self.dtype) / 1000
         img_shapes = [[(1, height // self.multiple, width // self.multiple)]] * x.shape[0]
         x = x.to(self.dtype)
         v = self._forward(x, timestep, cond["embeds"], cond["mask"], img_shapes)

@@ -169,7 +169,8 @@ class QwenImageEdit(EditAdapter, QwenImage):
     def velocity(self, x, sigma, cond: dict, cfg_scale: float, height: int, width: int) -> torch.Tensor:
         """v(x, σ) (B, S, C·4): Qwen-Image's transformer call on [x, source] (B, S + S', C·4) per CFG branch, its
         output's first S tokens, combined as Qwen-Image's true CFG with its per-token norm rescale (models_qwen.py)."""
-        timestep = (sigma.float() * 1000).to(self.dtype) / 1000  # as the pipeline: σ·1000 in the latents' dtype
+        # as the pipeline: σ·1000 in the latents' dtype (σ may come from the CPU: the schedule lives there)
+        timestep = (sigma.to(self.device, torch.float32) * 1000).to(self.dtype) / 1000
         rows, columns = cond["source_grid"][0].tolist()
         img_shapes = [[(1, height // self.multiple, width // self.multiple), (1, rows, columns)]] * x.shape[0]
         hidden, n = torch.cat([x.to(self.dtype), cond["source"]], dim=1), x.shape[1]

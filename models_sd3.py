@@ -83,7 +83,8 @@ class SD3(Adapter):
     def velocity(self, x, sigma, cond: dict, cfg_scale: float, height: int, width: int) -> torch.Tensor:
         """v(x, σ) (B, C, h, w) with standard CFG when cfg_scale > 1: one transformer call on [uncond; cond]
         (2B), v = v_u + w·(v_c − v_u), exactly as the pipeline. cond: `embeds`, `pooled` (+ `neg_` ones)."""
-        timestep = sigma.float() * self.scheduler.config.num_train_timesteps  # = scheduler.timesteps, float32
+        # = scheduler.timesteps, float32 (σ may come from the CPU: the schedule lives there)
+        timestep = sigma.to(self.device, torch.float32) * self.scheduler.config.num_train_timesteps
         x, embeds, pooled = x.to(self.dtype), cond["embeds"], cond["pooled"]
         if cfg_scale > 1:
             x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])

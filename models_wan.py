@@ -155,7 +155,8 @@ class Wan(Adapter):
     def velocity(self, x, sigma, cond: dict, cfg_scale: float, height: int, width: int) -> torch.Tensor:
         """v(x, σ) (B, C, F', h, w) with standard CFG when cfg_scale > 1: a conditional and an unconditional
         transformer call, v = v_u + w·(v_c − v_u), exactly as the pipeline makes them. cond: `embeds`, `neg_embeds`."""
-        timestep = sigma.float() * self.scheduler.config.num_train_timesteps  # = scheduler.timesteps, float32
+        # = scheduler.timesteps, float32 (σ may come from the CPU: the schedule lives there)
+        timestep = sigma.to(self.device, torch.float32) * self.scheduler.config.num_train_timesteps
         x = x.to(self.dtype)
         v = self.transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond["embeds"],
                              return_dict=False)[0]

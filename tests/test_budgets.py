@@ -30,6 +30,7 @@ BUDGETS = {
     "models_qwen_edit.py": 200,  # the second edit family: Qwen-Image-Edit, the source through the VL encoder and VAE
     "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here (nano-edit's edit call too)
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, EMA, the old policy, process groups
+    "precision.py": 100,  # bf16 compute without FSDP2 on a world of one: working copies, input casts
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     # the checkpoint format and its checks; raised from 250: every count, size, depth and name read back is bounded
     # before use (meta.json's ranks, its size, the manifest's names and sizes before any hashing, the tree's depth)

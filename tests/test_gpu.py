@@ -12,10 +12,12 @@ import torch
 import algorithms
 import engine as eng
 import flowgrpo
+import models
 import models_qwen
 import models_wan
 import rollout
 import scheduler as sch
+import test_edit
 import test_sp
 from test_bench import run_bench, table_rows
 
@@ -29,17 +31,45 @@ def bf16_tiny(device: str) -> models_qwen.QwenImage:
     return models_qwen.QwenImage(pipe, device, torch.bfloat16)
 
 
+@pytest.fixture
+def cuda_elsewhere(monkeypatch):
+    """On a machine without a GPU, one that has one as far as `torch.cuda.is_available` says, where putting anything on
+    it fails: a model built on the CPU must stay there (the first GPU run found the engine moving it to cuda:0 because
+    a GPU existed). The process group is joined first, as on a GPU machine."""
+    eng.init_distributed(torch.device("cpu"))
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda *a: pytest.fail("the CPU model's engine chose a GPU"))
+
+
+@pytest.fixture
+def fsdp2_before_torch_2_13(monkeypatch):
+    """FSDP2 as torch 2.11 and 2.12 have it (pytorch#159359): no cast of a module's inputs to the policy's dtype while
+    activation checkpointing recomputes it in the backward. The first GPU run met it there: the recompute saw float32
+    RoPE tables where the forward had bf16, and torch.utils.checkpoint refused (CheckpointError)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    cast = FSDPState._cast_forward_inputs
+    monkeypatch.setattr(FSDPState, "_cast_forward_inputs", lambda self, args, kwargs: (args, kwargs) if
+                        self._training_state == TrainingState.PRE_BACKWARD else cast(self, args, kwargs))
+
+
+@pytest.mark.parametrize("shard", [None, True], ids=["plain", "fsdp2"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device):
-    """bf16 frozen weights, an fp32 LoRA under FSDP2 mixed precision (bf16 compute), activation checkpointing, true
-    CFG 4 and a window of 2, as the qwen-image recipe trains: the first update recomputes the rollout's log-probs bit
-    for bit, because the rollout ran the same weights, shapes and kernels."""
+def test_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device, shard, request):
+    """bf16 frozen weights, an fp32 LoRA computing in bf16, activation checkpointing, true CFG 4 and a window of 2, as
+    the qwen-image recipe trains, on one rank (bf16 working copies, precision.py) and sharded as on several (FSDP2's
+    mixed precision): the first update recomputes the rollout's log-probs bit for bit, because the rollout ran the
+    same weights, shapes and kernels. On the CPU, where a GPU is said to exist (`cuda_elsewhere`)."""
+    if device == "cpu":
+        request.getfixturevalue("cuda_elsewhere")
     a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", height=32, width=32, lora_rank=8,
                             group_size=4, prompts_per_iteration=2, micro_batch=4, lr=1e-2)
     assert a.mixed_precision and a.activation_checkpointing and a.cfg_scale > 1 and a.window == 2
     model = bf16_tiny(device)
     engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=model.lora_targets, lr=a.lr, weight_decay=0,
-                        max_grad_norm=1.0, seed=0, mixed_precision=True, activation_checkpointing=True)
+                        max_grad_norm=1.0, seed=0, mixed_precision=True, activation_checkpointing=True, shard=shard)
+    assert engine.device == model.device and {p.device.type for p in model.transformer.parameters()} == {device}
     steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=1)
     model.transformer.eval()
     batch = rollout.sample(model, ['a sign that says "A"'] * 4 + ['a mug with "B"'] * 4, [{}] * 8, [0] * 4 + [1] * 4,
@@ -98,12 +128,13 @@ def bf16_tiny_wan(device: str, num_frames: int) -> models_wan.Wan:
     return models_wan.Wan(pipe, device, torch.bfloat16, num_frames)
 
 
-def wan_first_update(model, a: flowgrpo.Args, prompts: list[str], trained: int) -> tuple[dict, dict]:
+def wan_first_update(model, a: flowgrpo.Args, prompts: list[str], trained: int, shard=None) -> tuple[dict, dict]:
     """The Wan recipe's rollout of len(prompts) videos (full mode: every step but the last is SDE), then one optimizer
     step on the first `trained` of its transitions: (train_on's stats, seconds and peak memory of each phase)."""
     engine = eng.Engine(model, lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, lora_targets=a.lora_targets, lr=a.lr,
                         weight_decay=a.weight_decay, max_grad_norm=1.0, seed=0, mixed_precision=True,
-                        activation_checkpointing=True, ema_decay=a.ema_decay, ema_every=a.ema_every)
+                        activation_checkpointing=True, ema_decay=a.ema_decay, ema_every=a.ema_every, shard=shard)
+    assert engine.device == model.device
     n, cuda = len(prompts), model.device.type == "cuda"
     steps, sync = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=1), torch.cuda.synchronize if cuda \
         else (lambda: None)
@@ -128,16 +159,38 @@ def wan_first_update(model, a: flowgrpo.Args, prompts: list[str], trained: int) 
                        train_peak=torch.cuda.max_memory_allocated() if cuda else 0)
 
 
+@pytest.mark.parametrize("shard", [None, True], ids=["plain", "fsdp2"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device):
+def test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device, shard, request, fsdp2_before_torch_2_13):
     """The wan2.1-t2v-1.3b recipe (CFG 4.5, negative prompt "", DanceGRPO's SDE at η 0.3, full mode, LoRA r 32 on
-    q/k/v, bf16 mixed precision, activation checkpointing, EMA) on tiny-wan's bf16 weights, 5 frames at 32², 4 steps:
-    the first update recomputes the rollout's log-probs bit for bit."""
+    q/k/v, bf16 mixed precision, activation checkpointing, EMA) on tiny-wan's bf16 weights, 5 frames at 32², 4 steps,
+    on one rank and sharded, under the FSDP2 of torch < 2.13 (`fsdp2_before_torch_2_13`): the first update recomputes
+    the rollout's log-probs bit for bit."""
+    if device == "cpu":
+        request.getfixturevalue("cuda_elsewhere")
     a = dataclasses.replace(flowgrpo.RECIPES["wan2.1-t2v-1.3b"], height=32, width=32, num_frames=5, num_steps=4,
                             micro_batch=4)
     assert a.mixed_precision and a.activation_checkpointing and a.cfg_scale > 1 and a.sde_type == "dance"
-    stats, _ = wan_first_update(bf16_tiny_wan(device, a.num_frames), a, ["a cat", "a sign that says \"A\""] * 2, 3)
+    model = bf16_tiny_wan(device, a.num_frames)
+    stats, _ = wan_first_update(model, a, ["a cat", "a sign that says \"A\""] * 2, 3, shard=shard)
     assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("model", models.TINY)
+def test_velocity_takes_sigma_from_the_cpu_to_the_models_device(model, tmp_path):
+    """The rollout and the update hand `velocity` σ from the CPU (the schedule lives there). The first GPU run found
+    a model left unsharded on cuda:0 (no FSDP2 to move its inputs) meeting that σ in its time embedding. Here the
+    model stands on the meta device, its inputs there too but σ: every family must move σ itself."""
+    spec = models.SPECS[model]
+    m = models.load_model(model, None, "cpu", **({"guidance": 3.5} if spec.guidance_embedding else {}))
+    cfg, source = 1.0 if spec.guidance_embedding else 4.0, test_edit.write_png(tmp_path / "source.png", 32, 32, 0)
+    cond = m.conditioning(["a cat", "a dog"], " ", cfg, [{"image": source} if spec.edits else {}] * 2, 32, 32)
+    x = m.noise([torch.Generator().manual_seed(i) for i in range(2)], 32, 32)
+    m.transformer.to("meta")
+    m.device = torch.device("meta")
+    cond = {k: v if "mask" in k or "grid" in k else v.to("meta") for k, v in cond.items()}  # (these are read)
+    v = m.velocity(x.to("meta"), torch.full((2,), 0.5), cond, cfg, 32, 32)
+    assert v.device.type == "meta" and v.shape == x.shape
 
 
 class RandomTextWan(models_wan.Wan):

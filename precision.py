@@ -1,0 +1,72 @@
+"""bf16 compute without FSDP2 (used by engine.py): what FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32) computes, on a world of one that has nothing to shard.
+
+On one rank FSDP2 gathers nothing, yet its hooks, buffer copies and per-forward casts nearly double the host's work
+per transformer block (bench.py's "host" rows), which on a GPU is time the GPU waits. Here the same arithmetic comes
+from plain modules: the frozen weights in bf16 once (the policy casts them at every forward, to the same values),
+each LoRA factor through a bf16 copy of its float32 master weight that is made again only when the weight changes,
+the gradient handed to the master in float32, and every block's inputs cast to bf16 as the policy casts them.
+"""
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map_only
+
+
+def cast_inputs_to_bf16(modules) -> None:
+    """Each module's floating inputs in bf16 (FSDP2's `cast_forward_inputs`), also when activation checkpointing
+    recomputes it in the backward, where FSDP2 before torch 2.13 skips its own cast (pytorch#159359)."""
+    for module in modules:
+        module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
+
+
+def _cast_inputs(module, args, kwargs) -> tuple:  # a forward pre-hook
+    return tree_map_only(torch.Tensor, _to_bf16, (args, kwargs))
+
+
+def _to_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+
+class _Bf16Copy(torch.autograd.Function):
+    """The forward uses `copy`, a bf16 copy of the float32 `master`; the backward hands `master` the gradient cast to
+    float32 (as FSDP2's policy reduces it), where autograd sums it with the other uses' (CFG's two calls)."""
+
+    @staticmethod
+    def forward(ctx, master, copy):
+        return copy
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.float(), None
+
+
+def _working_copy_linear(self, x: torch.Tensor) -> torch.Tensor:
+    """A LoRA factor's forward in bf16: the float32 weight's bf16 copy, made again only after the weight changed (an
+    optimizer step, an EMA swap or a checkpoint load bump its version), so a rollout casts nothing."""
+    w = self.weight
+    if self.working_key != (w.data_ptr(), w._version):
+        with torch.no_grad():
+            self.working_copy, self.working_key = w.to(torch.bfloat16), (w.data_ptr(), w._version)
+    copy = self.working_copy
+    return F.linear(x, _Bf16Copy.apply(w, copy) if torch.is_grad_enabled() else copy, self.bias)
+
+
+def bf16_working_copies(net: torch.nn.Module) -> None:
+    """`net`'s frozen weights cast to bf16 once, and each LoRA factor computing through its bf16 working copy
+    (`_working_copy_linear`), peft's cast of the factor's input to the factor's dtype off; the trained weights stay
+    float32 masters. Its inputs: `cast_inputs_to_bf16`."""
+    trained = {id(p) for p in net.parameters() if p.requires_grad}
+    factors = [m for m in net.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) in trained]
+    if {id(m.weight) for m in factors} | {id(m.bias) for m in factors if m.bias is not None} != trained:
+        raise ValueError("bf16 working copies serve LoRA factors (linear layers) only: shard the model instead")
+    for p in net.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+    for m in net.modules():
+        if hasattr(m, "cast_input_dtype_enabled"):  # a peft LoRA layer: its input stays bf16
+            m.cast_input_dtype_enabled = False
+    for m in factors:
+        m.working_key, m.working_copy = None, None
+        m.forward = types.MethodType(_working_copy_linear, m)
