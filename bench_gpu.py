@@ -22,6 +22,7 @@ import algorithms
 import bench
 import engine as eng
 import flowgrpo
+import memory
 import models_qwen
 import rewards
 import scheduler as sch
@@ -58,20 +59,13 @@ def pass_flops(c, s_img: int, s_txt: int, r: int) -> float:
     blocks = c.num_layers * (24 * d * d * S + 4 * d * S * S + 32 * r * d * S + 24 * d * d)
     return blocks + 2 * d * (io * s_img + c.joint_attention_dim * s_txt) + 2 * (256 * d + d * d) + 4 * d * d
 
-def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (seconds per phase, peak memory, FLOPs/image)
-    gc.collect()  # the previous run's model is garbage now
-    if CUDA:
-        torch.cuda.empty_cache()
-    model, texts, ticks = random_model(a.model, o.device), texts_of(a), []
-    engine, pool = make_engine(a, model), rewards.AsyncRewards(rewards.make_reward(a.reward))
-    # The peak of training, not of building: the model is built on the device even when offload then moves it out.
-    if CUDA:
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # 5: reset VmHWM
+def end_to_end(o, a: flowgrpo.Args, model, engine, iterations: int):
+    """`iterations` of the loop's phases as flowgrpo.main runs them (rollout, reward, one optimizer step on all images)
+    -> (seconds per phase of each, the allocator's peak, transformer FLOPs per image)."""
+    texts, ticks, pool = texts_of(a), [], rewards.AsyncRewards(rewards.make_reward(a.reward))
+    reset_peak()
     steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
-    for _ in range(1 + o.repeats):
+    for _ in range(iterations):
         start = time.perf_counter()
         b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]),
                    keep=len(texts) if a.reuse_rollout_forward else 0)  # train() takes one optimizer step: all images
@@ -88,24 +82,83 @@ def end_to_end(o, a: flowgrpo.Args):  # iterations as flowgrpo.main's -> (second
     flops = sum(pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), b.cond[k].shape[1],
                            a.lora_rank) for k in ("embeds", "neg_embeds")[:1 + (a.cfg_scale > 1)])
     peak = torch.cuda.max_memory_allocated() if CUDA else vm_hwm(os.getpid())
-    return ticks[1:], peak, flops * (a.num_steps + (1 if a.reuse_rollout_forward else 2) * len(steps))
+    return ticks, peak, flops * (a.num_steps + (1 if a.reuse_rollout_forward else 2) * len(steps))
+
+def reset_peak():
+    gc.collect()  # an earlier row's model is garbage now
+    if CUDA:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset VmHWM
+
+def forward_rows(t: list, o, a: flowgrpo.Args, model, label: str, sizes: list[int], peak: float):
+    """One transformer call of one CFG branch (no gradient) at each batch size: its seconds and MFU, per `label`."""
+    texts, side, seconds = texts_of(a), a.height, {}
+    model.transformer.eval()
+    for b in sizes:
+        x = model.noise([torch.Generator().manual_seed(i) for i in range(b)], side, side)
+        s, c = torch.full((b,), 0.5, device=model.device), model.conditioning((texts * b)[:b], a.negative_prompt, 1.0)
+        with torch.no_grad():
+            seconds[b] = measure({0: lambda: model.velocity(x, s, c, 1.0, side, side)}, o.repeats + 1)[0]
+        rank = 0 if label.startswith("diffusers") else a.lora_rank
+        flops = b * pass_flops(model.transformer.config, model.image_seq_len(side, side), c["embeds"].shape[1], rank)
+        row(t, f"transformer forward MFU, {label}, B = {b}", np.divide(flops / peak, seconds[b]), "of peak",
+            "", f"one CFG branch, {side}², no gradient; {ms(seconds[b])}")
+    return seconds
 
 def gpu_rows(t: list, o, a: flowgrpo.Args):
+    """The recipe end to end on one model and engine: at the micro-batch fitted to the device (memory.py, within
+    --memory-limit), at the recipe's own, with --reuse-rollout-forward; transformer forwards against diffusers' bare
+    ones (a model of its own, built and freed first) as the floor."""
     name, x = torch.cuda.get_device_name() if CUDA else "cpu", torch.randn(2048, 2048, device=o.device)
     peak = 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0) or \
         2 * 2048 ** 3 / min(measure({0: lambda: x @ x}, 5)[0])  # no data sheet (CPU): the measured matmul rate
-    splits, mem, flops = end_to_end(o, a)
-    n, total = a.prompts_per_iteration * a.group_size, [s.sum() for s in splits]
-    row(t, "images/s per device, end to end", np.divide(n, total), "images/s", "≥ 0.5 on an H200", f"{name}; {n} "
-        f"images {a.height}², {a.num_steps} steps, W {a.window}, CFG {a.cfg_scale:g}, r{a.lora_rank}, {a.reward}")
-    for i, phase in enumerate(("rollout", "reward wait", "training")):  # the reward is scored during the rollout
-        row(t, f"{phase} share of the iteration", np.divide(p := [s[i] for s in splits], total), "share", "", ms(p))
-    row(t, "MFU", np.divide(flops * n / peak, total), "of peak", "", f"transformer FLOPs (pass_flops) "
-        f"{flops / 1e12:.4g} T/image; VAE, text encoder, reward not counted; peak {peak / 1e12:.4g} T/s")
-    row(t, "peak memory, no offload", [mem / 2**30], "GiB", "", "CUDA allocator peak" if CUDA else "process VmHWM")
-    splits, mem, _ = end_to_end(o, dataclasses.replace(a, offload=True, group_size=a.micro_batch))
+    if CUDA and o.memory_limit:  # the allocator held to it: beyond, out of memory, as on a smaller GPU
+        torch.cuda.set_per_process_memory_fraction(o.memory_limit * 2**30 / torch.cuda.mem_get_info()[1])
+    texts, sizes = texts_of(a), sorted({4, len(texts_of(a))} if CUDA else {2})
+    if "floor" in o.rows:
+        bare = forward_rows(t, o, a, random_model(a.model, o.device), "diffusers bare", sizes, peak)
+    reset_peak()
+    model = random_model(a.model, o.device)
+    engine, n = make_engine(a, model), len(texts)
+    fitted = memory.fit(model, engine, a, n, [(p, {}) for p in texts], o.memory_limit)
+    limit = f"within {o.memory_limit:g} GiB" if o.memory_limit else "the device's memory"
+    row(t, "micro-batch fitted (--micro-batch 0)", [fitted], "images", "", f"largest of {memory.sizes(a, n)} that "
+        f"fits {limit} ({memory.HEADROOM:.0%}); the recipe's: {a.micro_batch}")
+    if "floor" in o.rows:
+        loop = forward_rows(t, o, a, model, "the loop", sizes, peak)
+        for b in sizes:
+            row(t, f"transformer forward time, the loop ÷ diffusers bare, B = {b}", np.divide(loop[b], bare[b]), "×",
+                "≤ 1.1", f"LoRA r{a.lora_rank} on {len(a.lora_targets)} targets, bf16 compute, one rank")
+    configs = {"fitted": dict(micro_batch=fitted), "recipe": {}, "reuse": dict(micro_batch=fitted,
+                                                                               reuse_rollout_forward=True)}
+    for key in [k for k in configs if k in o.rows]:
+        c = dataclasses.replace(a, **configs[key])
+        ticks, mem, flops = end_to_end(o, c, model, engine, 1 + o.repeats)
+        splits, total = ticks[1:], [s.sum() for s in ticks[1:]]
+        what = f"{n} images {a.height}², {a.num_steps} steps, W {a.window}, CFG {a.cfg_scale:g}, r{a.lora_rank}, " \
+               f"{a.reward}, micro-batch {c.micro_batch}" + (", --reuse-rollout-forward" if c.reuse_rollout_forward
+                                                             else "") + (f", {limit}" if o.memory_limit else "")
+        row(t, f"images/s per device, end to end ({key})", np.divide(n, total), "images/s", "≥ 1.0 on an H200",
+            f"{name}; {what}")
+        row(t, f"MFU ({key})", np.divide(flops * n / peak, total), "of peak", "≥ 0.45", f"transformer FLOPs "
+            f"(pass_flops) {flops / 1e12:.4g} T/image; VAE, text encoder, reward not counted; peak {peak / 1e12:.4g} T/s")
+        row(t, f"peak memory ({key})", [mem / 2**30], "GiB", "", "CUDA allocator peak" if CUDA else "process VmHWM")
+        if key == "fitted":
+            for i, phase in enumerate(("rollout", "reward wait", "training")):  # the reward scored during the rollout
+                row(t, f"{phase} share of the iteration", np.divide(p := [s[i] for s in splits], total), "share", "",
+                    ms(p))
+
+def offload_rows(t: list, o, a: flowgrpo.Args):
+    """Parameter offload (FSDP2's CPUOffloadPolicy) on one micro-batch of the recipe's size: its peak and speed."""
+    a = dataclasses.replace(a, offload=True, group_size=a.micro_batch)
+    reset_peak()
+    model = random_model(a.model, o.device)
+    ticks, mem, _ = end_to_end(o, a, model, make_engine(a, model), 1)
     row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
-        f"{a.micro_batch} images: {a.micro_batch / med([s.sum() for s in splits]):.3g} images/s")
+        f"{a.micro_batch} images: {a.micro_batch / ticks[0].sum():.3g} images/s, one iteration")
 
 def plain_rows(t: list, o, a: flowgrpo.Args):
     """bench.py's "training ÷ plain PyTorch update" at Qwen-Image's real width (24 heads × 128, text 3584; random
@@ -152,6 +205,14 @@ def sp_measure(o, sp: int) -> dict:
         v.float().square().mean().backward()
         sync()
         seconds.append(time.perf_counter() - start)
+    if o.profile:  # where the time goes, one more step on every rank: the costliest operators, by device time
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if CUDA else [])) as prof:
+            model.velocity(x, sigma, cond, 1.0, o.sp_side, o.sp_side).float().square().mean().backward()
+            sync()
+        if engine.is_main:
+            print(f"profile, --sp {sp}:\n" + prof.key_averages().table(
+                sort_by="cuda_time_total" if CUDA else "cpu_time_total", row_limit=15), flush=True)
     return dict(saved=sum(seen.values()), peak=torch.cuda.max_memory_allocated() - before if CUDA else 0,
                 seconds=seconds[1:], tokens=x.shape[1], main=engine.is_main)
 
@@ -161,11 +222,13 @@ def sp_rows(t: list, o, n: int):
     fake = CUDA and torch.cuda.device_count() < n
     ranks = [] if fake else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
     cmd = [sys.executable, *ranks, "bench_gpu.py", "--sp-worker", str(n), "--sp-side", str(o.sp_side), "--device",
-           o.device, "--model", o.model, "--repeats", str(o.repeats), *(["--sp-fake"] if fake else [])]
+           o.device, "--model", o.model, "--repeats", str(o.repeats), *(["--sp-fake"] if fake else []),
+           *(["--profile"] if o.profile else [])]
     out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
     gc.collect()  # the earlier rows' models are garbage by now
+    print(out.stdout.split("SP-RESULT", 1)[0], end="", flush=True)  # the split's profile, with --profile
     split = json.loads(out.stdout.split("SP-RESULT", 1)[1].splitlines()[0])
     one = sp_measure(o, 1)
     how = f"one GPU standing for rank 0 of {n} (--sp-fake)" if fake else f"{n} ranks"
@@ -190,12 +253,17 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
     p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
-    p.add_argument("--reuse-rollout-forward", action="store_true", help="--random-init: the update on the rollout's "
-                   "kept forwards (flowgrpo.py's flag; here every image, one optimizer step)")
+    p.add_argument("--rows", default="fitted,recipe,floor", help="--random-init's rows, comma-separated: fitted "
+                   "(--micro-batch 0), recipe (its micro-batch), reuse (fitted, --reuse-rollout-forward: the update on "
+                   "the rollout's kept forwards, every image in one optimizer step), floor (forwards, the loop ÷ "
+                   "diffusers' bare), offload (FSDP2 parameter offload, one micro-batch; alone, a model of its own)")
+    p.add_argument("--memory-limit", type=float, default=0.0, help="--random-init: GiB the allocator is held to and "
+                   "the micro-batch fitted within (an 80-GB GPU less the text encoder: 60); 0: the device's")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     p.add_argument("--sp", type=int, help="the rows of Ulysses sequence parallelism, --sp N ÷ --sp 1, instead of "
                    "--random-init's")
     p.add_argument("--sp-side", type=int, help="their image side (default: CPU 512, --quick 64; CUDA 1024)")
+    p.add_argument("--profile", action="store_true", help="--sp: also print each side's costliest operators")
     p.add_argument("--sp-worker", type=int, help=argparse.SUPPRESS)  # one rank of a sequence-parallel measurement
     p.add_argument("--sp-fake", action="store_true", help=argparse.SUPPRESS)
     o, t = p.parse_args(argv), list(HEAD)
@@ -221,9 +289,10 @@ def main(argv=None):
                                              mixed_precision=False, activation_checkpointing=False, **size))
     else:  # --random-init: the public recipe, one group per iteration; tiny: at the tiny model's sizes
         toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
-        gpu_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
-                                           reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward,
-                                           reuse_rollout_forward=o.reuse_rollout_forward, **toy))
+        a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
+                                reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward, **toy)
+        o.rows = o.rows.split(",")
+        (offload_rows if o.rows == ["offload"] else gpu_rows)(t, o, a)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
         command = f"python bench_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}"

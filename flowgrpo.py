@@ -67,6 +67,7 @@ from tqdm import tqdm
 import algorithms
 import checkpoint
 import engine as eng
+import memory
 import models
 import offpolicy
 import prompts as prompt_sets
@@ -107,7 +108,8 @@ class Args:
     prompts_per_iteration: int = 4
     """P: prompts per iteration (P·G images per iteration, split over ranks)"""
     micro_batch: int = 8
-    """images per transformer call, in rollout and in training"""
+    """images per transformer call, in rollout and in training; 0: the largest that fits the device's memory, measured
+    once the model is built (memory.py; a CPU: 8 or fewer)"""
     rollout: Literal["local", "vllm-omni"] = "local"
     """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni_pipeline.py"""
     rollout_url: str | None = None
@@ -262,8 +264,8 @@ RECIPES = {name: startup.recipe_args(Args, name) for name in recipes.RECIPES}  #
 
 def batch_arithmetic(a: Args, world_size: int) -> dict:
     """Derived sizes, asserted: images per iteration → optimizer steps → data-parallel ranks → micro-batches."""
-    images, k = a.prompts_per_iteration * a.group_size, a.optimizer_steps
-    if images % (k * world_size * a.micro_batch):
+    images, k, b = a.prompts_per_iteration * a.group_size, a.optimizer_steps, a.micro_batch or 1  # 0: sized later
+    if images % (k * world_size * b):
         raise ValueError(f"P·G = {a.prompts_per_iteration}·{a.group_size} = {images} images per iteration must split "
                          f"into {k} optimizer step(s) × {world_size} rank(s) × whole micro-batches of {a.micro_batch}: "
                          f"choose P·G divisible by {k * world_size * a.micro_batch} (--prompts-per-iteration, "
@@ -280,8 +282,7 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
                          f"than this machine's {psutil.virtual_memory().total / 2**30:.3g} GiB: lower --group-size or "
                          "--prompts-per-iteration, or use more ranks")
     return dict(images_per_iteration=images, ranks=world_size, images_per_rank=per_rank, micro_batch=a.micro_batch,
-                micro_batches_per_rank=per_rank // a.micro_batch, optimizer_steps=k,
-                micro_batches_per_optimizer_step=per_rank // a.micro_batch // k)
+                micro_batches_per_rank=per_rank // b, optimizer_steps=k, micro_batches_per_optimizer_step=per_rank // b // k)
 
 
 # ---- an iteration's rollout phase -------------------------------------------------------------------
@@ -375,6 +376,10 @@ def main(a: Args) -> list[dict]:
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
                         shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
                         ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp, old_policy=algo.keeps_old)
+    if not a.micro_batch:  # --micro-batch 0: the largest that fits this device's memory, measured (memory.py)
+        a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, arith["images_per_rank"] // a.optimizer_steps,
+                                                          trainset))
+        arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)

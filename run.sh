@@ -17,7 +17,7 @@ omni() {  # --model $1 trained here (4 GPUs), sampled by vLLM-Omni servers at $S
 }
 # The recipes run the project's Python (but the two GPU-wheel ones, which bring their own): say so in one line when
 # its packages are not there (a fresh shell).
-if [[ -n $recipe && $recipe != gpu-wheels && $recipe != bench-gpu ]] && ! python -c "import torch, diffusers, tyro" 2>/dev/null; then
+if [[ -n $recipe && $recipe != gpu-wheels && $recipe != gpu-check && $recipe != bench-gpu ]] && ! python -c "import torch, diffusers, tyro" 2>/dev/null; then
   echo "run.sh: \`python\` ($(command -v python || echo 'not found')) cannot import the project's packages: activate" \
        "its environment (. .venv/bin/activate) or set it up (README.md, 'Set up, run, test')" >&2
   exit 1
@@ -43,15 +43,22 @@ case $recipe in
   qwen-ocr-vllm)   omni qwen-image "$@" ;;                                                  # rollout on vLLM-Omni
   sd3-ocr-vllm)    omni sd3.5-medium "$@" ;;                                                # servers (docs/vllm-omni.md)
   flux-pick-vllm)  omni flux.1-dev "$@" ;;
-  # The GPU benchmark on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves, into .whl/, the
-  # pinned packages such a machine's PyTorch image lacks, for its Python 3.12; `bench-gpu` there installs them and runs.
-  gpu-wheels)      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-                     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-                     -d .whl $(grep -iE "^($CARRY)==" requirements.txt) ;;
-  bench-gpu)       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  # The GPU check on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves the pinned packages
+  # such a machine's PyTorch image lacks, for its Python 3.12, unpacked into one archive, .whl/site.tar.xz (40 MB: with
+  # the working tree within the 64 MiB such a machine can be sent; the wheels themselves are 58 MB); `gpu-check OUT`
+  # there unpacks it and runs every GPU step into OUT (bench_check.py), `bench-gpu` one bench_gpu.py call.
+  gpu-wheels)      rm -rf .whl/wheels .whl/site && mkdir -p .whl/site && python3 -m pip download -q --no-deps \
+                     --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+                     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/wheels \
+                     $(grep -iE "^($CARRY)==" requirements.txt)
+                   for w in .whl/wheels/*.whl; do python3 -m zipfile -e "$w" .whl/site; done
+                   tar -C .whl/site -cf - . | xz -9 -T0 > .whl/site.tar.xz && rm -rf .whl/wheels .whl/site ;;
+  gpu-check)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
+                   PYTHONPATH=/tmp/site python3 bench_check.py "${1:?give the output folder: bash run.sh gpu-check OUT}" ;;
+  bench-gpu)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
                    PYTHONPATH=/tmp/site python3 bench_gpu.py --device cuda --model qwen-image --random-init "$@" ;;
   *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux tiny-wan nano nano-compare" \
           "sd3-ocr-8gpu flux-pick-8gpu wan-8gpu qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu" \
-          "qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm gpu-wheels bench-gpu" \
+          "qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm gpu-wheels gpu-check bench-gpu" \
           "(got '$recipe')" >&2; exit 2 ;;
 esac

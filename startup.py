@@ -14,6 +14,7 @@ import tyro
 
 import algorithms
 import checkpoint
+import memory
 import models
 import prompts as prompt_sets
 import recipes
@@ -59,7 +60,8 @@ def check_args(a) -> tuple[str, dict] | None:
              f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(a, f.name)}")
     need(a.recipe in recipes.RECIPES, f"--recipe must be one of {tuple(recipes.RECIPES)}, got {a.recipe!r}")
     need(a.group_size >= 2, f"--group-size must be >= 2 (advantages compare images of a prompt), got {a.group_size}")
-    for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration), ("--micro-batch", a.micro_batch),
+    memory.check(a)  # --micro-batch: N >= 1, or 0 (sized to the device) where the trainer samples
+    for flag, v in (("--prompts-per-iteration", a.prompts_per_iteration),
                     ("--optimizer-steps", a.optimizer_steps), ("--iterations", a.iterations),
                     ("--keep-checkpoints", a.keep_checkpoints), ("--slide-every", a.slide_every),
                     ("--ema-repeat", a.ema_repeat), ("--sp", a.sp)):

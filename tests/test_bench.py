@@ -85,17 +85,27 @@ def test_sp_rows_smallest(capsys):
         assert name in rows, (name, list(rows))
 
 
-@pytest.mark.parametrize("flags", [[], ["--reuse-rollout-forward"]])
-def test_random_init_dry_run(capsys, flags):
-    """The GPU benchmark's path (random-weight model, text encoder bypassed, offload) at toy size on CPU; and with the
-    update on the rollout's kept forwards (its prepared GPU call)."""
-    rows = table_rows(run_bench_gpu(capsys, "--model", "tiny", "--random-init", "--quick", *flags))
-    for name in ("images/s per device, end to end", "rollout share of the iteration", "MFU", "peak memory, no offload",
-                 "reward wait share of the iteration", "training share of the iteration",
-                 "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"):
-        assert name in rows, (name, list(rows))
-    shares = [rows[f"{p} share of the iteration"][0] for p in ("rollout", "reward wait", "training")]
-    assert 0.9 < sum(shares) < 1.1  # medians of shares that sum to 1 per iteration (one repeat: exactly)
+ROWS = {"fitted": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
+                   "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
+                   "training share of the iteration"],
+        "recipe": ["images/s per device, end to end (recipe)", "MFU (recipe)", "peak memory (recipe)"],
+        "reuse": ["images/s per device, end to end (reuse)", "MFU (reuse)", "peak memory (reuse)"],
+        "floor": ["transformer forward MFU, diffusers bare, B = 2", "transformer forward MFU, the loop, B = 2",
+                  "transformer forward time, the loop ÷ diffusers bare, B = 2"],
+        "offload": ["peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"]}
+
+
+@pytest.mark.parametrize("rows", ["fitted,recipe,reuse,floor", "offload"])
+def test_random_init_dry_run(capsys, rows):
+    """The GPU benchmark's path (random-weight model, text encoder bypassed) at toy size on CPU: the micro-batch fitted
+    to the device, the recipe's, the update on the rollout's kept forwards, the floor; parameter offload alone."""
+    got = table_rows(run_bench_gpu(capsys, "--model", "tiny", "--random-init", "--quick", "--rows", rows))
+    expect = [name for r in rows.split(",") for name in ROWS[r]]
+    assert sorted(got) == sorted(expect), list(got)
+    if "fitted" in rows:
+        shares = [got[f"{p} share of the iteration"][0] for p in ("rollout", "reward wait", "training")]
+        assert 0.9 < sum(shares) < 1.1  # medians of shares that sum to 1 per iteration (one repeat: exactly)
+        assert got["micro-batch fitted (--micro-batch 0)"][0] == 4  # a CPU: the largest up to 8 of [1, 2, 4]
 
 
 def test_plain_update_at_the_real_width(capsys):

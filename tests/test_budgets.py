@@ -16,7 +16,7 @@ BUDGETS = {
     "flowgrpo.py": 510,
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
-    "startup.py": 150,  # what a run checks before anything expensive starts
+    "startup.py": 155,  # what a run checks before anything expensive starts; 150 -> 155: --micro-batch 0's check
     "recipes.py": 200,  # the named configurations, each value with its source
     "algorithms.py": 450,  # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables
     "algorithms_forward.py": 450,  # the forward-process family: DiffusionNFT, AWM, their update and old policy
@@ -29,6 +29,7 @@ BUDGETS = {
     "models_kontext.py": 200,  # the first edit family: FLUX.1 Kontext, a source image per prompt
     "models_qwen_edit.py": 200,  # the second edit family: Qwen-Image-Edit, the source through the VL encoder and VAE
     "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here (nano-edit's edit call too)
+    "memory.py": 100,  # --micro-batch 0: the micro-batch sized to the device's memory, measured
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, EMA, the old policy, process groups
     "precision.py": 100,  # bf16 compute without FSDP2 on a world of one: working copies, input casts
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
@@ -58,9 +59,11 @@ BUDGETS = {
     "nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
+    "bench_host.py": 150,  # the host's work per transformer call, loop against bare diffusers, at real depth (CPU)
     "bench_overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
     "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
     "bench_gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows
+    "bench_check.py": 200,  # the GPU tier in one command: every GPU step bounded, logged and summarised as it ends
     "bench_soak.py": 400,  # the reward server under load and attack
 }
 

@@ -89,7 +89,8 @@ def test_bench_gpu_path_at_toy_size():
     """bench_gpu.py's GPU benchmark, at the tiny model's sizes, on the GPU: every row finite and positive."""
     rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick", "--device", "cuda",
                                 script="bench_gpu.py"))
-    assert rows["peak memory, no offload"][0] > 0 and 0 < rows["MFU"][0] < 1
+    assert rows["peak memory (fitted)"][0] > 0 and 0 < rows["MFU (fitted)"][0] < 1
+    assert rows["micro-batch fitted (--micro-batch 0)"][0] == 4  # all of the 4 images: a tiny model fits
 
 
 @CUDA

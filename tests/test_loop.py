@@ -12,6 +12,7 @@ import torch
 import algorithms
 import engine as eng
 import flowgrpo
+import memory
 import models
 import rollout
 import rundir
@@ -127,6 +128,8 @@ def option_help(text: str, flag: str) -> str:
     (dict(reuse_rollout_forward=True, stale_correction="decoupled"), "--reuse-rollout-forward.*--stale-correction"),
     (dict(reuse_rollout_forward=True, rollout="vllm-omni"), "--reuse-rollout-forward.*--rollout local"),
     (dict(reuse_rollout_forward=True, algorithm="nft"), "--reuse-rollout-forward: not used by --algorithm nft"),
+    (dict(micro_batch=-1), "--micro-batch must be >= 1, or 0"), (dict(micro_batch=0, rollout_ranks=1), "--micro-batch 0"),
+    (dict(micro_batch=0, rollout="vllm-omni", rollout_url="http://127.0.0.1:1"), "--micro-batch 0 .* give --micro-batch"),
 ])
 def test_impossible_configurations_fail_with_the_flag_named(change, flag):
     with pytest.raises((ValueError, FileNotFoundError), match=flag):
@@ -144,6 +147,18 @@ def test_batch_arithmetic_is_derived_and_checked():
         flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3), 1)
     with pytest.raises(ValueError, match="need about .* GiB .* more than this machine's .* --group-size"):
         flowgrpo.batch_arithmetic(dataclasses.replace(a, group_size=2**30, micro_batch=2), 1)  # not std::bad_alloc
+
+
+def test_micro_batch_0_takes_a_whole_share_the_algorithm_accepts_and_on_a_cpu_at_most_8(tmp_path):
+    """--micro-batch 0 (memory.py): the sizes that split a rank's share of an optimizer step, those the algorithm
+    accepts (DGPO: whole groups); on a CPU the largest up to 8, chosen after the model is built and printed with the
+    batch arithmetic. (On a GPU it is measured: tests/test_gpu.py.)"""
+    assert memory.sizes(TINY, 12) == [1, 2, 3, 4, 6, 12]
+    assert memory.sizes(dataclasses.replace(TINY, algorithm="dgpo", group_size=4), 16) == [4, 8, 16]
+    out = _cli("--model", "tiny", "--micro-batch", "0", "--iterations", "1", "--eval-every", "0", "--prompts-per-iteration",
+               "3", "--group-size", "4", "--optimizer-steps", "1", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "images_per_rank=12, micro_batch=6, micro_batches_per_rank=2," in out.stdout, out.stdout
 
 
 def test_image_assignment_is_world_size_invariant_per_optimizer_step():

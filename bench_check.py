@@ -1,0 +1,124 @@
+"""bench_check.py: the GPU tier in one command, for a GPU machine at hand for minutes (`bash run.sh gpu-check OUT`).
+    python bench_check.py OUT              # one CUDA GPU: every GPU row and test, at most 9 minutes in all
+    python bench_check.py OUT --dry-run    # the same steps at toy size on the CPU (tests/test_bench.py)
+
+Each step runs under its own bound, the most important first: the recipe end to end (the micro-batch fitted to the
+device, the recipe's own, the update on the rollout's kept forwards, transformer forwards against diffusers' bare
+ones), the GPU tests (tests/test_gpu.py, the Wan2.1 recipe at its real width among them), the --sp 2 rows, the update
+against plain PyTorch at the real width, the recipe held to 60 GiB, parameter offload. A step's output goes to
+OUT/<step>.log as it comes, and OUT/summary.md gains its verdict and table rows as it ends, so a check cut short keeps
+everything measured until then. The summary closes with the steps that passed; the exit status is 0 only if all did.
+"""
+import argparse
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PY = sys.executable
+GPU = [PY, "bench_gpu.py", "--device", "cuda", "--model", "qwen-image"]
+TOY = [PY, "bench_gpu.py", "--model", "tiny", "--quick"]
+# (name, what it shows, the GPU command, the dry run's, bound in seconds); the bounds sum to 530 s, the rest of the
+# 9 minutes is the header and the starts
+STEPS = [
+    ("recipe", "Qwen-Image's public recipe end to end, random weights at the real width",
+     [*GPU, "--random-init", "--rows", "fitted,recipe,reuse,floor", "--repeats", "1"],
+     [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor"], 210),
+    ("tests", "tests/test_gpu.py", [PY, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+     [PY, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_gpu.py", "-k", "sigma and tiny-sd3"],
+     100),
+    ("sp", "--sp 2 ÷ --sp 1 at 1024², one GPU standing for rank 0 of 2", [*GPU, "--sp", "2", "--profile"],
+     [*TOY, "--sp", "2"], 50),
+    ("plain", "the update ÷ plain PyTorch's, 4 of 60 blocks at the real width, fp32",
+     [PY, "bench_gpu.py", "--device", "cuda", "--plain"], [PY, "bench_gpu.py", "--plain", "--quick"], 40),
+    ("limit60", "the recipe with the allocator held to 60 GiB (an 80-GB GPU less the text encoder)",
+     [*GPU, "--random-init", "--rows", "fitted", "--memory-limit", "60", "--repeats", "1"],
+     [*TOY, "--random-init", "--rows", "fitted", "--memory-limit", "60"], 60),
+    ("offload", "parameter offload, one micro-batch", [*GPU, "--random-init", "--rows", "offload"],
+     [*TOY, "--random-init", "--rows", "offload"], 70),
+]
+
+
+def header(dry: bool) -> str:
+    """What the figures were measured on: date, machine, revision, versions."""
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True) if not dry else None
+    packages = []
+    for name in ("torch", "diffusers", "transformers", "peft"):
+        try:
+            packages.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            packages.append(f"{name} missing")
+    rev = os.environ.get("FLOWGRPO_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                           capture_output=True, text=True).stdout.strip() or "?"
+    machine = smi.stdout.strip() if smi and smi.returncode == 0 else "CPU (dry run)" if dry else "no nvidia-smi"
+    return (f"# GPU check, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\nrevision {rev}; {machine}; Python "
+            f"{platform.python_version()}; {', '.join(packages)}\n")
+
+
+def run_step(name: str, argv: list[str], bound: float, log_path: str) -> tuple[str, float]:
+    """`argv` in its own process group, its output to `log_path` as it comes; killed, group and all, at `bound`."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            code = proc.wait(timeout=bound)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"cut at its bound of {bound:.0f} s", time.perf_counter() - start
+    return ("passed" if code == 0 else f"failed (exit {code})"), time.perf_counter() - start
+
+
+def report(log_path: str) -> str:
+    """A step's table rows (bench_gpu.py's), a test run's outcome lines, or its last lines."""
+    text = open(log_path, errors="replace").read()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| measurement")]
+    outcome = [line for line in text.splitlines() if re.match(r"(FAILED|ERROR) ", line)
+               or re.search(r"\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s", line)]
+    rows = (["| measurement | median | min | max | unit | target / expected | note |", "|---" * 7 + "|"] + rows
+            if rows else [])
+    return "\n".join(rows + outcome) or "last lines:\n```\n" + "\n".join(text.splitlines()[-12:]) + "\n```"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", help="the folder for the logs and summary.md (made; its files of the same names replaced)")
+    p.add_argument("--dry-run", action="store_true", help="every step at toy size on the CPU")
+    p.add_argument("--only", help="comma-separated step names (default: all, in order)")
+    o = p.parse_args(argv)
+    steps = [s for s in STEPS if not o.only or s[0] in o.only.split(",")]
+    unknown = set(o.only.split(",") if o.only else ()) - {s[0] for s in STEPS}
+    if unknown:
+        p.error(f"--only: no step {sorted(unknown)}; the steps: {', '.join(s[0] for s in STEPS)}")
+    os.makedirs(o.out, exist_ok=True)
+    summary = os.path.join(o.out, "summary.md")
+    with open(summary, "w") as f:
+        f.write(header(o.dry_run))
+    verdicts = []
+    for name, what, gpu, dry, bound in steps:
+        log = os.path.join(o.out, f"{name}.log")
+        verdict, seconds = run_step(name, dry if o.dry_run else gpu, 600 if o.dry_run else bound, log)
+        verdicts.append((name, verdict))
+        with open(summary, "a") as f:
+            f.write(f"\n## {name}: {verdict} in {seconds:.0f} s\n{what}; `{' '.join(dry if o.dry_run else gpu)}`\n\n"
+                    f"{report(log)}\n")
+        print(f"{name}: {verdict} in {seconds:.0f} s", flush=True)
+    passed = [n for n, v in verdicts if v == "passed"]
+    with open(summary, "a") as f:
+        f.write(f"\n## {len(passed)} of {len(verdicts)} steps passed\n" + "".join(
+            f"- {n}: {v}\n" for n, v in verdicts))
+    print(f"{len(passed)} of {len(verdicts)} steps passed; {summary}")
+    return 0 if len(passed) == len(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""bench_host.py: the host's work per transformer call, the loop's against bare diffusers', at real depth.
+    python bench_host.py [--quick] [--markdown FILE]    # CPU: time and aten ops per call, loop ÷ bare
+
+On a GPU at the recipe's micro-batch the transformer's kernels are short, and what the host does to launch them (the
+adapter's layers, casts, hooks) decides the time: the first GPU run (BENCHMARKS.md) measured the loop's forward at
+2.6× diffusers' bare one there. Its proxy on a CPU: Qwen-Image's real depth (60 blocks of its architecture) at a
+negligible width (2 heads × 16), where a forward's time is dispatch, and the aten operations it dispatches, counted.
+The loop's side is the qwen-image recipe's model as the engine leaves it on one rank (LoRA r64 on its targets, bf16
+compute, activation checkpointing); the floor is the same weights in diffusers' hands; for forward + backward, the
+same LoRA added by peft to the bare model, trained in bf16, checkpointed alike (a plain LoRA step)."""
+import argparse
+import collections
+import copy
+import dataclasses
+
+import numpy as np
+import torch
+from diffusers import QwenImageTransformer2DModel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flowgrpo
+import models_qwen
+from bench import HEAD, make_engine, measure, ms, row
+
+BLOCKS = 60  # Qwen-Image's depth
+
+
+class CountOps(TorchDispatchMode):
+    """The aten operations dispatched inside, by name (views and casts included: each is host work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def deep_narrow_model() -> models_qwen.QwenImage:
+    """The tiny pipeline with a 60-block, 2 × 16-wide Qwen-Image transformer in bf16 (as the real one is loaded)."""
+    pipe = models_qwen.build_tiny_qwen_pipeline(0, 2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe.transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=BLOCKS, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    pipe.transformer.to(torch.bfloat16)
+    return models_qwen.QwenImage(pipe, "cpu", torch.bfloat16)
+
+
+def host_rows(t: list, o, batch: int = 4, side: int = 64):
+    a = flowgrpo.RECIPES["qwen-image"]
+    bare = deep_narrow_model()
+    loop, plain = copy.deepcopy(bare), copy.deepcopy(bare)
+    make_engine(dataclasses.replace(a, model="tiny"), loop)  # the recipe's LoRA, bf16 compute, checkpointing
+    plain.transformer.add_adapter(loop.transformer.peft_config["default"])  # the same LoRA, bf16, no engine
+    plain.transformer.enable_gradient_checkpointing()
+    x = bare.noise([torch.Generator().manual_seed(i) for i in range(batch)], side, side)
+    s, cond = torch.full((batch,), 0.5), bare.conditioning(["a sign that says hello"] * batch, " ", 1.0)
+
+    def forward(m):
+        m.transformer.eval()
+        with torch.no_grad():
+            return m.velocity(x, s, cond, 1.0, side, side)
+
+    def step(m):
+        m.transformer.train()
+        m.velocity(x, s, cond, 1.0, side, side).float().square().mean().backward()
+
+    ops = {}
+    for name, fn in (("bare", lambda: forward(bare)), ("loop", lambda: forward(loop)),
+                     ("plain step", lambda: step(plain)), ("loop step", lambda: step(loop))):
+        fn()  # warm: the working copies made, the gradients allocated
+        with CountOps() as counter:
+            fn()
+        ops[name] = counter.ops
+    r = measure({"bare": lambda: forward(bare), "loop": lambda: forward(loop), "plain step": lambda: step(plain),
+                 "loop step": lambda: step(loop)}, o.repeats)
+    n = {k: sum(v.values()) for k, v in ops.items()}
+    what = f"Qwen-Image's {BLOCKS} blocks at 2 heads × 16, {batch} images {side}², one thread"
+    row(t, "host: time per forward, loop ÷ bare diffusers", np.divide(r["loop"], r["bare"]), "×", "≤ 1.25",
+        f"{what}; the recipe's LoRA r{a.lora_rank}, bf16 compute, checkpointing; {ms(r['loop'])} vs {ms(r['bare'])}")
+    extra = (ops["loop"] - ops["bare"]).most_common(4)
+    row(t, "host: aten ops per block, loop ÷ bare diffusers", [n["loop"] / n["bare"]], "×", "≤ 1.2",
+        f"{n['loop'] / BLOCKS:.0f} vs {n['bare'] / BLOCKS:.0f} per block; the most added: "
+        + ", ".join(f"{k} {v / BLOCKS:.0f}" for k, v in extra))
+    row(t, "host: time per forward + backward, loop ÷ plain LoRA step", np.divide(r["loop step"], r["plain step"]), "×",
+        "≤ 1.25", f"{what}; peft's LoRA in bf16 with checkpointing, no engine; {ms(r['loop step'])} vs "
+        f"{ms(r['plain step'])}")
+    row(t, "host: aten ops per forward + backward, loop ÷ plain LoRA step", [n["loop step"] / n["plain step"]], "×",
+        "≤ 1.2", f"{n['loop step'] / BLOCKS:.0f} vs {n['plain step'] / BLOCKS:.0f} per block")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one repeat (the smoke test)")
+    p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1)")
+    p.add_argument("--markdown", help="also write the table to this file")
+    o, t = p.parse_args(argv), list(HEAD)
+    o.repeats = o.repeats or (1 if o.quick else 9)
+    torch.set_num_threads(1)
+    host_rows(t, o)
+    if o.markdown:
+        open(o.markdown, "w").write("\n".join([*t, ""]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""`--micro-batch 0`: the micro-batch sized to the device's memory, measured once the model is built.
+
+The micro-batch is the rollout's chunk and the update's micro-batch alike (that keeps the first update exactly on
+policy); it changes the update only by rounding, and on a GPU it decides how full the GPU runs: at the public
+Qwen-Image recipe's 4 the host's launches, not the GPU's arithmetic, set the pace (BENCHMARKS.md). `fit` measures the
+peak memory of the largest thing one micro-batch does, a CFG velocity's forward and backward on real conditioning
+and the VAE decode of its latents, at 1 and 2 images, extrapolates linearly, and takes the largest size that divides
+a rank's share of an optimizer step (and that the algorithm accepts) within the budget. Nothing it does changes a
+weight, a gradient or a random state; every rank takes the smallest rank's choice.
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import algorithms
+from algorithms import need
+
+CPU_MICRO_BATCH = 8  # on a CPU memory does not bind first; the default --micro-batch
+HEADROOM = 0.9  # of the budget: the allocator's fragmentation and what the extrapolation misses
+
+
+def check(a) -> None:
+    """`--micro-batch 0` needs every chunk sampled here: refused where others sample."""
+    need(a.micro_batch >= 0, f"--micro-batch must be >= 1, or 0 (sized to the device's memory), got {a.micro_batch}")
+    need(a.micro_batch or (a.rollout == "local" and not a.rollout_ranks), "--micro-batch 0 sizes the micro-batch on "
+         "the training ranks, which the samplers of --rollout vllm-omni and --rollout-ranks must know beforehand: "
+         "give --micro-batch N")
+
+
+def sizes(a, images_per_step: int) -> list[int]:
+    """The micro-batches that split a rank's share of an optimizer step into whole ones the algorithm accepts."""
+    return [b for b in range(1, images_per_step + 1) if images_per_step % b == 0 and _accepted(a, b)]
+
+
+def _accepted(a, b: int) -> bool:
+    try:
+        algorithms.ALGORITHMS[a.algorithm].check(dataclasses.replace(a, micro_batch=b))
+        return True
+    except ValueError:
+        return False
+
+
+def fit(model, engine, a, images_per_step: int, prompts: list[tuple[str, dict]], limit_gib: float = 0.0) -> int:
+    """The largest of `sizes` whose measured peak fits `limit_gib` (0: the device's memory) × HEADROOM; the
+    smallest choice over the ranks. `prompts`: (text, metadata) pairs to condition on (an edit model's sources)."""
+    fits = sizes(a, images_per_step)
+    need(fits, f"no micro-batch splits {images_per_step} images per rank and optimizer step as --algorithm "
+               f"{a.algorithm} needs: give --micro-batch N")
+    if engine.device.type != "cuda":
+        choice = max([b for b in fits if b <= CPU_MICRO_BATCH] or fits[:1])
+    else:
+        budget = HEADROOM * (limit_gib * 2**30 or torch.cuda.get_device_properties(engine.device).total_memory)
+        one, two = (_peak(model, engine, a, b, (prompts * 2)[:b]) for b in (1, 2))
+        per_image = max(two - one, 1)
+        choice = max([b for b in fits if one + (b - 1) * per_image <= budget] or fits[:1])
+    box = torch.tensor([choice], device=engine.device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box)
+
+
+def _peak(model, engine, a, b: int, prompts: list[tuple[str, dict]]) -> int:
+    """The allocator's peak bytes over one micro-batch of `b` images: velocity forward + backward, VAE decode."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    cond = model.conditioning([p for p, _ in prompts], a.negative_prompt, a.cfg_scale, [m for _, m in prompts],
+                              a.height, a.width)
+    x = model.noise([torch.Generator().manual_seed(i) for i in range(b)], a.height, a.width)
+    model.transformer.train()
+    v = model.velocity(x, torch.full((b,), 0.5), cond, a.cfg_scale, a.height, a.width)
+    v.float().square().mean().backward()
+    engine.optimizer.zero_grad(set_to_none=False)  # the gradients were zero: they are again, nothing trained
+    model.decode(x, a.height, a.width)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
