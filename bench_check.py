@@ -23,23 +23,23 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
 GPU = [PY, "bench_gpu.py", "--device", "cuda", "--model", "qwen-image"]
 TOY = [PY, "bench_gpu.py", "--model", "tiny", "--quick"]
-TESTS = [PY, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider"]
+TESTS = [PY, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rP"]  # -rP: what passing tests print
 # (name, what it shows, the GPU command, the dry run's, bound in seconds): the bounds sum to 9 minutes
 STEPS = [
     ("recipe", "Qwen-Image's public recipe end to end, random weights at the real width",
      [*GPU, "--random-init", "--rows", "fitted,recipe,reuse,floor", "--repeats", "1"],
-     [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor"], 230),
+     [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor"], 210),
     ("tests", "tests/test_gpu.py", [*TESTS, "tests/test_gpu.py"],
      [*TESTS, "tests/test_gpu.py", "-k", "sigma and tiny-sd3"], 120),
     ("sp", "--sp 2 ÷ --sp 1 at 1024², one GPU standing for rank 0 of 2", [*GPU, "--sp", "2", "--profile"],
-     [*TOY, "--sp", "2"], 50),
+     [*TOY, "--sp", "2"], 90),
     ("plain", "the update ÷ plain PyTorch's, 4 of 60 blocks at the real width, fp32",
      [PY, "bench_gpu.py", "--device", "cuda", "--plain"], [PY, "bench_gpu.py", "--plain", "--quick"], 40),
     ("limit60", "the recipe with the allocator held to 60 GiB (an 80-GB GPU less the text encoder)",
      [*GPU, "--random-init", "--rows", "fitted", "--memory-limit", "60", "--repeats", "1"],
-     [*TOY, "--random-init", "--rows", "fitted", "--memory-limit", "60"], 50),
+     [*TOY, "--random-init", "--rows", "fitted", "--memory-limit", "60"], 40),
     ("offload", "parameter offload, one micro-batch", [*GPU, "--random-init", "--rows", "offload"],
-     [*TOY, "--random-init", "--rows", "offload"], 50),
+     [*TOY, "--random-init", "--rows", "offload"], 40),
 ]
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -36,11 +37,12 @@ warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
 def init_distributed(device: torch.device | None = None) -> tuple[int, int, torch.device]:
-    """(rank, world size, device) from torchrun's environment (env:// rendezvous, any number of nodes);
-    a single process gets a world of one through an in-memory store. `device`: the one asked for (the engine's: its
-    model's), else this process's own (`local_device`). gloo for CPU tensors, and nccl beside it for CUDA ones wherever
-    this machine has them (a process group serves every model a process builds, on whichever device)."""
+    """(rank, world size, device) from torchrun's environment (env:// rendezvous, any number of nodes); a single process
+    gets a world of one through an in-memory store. `device`: the one asked for (the engine's: its model's; "cuda": the
+    current GPU), else this process's own. gloo for CPU tensors, and nccl for CUDA ones wherever there are some."""
     world, device = int(os.environ.get("WORLD_SIZE", 1)), torch.device(device or local_device())
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if not dist.is_initialized():  # (rollout_ranks.split initialised it for the training ranks alone)
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
         if device.type == "cuda":
@@ -240,17 +242,16 @@ class Engine:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
             else MixedPrecisionPolicy()
         kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload
-                  else OffloadPolicy())  # pinned memory needs an accelerator
+                  else OffloadPolicy(), mesh=init_device_mesh(self.device.type, (self.world_size,)))  # this device's
         for module in [*model.blocks, net] if self.sharded else []:
             fully_shard(module, **kw)
         if sp > 1:  # an --sp rank's gradient is a partial sum over its tokens: sum them, average over data parallelism
             seqpar.sum_over_sequence([*model.blocks, net], self.dp_size)
         if shard_text_encoder and self.sharded:  # frozen, only forwards: shard it to save memory on every rank
             for module in model.text_encoder_shards():
-                fully_shard(module)
+                fully_shard(module, mesh=kw["mesh"])
         named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        # of this rank's shards
+        self.params = [p for _, p in named]  # (of this rank's shards)
         self.ema = EMA(named, ema_decay, ema_every, ema_repeat, ema_form) if ema_decay > 0 else None
         self.old = OldPolicy(named) if old_policy else None  # DiffusionNFT's and AWM's v_old, likewise
         if not self.params:

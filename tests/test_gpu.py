@@ -49,9 +49,10 @@ def fsdp2_before_torch_2_13(monkeypatch):
     RoPE tables where the forward had bf16, and torch.utils.checkpoint refused (CheckpointError)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    cast = FSDPState._cast_forward_inputs
-    monkeypatch.setattr(FSDPState, "_cast_forward_inputs", lambda self, args, kwargs: (args, kwargs) if
-                        self._training_state == TrainingState.PRE_BACKWARD else cast(self, args, kwargs))
+    cast = getattr(FSDPState, "_cast_forward_inputs", None)  # torch >= 2.13; before, the code in question is inline
+    if cast:
+        monkeypatch.setattr(FSDPState, "_cast_forward_inputs", lambda self, args, kwargs: (args, kwargs) if
+                            self._training_state == TrainingState.PRE_BACKWARD else cast(self, args, kwargs))
 
 
 @pytest.mark.parametrize("shard", [None, True], ids=["plain", "fsdp2"])
