@@ -1,7 +1,6 @@
-"""bench.py, bench_gpu.py and bench_soak.py at their smallest sizes, and bench_gpu.py's FLOP formula against torch's
-counter. No timing thresholds: these check that every row is produced and every figure is a finite positive number, not
-how fast anything is. bench.py and bench_soak.py run as scripts; bench_gpu.py's main runs in this process (its import
-is the heaviest of the three), and its --sp rows start the script itself on each rank."""
+"""bench.py, bench_check.py's dry run (bench_gpu.py's rows at toy size) and bench_soak.py at their smallest sizes,
+bench_host.py's rows, and bench_gpu.py's FLOP formula against torch's counter. No timing thresholds: these check that
+every row is produced and every figure is a finite positive number, not how fast anything is. Each runs as a script."""
 import dataclasses
 import math
 import os
@@ -15,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import bench
+import bench_check
 import bench_gpu
 import engine as eng
 import flowgrpo
@@ -28,18 +28,6 @@ def run_bench(*flags: str, timeout: int = 900, script: str = "bench.py") -> str:
                          timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
-
-
-def run_bench_gpu(capsys, *flags: str) -> str:
-    """What `python bench_gpu.py *flags` prints, from its main in this process. It sets torch's thread count to 1 on
-    CPU and builds an engine (a process group of one): both put back after."""
-    threads = torch.get_num_threads()
-    try:
-        bench_gpu.main(list(flags))
-    finally:
-        torch.set_num_threads(threads)
-        eng.shutdown()
-    return capsys.readouterr().out
 
 
 def table_rows(text: str) -> dict[str, list[float]]:
@@ -78,41 +66,65 @@ def test_cpu_table_smallest(tmp_path):
     assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows
 
 
-def test_sp_rows_smallest(capsys):
-    """bench_gpu.py's --sp 2 ÷ --sp 1 rows on CPU at their smallest (2 gloo ranks, 64²), as the CPU table had them."""
-    rows = table_rows(run_bench_gpu(capsys, "--sp", "2", "--quick"))
-    for name in ("SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"):
-        assert name in rows, (name, list(rows))
-
-
-ROWS = {"fitted": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
+ROWS = {"recipe": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
                    "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
-                   "training share of the iteration"],
-        "recipe": ["images/s per device, end to end (recipe)", "MFU (recipe)", "peak memory (recipe)"],
-        "reuse": ["images/s per device, end to end (reuse)", "MFU (reuse)", "peak memory (reuse)"],
-        "floor": ["transformer forward MFU, diffusers bare, B = 2", "transformer forward MFU, the loop, B = 2",
-                  "transformer forward time, the loop ÷ diffusers bare, B = 2"],
+                   "training share of the iteration", "images/s per device, end to end (recipe)", "MFU (recipe)",
+                   "peak memory (recipe)", "images/s per device, end to end (reuse)", "MFU (reuse)",
+                   "peak memory (reuse)", "transformer forward MFU, diffusers bare, B = 2",
+                   "transformer forward MFU, the loop, B = 2",
+                   "transformer forward time, the loop ÷ diffusers bare, B = 2"],
+        "sp": ["SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"],
+        "plain": ["real width, 1 of 60 blocks, 32², CFG 4: training ÷ plain PyTorch update"],
+        "limit60": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
+                    "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
+                    "training share of the iteration"],
         "offload": ["peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"]}
 
 
-@pytest.mark.parametrize("rows", ["fitted,recipe,reuse,floor", "offload"])
-def test_random_init_dry_run(capsys, rows):
-    """The GPU benchmark's path (random-weight model, text encoder bypassed) at toy size on CPU: the micro-batch fitted
-    to the device, the recipe's, the update on the rollout's kept forwards, the floor; parameter offload alone."""
-    got = table_rows(run_bench_gpu(capsys, "--model", "tiny", "--random-init", "--quick", "--rows", rows))
-    expect = [name for r in rows.split(",") for name in ROWS[r]]
-    assert sorted(got) == sorted(expect), list(got)
-    if "fitted" in rows:
-        shares = [got[f"{p} share of the iteration"][0] for p in ("rollout", "reward wait", "training")]
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    """`bench_check.py OUT --dry-run`: every step of the GPU check at toy size on the CPU, through its CLI."""
+    out = tmp_path_factory.mktemp("check")
+    run_bench(str(out), "--dry-run", script="bench_check.py", timeout=1800)
+    return out
+
+
+def test_the_gpu_checks_dry_run_passes_every_step_and_writes_as_it_goes(check):
+    """summary.md: the header (revision, machine, versions), each step's verdict, the closing count; a log per step."""
+    summary = (check / "summary.md").read_text()
+    assert summary.startswith("# GPU check, ") and "torch 2." in summary and "diffusers 0.42" in summary, summary[:500]
+    steps = [s[0] for s in bench_check.STEPS]
+    for name in steps:
+        assert f"## {name}: passed in " in summary and (check / f"{name}.log").exists(), (name, summary[-3000:])
+    assert summary.rstrip().endswith(f"- {steps[-1]}: passed") and f"## {len(steps)} of {len(steps)} steps passed" \
+        in summary
+    assert "1 passed" in summary  # the tests step's pytest outcome line
+
+
+@pytest.mark.parametrize("step", ROWS)
+def test_the_gpu_checks_dry_run_rows(check, step):
+    """The GPU benchmark's paths (random-weight model, text encoder bypassed) at toy size: the recipe at the fitted
+    micro-batch (a CPU: the largest up to 8 of [1, 2, 4]), at its own, on the rollout's kept forwards, against the bare
+    forward; --sp 2 on 2 gloo ranks; the update against plain PyTorch at the real width (which must first land on the
+    same LoRA: bench.plain_rows asserts it); the 60 GiB cap; parameter offload."""
+    rows = table_rows((check / f"{step}.log").read_text())
+    assert sorted(rows) == sorted(ROWS[step]), list(rows)
+    if "rollout share of the iteration" in rows:
+        shares = [rows[f"{p} share of the iteration"][0] for p in ("rollout", "reward wait", "training")]
         assert 0.9 < sum(shares) < 1.1  # medians of shares that sum to 1 per iteration (one repeat: exactly)
-        assert got["micro-batch fitted (--micro-batch 0)"][0] == 4  # a CPU: the largest up to 8 of [1, 2, 4]
+        assert rows["micro-batch fitted (--micro-batch 0)"][0] == 4
 
 
-def test_plain_update_at_the_real_width(capsys):
-    """bench_gpu.py --plain on CPU: the loop's update and the plainest PyTorch's on one real-width Qwen-Image block
-    (random weights, twins), which must first land on the same LoRA (bench.plain_rows asserts it), then the ratio."""
-    rows = table_rows(run_bench_gpu(capsys, "--plain", "--quick"))
-    assert list(rows) == ["real width, 1 of 60 blocks, 32², CFG 4: training ÷ plain PyTorch update"], list(rows)
+def test_host_rows_and_the_ops_they_count():
+    """bench_host.py at its smallest: the four rows; and, since aten operations are counted, not timed, a bound that
+    fails the day the host's work per block comes back (FSDP2's hooks and copies on one rank made it 2.4× diffusers'
+    forward, 443 against 182 per block; peft's LoRA alone, 10 layers a block, 1.55×)."""
+    rows = table_rows(run_bench("--quick", script="bench_host.py"))
+    assert list(rows) == ["host: time per forward, loop ÷ bare diffusers", "host: aten ops per block, loop ÷ bare "
+                          "diffusers", "host: time per forward + backward, loop ÷ plain LoRA step",
+                          "host: aten ops per forward + backward, loop ÷ plain LoRA step"], list(rows)
+    assert rows["host: aten ops per block, loop ÷ bare diffusers"][0] <= 1.6
+    assert rows["host: aten ops per forward + backward, loop ÷ plain LoRA step"][0] <= 1.1
 
 
 def test_flop_formula_matches_torch_flop_counter():
