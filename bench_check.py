@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
 GPU = [PY, "bench_gpu.py", "--device", "cuda", "--model", "qwen-image"]
 TOY = [PY, "bench_gpu.py", "--model", "tiny", "--quick"]
+SUMMARY = "OUT/summary.md"  # OUT: the folder named on the command line
 TESTS = [PY, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rP"]  # -rP: what passing tests print
 # (name, what it shows, the GPU command, the dry run's, bound in seconds): the bounds sum to 9 minutes
 STEPS = [
@@ -91,7 +92,7 @@ def report(log_path: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", help="the folder for the logs and summary.md (made; its files of the same names replaced)")
+    p.add_argument("out", help="the folder OUT for OUT/<step>.log and OUT/summary.md (made; those files replaced)")
     p.add_argument("--dry-run", action="store_true", help="every step at toy size on the CPU")
     p.add_argument("--only", help="comma-separated step names (default: all, in order)")
     o = p.parse_args(argv)
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--only: no step {sorted(unknown)}; the steps: {', '.join(s[0] for s in STEPS)}")
     os.makedirs(o.out, exist_ok=True)
-    summary = os.path.join(o.out, "summary.md")
+    summary = os.path.join(o.out, os.path.basename(SUMMARY))
     with open(summary, "w") as f:
         f.write(header(o.dry_run))
     verdicts = []

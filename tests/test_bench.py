@@ -90,8 +90,9 @@ def check(tmp_path_factory):
 
 
 def test_the_gpu_checks_dry_run_passes_every_step_and_writes_as_it_goes(check):
-    """summary.md: the header (revision, machine, versions), each step's verdict, the closing count; a log per step."""
-    summary = (check / "summary.md").read_text()
+    """OUT/summary.md: the header (revision, machine, versions), each step's verdict, the closing count; a log per
+    step."""
+    summary = (check / os.path.basename(bench_check.SUMMARY)).read_text()
     assert summary.startswith("# GPU check, ") and "torch 2." in summary and "diffusers 0.42" in summary, summary[:500]
     steps = [s[0] for s in bench_check.STEPS]
     for name in steps:
