@@ -1,4 +1,5 @@
-"""bench_host.py: the host's work per transformer call, the loop's against bare diffusers', at real depth.
+"""bench_host.py: the host's work per transformer call, the loop's against bare diffusers', at real depth; and the
+bytes a rollout gathers on 2 ranks.
     python bench_host.py [--quick] [--markdown FILE]    # CPU: time and aten ops per call, loop ÷ bare
 
 On a GPU at the recipe's micro-batch the transformer's kernels are short, and what the host does to launch them (the
@@ -12,15 +13,24 @@ import argparse
 import collections
 import copy
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from diffusers import QwenImageTransformer2DModel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import engine as eng
 import flowgrpo
+import models
 import models_qwen
-from bench import HEAD, make_engine, measure, ms, row
+import rollout
+import scheduler as sch
+from bench import HEAD, make_engine, measure, ms, row, texts_of
 
 BLOCKS = 60  # Qwen-Image's depth
 
@@ -92,15 +102,62 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
         "≤ 1.2", f"{n['loop step'] / BLOCKS:.0f} vs {n['plain step'] / BLOCKS:.0f} per block")
 
 
+def gather_worker() -> None:
+    """One of 2 gloo ranks (torchrun): the tiny recipe's rollout of 8 images on each, FSDP2 gathering each block at every
+    step and then keeping what it gathered (Engine.rollout_weights), the bytes every all-gather brought counted."""
+    a = dataclasses.replace(flowgrpo.RECIPES["tiny"], group_size=4, prompts_per_iteration=4, micro_batch=4)
+    model = models.load_model("tiny", None, "cpu", seed=0)
+    engine, gathered = make_engine(a, model), []
+    for name in ("all_gather_single", "all_gather_into_tensor"):  # FSDP2's gather (torch 2.13; before)
+        if hasattr(dist, name):
+            def counted(out, *args, f=getattr(dist, name), **kwargs):
+                gathered.append(out.numel() * out.element_size())
+                return f(out, *args, **kwargs)
+            setattr(dist, name, counted)
+    ids = torch.arange(8) + 8 * engine.rank
+    texts, steps, runs = (texts_of(a) * 2)[:8], sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0), {}
+    for keep in (False, True):
+        engine.keep_gathered, gathered[:] = keep, []
+        b = rollout.LocalBackend(engine).sample(model, texts, [{}] * 8, ids // 4, ids, steps=steps, height=a.height,
+                                                width=a.width, num_steps=a.num_steps, cfg_scale=a.cfg_scale,
+                                                negative_prompt=a.negative_prompt, noise_level=a.noise_level, seed=0,
+                                                sde_type=a.sde_type, iteration=0, chunk=a.micro_batch)
+        runs[keep] = (sum(gathered), b)
+    same = all(torch.equal(getattr(runs[0][1], k), getattr(runs[1][1], k)) for k in ("latents", "log_probs", "images"))
+    if engine.is_main:
+        print("GATHER", json.dumps(dict(step=runs[False][0] / 8, keep=runs[True][0] / 8, same=same,
+                                        calls=a.num_steps * (1 + (a.cfg_scale > 1)) * 2)))
+    eng.exit_process(0)
+
+
+def gather_rows(t: list):
+    """Engine.rollout_weights at 2 ranks: bytes gathered per image, kept ÷ gathered at every step, the same images."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--gather-worker"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.split("GATHER", 1)[1].splitlines()[0])
+    assert r["same"], "the rollout on kept weights differs from the one gathering at every step"
+    row(t, "rollout: bytes gathered per image at 2 ranks, weights kept ÷ gathered at every step", [r["keep"] / r["step"]],
+        "×", "≪ 1: a rollout's gathers, not each call's", f"tiny recipe, 8 images a rank in chunks of 4, {r['calls']} "
+        "transformer calls a chunk; "
+        f"{r['step'] / 2**20:.2f} vs {r['keep'] / 2**20:.2f} MiB per image; the same latents, log-probs and images")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one repeat (the smoke test)")
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1)")
     p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("--gather-worker", action="store_true", help=argparse.SUPPRESS)  # one rank of gather_rows
     o, t = p.parse_args(argv), list(HEAD)
     o.repeats = o.repeats or (1 if o.quick else 9)
     torch.set_num_threads(1)
+    if o.gather_worker:
+        return gather_worker()
     host_rows(t, o)
+    gather_rows(t)
     if o.markdown:
         open(o.markdown, "w").write("\n".join([*t, ""]))
 

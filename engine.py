@@ -1,12 +1,12 @@
 """The training engine: the only file that knows how training is distributed.
 
-It owns the process group, the trainable weights (LoRA via peft, or the full transformer), FSDP2
-sharding, the (data-parallel × sequence-parallel) mesh (`--sp`: sequence_parallel.py), the optimizer, gradient
-clipping, the EMA of the weights, the reference model (the same network with the adapter disabled), the few
-collectives the loop needs, saving and loading checkpoints
-(torch.distributed.checkpoint; their files and checks: checkpoint.py) and LoRA export. The loop calls
-`engine.step()`, `engine.reference()`, `engine.all_gather(x)`, ... and never branches on parallelism: one
-process is simply a world of size 1 (same FSDP2 code path).
+It owns the process group, the trainable weights (LoRA via peft, or the full transformer), FSDP2 sharding where there
+is something to shard (else bf16 compute from working copies, precision.py), the (data-parallel × sequence-parallel)
+mesh (`--sp`: sequence_parallel.py), the optimizer, gradient clipping, the EMA of the weights and the old policy
+(their shadows: ema.py), the reference model (the same network with the adapter disabled), the rollout's gathered
+weights, the few collectives the loop needs, saving and loading checkpoints (torch.distributed.checkpoint; their files
+and checks: checkpoint.py) and LoRA export. The loop calls `engine.step()`, `engine.reference()`,
+`engine.all_gather(x)`, ... and never branches on parallelism: one process is simply a world of size 1.
 """
 import contextlib
 import faulthandler
@@ -18,6 +18,7 @@ import sys
 import warnings
 from typing import NoReturn
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint as ckpt
 import precision
+from ema import EMA, OldPolicy
 import sequence_parallel as seqpar
 from sequence_parallel import data_parallel_size  # noqa: F401 (the loop's batch arithmetic counts data-parallel ranks)
 
@@ -103,88 +105,6 @@ def assign_images(n_images: int, optimizer_steps: int, world_size: int, seed: in
     return perm.view(optimizer_steps, world_size, -1).transpose(0, 1).reshape(world_size, -1)
 
 
-def ema_flow_grpo(ema: torch.Tensor, p: torch.Tensor, n: int, every: int, decay: float) -> None:
-    """Flow-GRPO's EMAModuleWrapper: after optimizer step n, when n + 1 is a multiple of `every`,
-    ema ← ema + (1 − d)·(θ − ema) with the warm-up d = min((1 + n)/(10 + n), decay)."""
-    if (n + 1) % every == 0:
-        ema.add_((p - ema) * (1 - min((1 + n) / (10 + n), decay)))
-
-
-def ema_dance(ema: torch.Tensor, p: torch.Tensor, n: int, every: int, decay: float) -> None:
-    """DanceGRPO's FSDP_EMA: after optimizer step n, when n is a multiple of `every` (every = optimizer steps per
-    iteration: once per rollout batch, as its train_one_step), ema ← d·ema + (1 − d)·θ, constant d, no warm-up."""
-    if n % every == 0:
-        ema.copy_(ema * decay + p * (1 - decay))
-
-
-EMA_FORMS = {"flow-grpo": ema_flow_grpo, "dance": ema_dance}
-
-
-class EMA:
-    """An exponential moving average of the trained parameters (docs/algorithm.md §10, "EMA"). After optimizer step n
-    (n = 1, 2, …; skipped steps count) EMA_FORMS[form] updates it, `repeat` times in a row where it fires: Flow-GRPO's
-    SD3 and FLUX scripts call the update once per micro-batch with an unchanged step counter, i.e. M times per firing
-    on the same weights (an effective decay d^M; M = 1: once per optimizer step). Under FSDP2 the parameters are
-    DTensors and each rank averages its own shards in float32, element-wise: no communication, and the same bits
-    whatever the number of ranks."""
-
-    def __init__(self, named_params, decay: float, every: int, repeat: int = 1, form: str = "flow-grpo"):
-        self.names, self.params = map(list, zip(*named_params))
-        self.decay, self.every, self.steps = decay, every, torch.zeros((), dtype=torch.int64)
-        self.repeat, self.update = repeat, EMA_FORMS[form]
-        with torch.no_grad():  # starts at the initial weights (a LoRA's B = 0: the base model); DTensors stay sharded
-            self.shadow = [p.detach().float().clone() for p in self.params]
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.steps += 1
-        n = int(self.steps)
-        for ema, p in zip(self.shadow, self.params):
-            for _ in range(self.repeat):  # element-wise: the same bits as M whole passes in a row
-                self.update(_local(ema), _local(p).float(), n, self.every, self.decay)
-
-    @contextlib.contextmanager
-    def swapped(self):
-        """The EMA weights in the model for the duration; the trained ones come back bit for bit. (FSDP2 gathers the
-        shards at every forward, so the swap needs no resharding.)"""
-        with torch.no_grad():
-            backup = [_local(p).clone() for p in self.params]
-            for ema, p in zip(self.shadow, self.params):
-                _local(p).copy_(_local(ema))
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for saved, p in zip(backup, self.params):
-                    _local(p).copy_(saved)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The tensors a checkpoint holds (DTensors under FSDP2): dcp.save writes them beside the weights, and dcp.load
-        fills these very tensors in place, strictly."""
-        return {"step": self.steps, **dict(zip(self.names, self.shadow))}
-
-
-class OldPolicy(EMA):
-    """The forward-process algorithms' "old" policy v_old (docs/algorithm.md §12): a float32 shadow of the trained
-    parameters, stored, swapped in and checkpointed as the EMA is (a shadow rather than a second peft adapter: one
-    mechanism for LoRA and full fine-tuning, sharded exactly as the parameters, and nothing a LoRA export could pick
-    up). The algorithm moves it once per iteration, `blend(d)`: old ← old·d + θ·(1 − d), DiffusionNFT's arithmetic
-    to the bit, element-wise on each rank's shards (the same bits whatever the number of ranks)."""
-
-    def __init__(self, named_params):
-        super().__init__(named_params, decay=0.0, every=1)  # EMA's storage; its own step() is never called
-
-    @torch.no_grad()
-    def blend(self, decay: float) -> None:
-        for old, p in zip(self.shadow, self.params):
-            _local(old).copy_(_local(old) * decay + _local(p).float() * (1.0 - decay))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the storage FSDP2 gathers from: in-place writes reach the parameter)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class Engine:
     """Trains `model.transformer` in place: LoRA → activation checkpointing → sequence parallelism → compile → FSDP2
     (where it shards; `shard=True` forces it on a world of one) → AdamW. `dp_rank`, `dp_size`: the data-parallel rank
@@ -245,6 +165,11 @@ class Engine:
                   else OffloadPolicy(), mesh=init_device_mesh(self.device.type, (self.world_size,)))  # this device's
         for module in [*model.blocks, net] if self.sharded else []:
             fully_shard(module, **kw)
+        # The rollout keeps what it gathers (rollout_weights) where the whole transformer, unsharded, takes at most half
+        # of the device's memory free now, and nothing is offloaded; every rank alike, as each decides on the same sizes
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else psutil.virtual_memory().available
+        whole = sum(p.numel() for p in net.parameters()) * (2 if mixed_precision else 4)
+        self.keep_gathered = self.sharded and not offload and whole <= free / 2
         if sp > 1:  # an --sp rank's gradient is a partial sum over its tokens: sum them, average over data parallelism
             seqpar.sum_over_sequence([*model.blocks, net], self.dp_size)
         if shard_text_encoder and self.sharded:  # frozen, only forwards: shard it to save memory on every rank
@@ -308,6 +233,23 @@ class Engine:
                 yield
             finally:
                 reshard()  # before the restore: after it, the trained ones are gathered anew
+
+    @contextlib.contextmanager
+    def rollout_weights(self):
+        """The rollout's forwards on each block's weights gathered once, freed at the end (`keep_gathered`). Without,
+        FSDP2 gathers a block before each forward and frees it after: the whole model at each of a rollout's steps and
+        CFG branches, 40 GB per pass and rank for Qwen-Image. The same values either way: the same bits."""
+        if not self.keep_gathered:
+            yield
+            return
+        for block in self.model.blocks:
+            block.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            for block in self.model.blocks:
+                block.set_reshard_after_forward(True)
+                block.reshard()
 
     @contextlib.contextmanager
     def reference(self):

@@ -222,13 +222,19 @@ def make_backend(kind: str, urls: str | None, run_dir: str, engine):
     adapters and trajectories go to a directory of its own beneath FLOWGRPO_ROLLOUT_DIR (default: the run
     directory), which must lie beneath the servers' trajectory_root."""
     if not check_backend(kind, urls):
-        return LocalBackend()
+        return LocalBackend(engine)
     return OmniBackend(urls, run_dir, engine, **omni_options())
 
 
-class LocalBackend:  # the trainer's own model samples (`sample`); nothing to synchronise or close
-    sample = staticmethod(sample)
+class LocalBackend:  # the trainer's own model samples (`sample`), on weights the engine gathers once for all its steps
     sync = close = staticmethod(lambda *args: None)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def sample(self, *args, **kwargs) -> Batch:
+        with self.engine.rollout_weights():
+            return sample(*args, **kwargs)
 
 
 def build_requests(model, prompts, image_ids, *, steps, num_steps, height, width, cfg_scale, negative_prompt,

@@ -117,15 +117,19 @@ def test_the_gpu_checks_dry_run_rows(check, step):
 
 
 def test_host_rows_and_the_ops_they_count():
-    """bench_host.py at its smallest: the four rows; and, since aten operations are counted, not timed, a bound that
+    """bench_host.py at its smallest: its rows; and, since aten operations and bytes are counted, not timed, bounds that
     fails the day the host's work per block comes back (FSDP2's hooks and copies on one rank made it 2.4× diffusers'
     forward, 443 against 182 per block; peft's LoRA alone, 10 layers a block, 1.55×)."""
     rows = table_rows(run_bench("--quick", script="bench_host.py"))
     assert list(rows) == ["host: time per forward, loop ÷ bare diffusers", "host: aten ops per block, loop ÷ bare "
                           "diffusers", "host: time per forward + backward, loop ÷ plain LoRA step",
-                          "host: aten ops per forward + backward, loop ÷ plain LoRA step"], list(rows)
+                          "host: aten ops per forward + backward, loop ÷ plain LoRA step", "rollout: bytes gathered "
+                          "per image at 2 ranks, weights kept ÷ gathered at every step"], list(rows)
     assert rows["host: aten ops per block, loop ÷ bare diffusers"][0] <= 1.6
     assert rows["host: aten ops per forward + backward, loop ÷ plain LoRA step"][0] <= 1.1
+    # bytes, counted: 16 calls gather the model 16 times, a rollout on kept weights twice (bench_host asserts the
+    # same latents, log-probs and images)
+    assert rows["rollout: bytes gathered per image at 2 ranks, weights kept ÷ gathered at every step"][0] < 0.2
 
 
 def test_flop_formula_matches_torch_flop_counter():

@@ -30,7 +30,8 @@ BUDGETS = {
     "models_qwen_edit.py": 200,  # the second edit family: Qwen-Image-Edit, the source through the VL encoder and VAE
     "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here (nano-edit's edit call too)
     "memory.py": 100,  # --micro-batch 0: the micro-batch sized to the device's memory, measured
-    "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, EMA, the old policy, process groups
+    "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, the rollout's gathered weights, process groups
+    "ema.py": 150,  # the shadows of the trained weights: the EMA and the old policy, sharded as the weights
     "precision.py": 100,  # bf16 compute without FSDP2 on a world of one: working copies, input casts
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     # the checkpoint format and its checks; raised from 250: every count, size, depth and name read back is bounded
@@ -59,7 +60,8 @@ BUDGETS = {
     "nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
     "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
-    "bench_host.py": 150,  # the host's work per transformer call, loop against bare diffusers, at real depth (CPU)
+    # the host's work per transformer call, loop against bare diffusers, at real depth (CPU); the bytes a rollout gathers
+    "bench_host.py": 200,
     "bench_overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
     "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
     "bench_gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows

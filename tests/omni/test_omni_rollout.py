@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from harness import ROOT, Forwarder, OmniServer, http, set_lora_b, train_here
 
 import checkpoint
+import ema
 import engine as eng
 import models
 import models_qwen
@@ -104,7 +105,7 @@ def test_an_ode_rollout_returns_the_local_final_latents_sampled_with_the_old_pol
         with torch.no_grad():
             for s, (n, _) in zip(engine.old.shadow, named):
                 if "lora_B" in n:
-                    eng._local(s).normal_(0.0, 0.05, generator=torch.Generator().manual_seed(6))
+                    ema.local_shard(s).normal_(0.0, 0.05, generator=torch.Generator().manual_seed(6))
         backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
         with engine.old_weights():
             backend.sync(engine, 0)
