@@ -5,9 +5,10 @@ One adapter per family, each a small class in a file of its own around that fami
 and the shared tiny parts in models_base.py): Qwen-Image with `tiny` (models_qwen.py; the laptop tasks' `nano*` in
 models_nano.py), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video (models_wan.py),
 the edit families FLUX.1 Kontext (models_kontext.py) and Qwen-Image-Edit (models_qwen_edit.py): a source image per
-prompt, Z-Image (models_zimage.py) and FLUX.2 [klein] (models_flux2.py). Each family has a `tiny` variant: the same
-diffusers classes with toy configs and random weights, built in code from a seed, no downloads. Importing this module
-loads neither diffusers nor transformers (`--help` stays fast).
+prompt, Z-Image (models_zimage.py), FLUX.2 [klein] (models_flux2.py) and Qwen-Image 2.1 (models_qwen21.py: text to
+image, and editing under the `-edit` names). Each family has a `tiny` variant: the same diffusers classes with toy
+configs and random weights, built in code from a seed, no downloads. Importing this module loads neither diffusers nor
+transformers (`--help` stays fast).
 """
 import functools
 import math
@@ -23,6 +24,7 @@ from models_flux2 import Flux2Klein, Flux2KleinDistilled
 from models_kontext import FluxKontext
 from models_nano import NanoComposeQwenImage, NanoEdit, NanoQwenImage
 from models_qwen import QwenImage
+from models_qwen21 import QwenImage21
 from models_qwen_edit import QwenImageEdit
 from models_sd3 import SD3
 from models_wan import Wan
@@ -50,6 +52,10 @@ SPECS = {
     "tiny-flux.2-klein": Spec(Flux2Klein, "Flux2KleinPipeline", 8),
     "flux.2-klein": Spec(Flux2KleinDistilled, "Flux2KleinPipeline", 16),
     "flux.2-klein-base": Spec(Flux2Klein, "Flux2KleinPipeline", 16),
+    "tiny-qwen-image-2.1": Spec(QwenImage21, "QwenImage21Pipeline", 32),
+    "tiny-qwen-image-2.1-edit": Spec(QwenImage21, "QwenImage21Pipeline", 32, edits=True),
+    "qwen-image-2.1": Spec(QwenImage21, "QwenImage21Pipeline", 32),
+    "qwen-image-2.1-edit": Spec(QwenImage21, "QwenImage21Pipeline", 32, edits=True),
 }
 MODELS = tuple(SPECS)
 TINY = tuple(m for m in MODELS if m.startswith("tiny"))

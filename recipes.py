@@ -12,7 +12,8 @@ import os
 import models
 
 LORA_TARGETS = {m: models.adapter_class(m).lora_targets  # no diffusers
-                for m in ("tiny-sd3", "tiny-flux", "tiny-wan", "tiny-z-image", "tiny-flux.2-klein")}
+                for m in ("tiny-sd3", "tiny-flux", "tiny-wan", "tiny-z-image", "tiny-flux.2-klein",
+                          "tiny-qwen-image-2.1")}
 
 # What DiffusionNFT's and AWM's public SD3.5-M configs share: 512², no CFG, their DPM-Solver++(2M) on every step,
 # LoRA r 32 on SD3's public targets, lr 3e-4, mixed precision, an EMA updated every step
@@ -39,6 +40,9 @@ RECIPES: dict[str, dict] = {
     "tiny-qwen-image-edit": dict(model="tiny-qwen-image-edit", cfg_scale=4.0),  # true CFG at the pipeline's default
     "tiny-z-image": dict(model="tiny-z-image", lora_targets=LORA_TARGETS["tiny-z-image"]),  # clip range: not measured
     "tiny-flux.2-klein": dict(model="tiny-flux.2-klein", lora_targets=LORA_TARGETS["tiny-flux.2-klein"]),  # nor here
+    "tiny-qwen-image-2.1": dict(model="tiny-qwen-image-2.1", lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"]),
+    "tiny-qwen-image-2.1-edit": dict(model="tiny-qwen-image-2.1-edit",
+                                     lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"]),
     # 9 frames (3 latent frames), a reward on the frames' motion. Rise in 30 iterations (12) in iteration-0 within-
     # batch stds, seeds 0, 1, 2: 5.4 (1.0), 3.4 (1.4), 7.0 (3.0); at clip 0.2 (which never acted) 5.6 (4.1), 3.1
     # (3.6), 6.9 (4.7); at 0.2 with 8 videos per prompt 4.9, 3.1, 5.3; at 0.2 with the noise and lr of `tiny` (0.7,
@@ -194,4 +198,13 @@ RECIPES: dict[str, dict] = {
     "flux.2-klein": dict(FLOW_FACTORY, model="flux.2-klein", height=384, width=384, num_steps=4, eval_steps=10,
                          noise_level=0.5, window_range=(1, 3), lora_targets=LORA_TARGETS["tiny-flux.2-klein"],
                          checkpoint_every=20, eval_every=20),
+    # Qwen-Image 2.1 on one GPU: Flow-Factory's public edit config (examples/grpo/lora/qwen_image_2_1/default.yaml at
+    # 5f6cda1), CFG-distilled (no CFG), noise 1.0, activation checkpointing; its text-to-image twin takes the same
+    # values on the built-in prompts (no public text-to-image config was readable here: a default, §7)
+    "qwen-image-2.1-edit": dict(FLOW_FACTORY, model="qwen-image-2.1-edit", height=384, width=384, num_steps=10,
+                                eval_steps=40, noise_level=1.0, lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"],
+                                activation_checkpointing=True, checkpoint_every=20, eval_every=20),
+    "qwen-image-2.1": dict(FLOW_FACTORY, model="qwen-image-2.1", height=384, width=384, num_steps=10, eval_steps=40,
+                           noise_level=1.0, lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"],
+                           activation_checkpointing=True, checkpoint_every=20, eval_every=20),
 }
