@@ -82,6 +82,16 @@ class ZImage(Adapter):
         raise ValueError(f"--sp: --model {model} has no sequence parallelism: diffusers 0.42.1 has no context-parallel "
                          "plan for ZImageTransformer2DModel; run without --sp (FSDP2 alone)")
 
+    @classmethod
+    def check_size(cls, model: str, spec: Spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
+        """ZImageTransformer2DModel's rotary tables hold `axes_lens` positions per axis (512 rows and 512 columns of
+        2×2 patches): a larger image crashes its first call."""
+        rows, columns = getattr(transformer(), "config", {}).get("axes_lens", [1024, 512, 512])[1:]
+        for flag, side, table in (("--height", height, rows), ("--width", width, columns)):
+            if side // spec.multiple > table:
+                raise ValueError(f"{flag} must be at most {table * spec.multiple} for --model {model}, got {side}: its "
+                                 f"transformer's rotary position table (axes_lens) holds {table} patches a side")
+
     def noise(self, generators: list[torch.Generator], height: int, width: int) -> torch.Tensor:
         """x at σ = 1, one generator per image: (B, C, H/8, W/8) float32, as the pipeline's `prepare_latents`."""
         return self.pipe.prepare_latents(len(generators), self.transformer.config.in_channels, height, width,

@@ -17,6 +17,7 @@ import models
 import models_qwen21
 import rollout
 import scheduler as sch
+import startup
 from test_edit import edit_prompts, write_png
 from test_engine import assert_same, lora, rows, train_state, without_perf
 from test_models_zimage_flux2 import check_ode_equals_pipeline
@@ -141,3 +142,10 @@ def test_what_the_family_cannot_do_is_refused_before_loading(model, change, need
     kw = dict(height=512, width=512, cfg_scale=1.0, guidance=None, model_path=None) | change
     with pytest.raises(ValueError, match=needle):
         models.check_model_args(model, **kw)
+
+
+def test_the_recipes_pass_start_up(tmp_path):
+    """The one-GPU recipes (docs/algorithm.md §7): from text on the built-in prompts, editing on an edit set."""
+    startup.check_args(startup.recipe_args(flowgrpo.Args, "qwen-image-2.1"))
+    startup.check_args(dataclasses.replace(startup.recipe_args(flowgrpo.Args, "qwen-image-2.1-edit"),
+                                           prompts=edit_prompts(tmp_path)))

@@ -12,6 +12,7 @@ import flowgrpo
 import models
 import rollout
 import scheduler as sch
+import startup
 from test_engine import assert_same, lora, rows, train_state, without_perf
 from tiny_setup import main_here
 
@@ -129,9 +130,17 @@ def test_resume_through_the_cli_is_bit_for_bit(name, tmp_path):
     ("flux.2-klein", dict(cfg_scale=4.0), "--cfg-scale must be 1 for --model flux.2-klein: it is step-distilled"),
     ("flux.2-klein-base", dict(guidance=3.5), "--guidance applies only to"),
     ("flux.2-klein-base", dict(height=200), "--height must be a positive multiple of 16"),
+    ("z-image", dict(width=8208), "--width must be at most 8192 for --model z-image, got 8208: its transformer's rotary"),
+    ("tiny-z-image", dict(height=4104), "--height must be at most 4096 for --model tiny-z-image"),
 ])
 def test_what_a_family_cannot_do_is_refused_before_loading(model, change, needle):
     kw = dict(height=512, width=512, cfg_scale=1.0, guidance=None, model_path=None) | change
     with pytest.raises(ValueError, match=needle):
         models.check_model_args(model, **kw)
     models.check_model_args("flux.2-klein-base", height=512, width=512, cfg_scale=4.0, guidance=None, model_path=None)
+
+
+@pytest.mark.parametrize("recipe", ["z-image", "z-image-turbo", "flux.2-klein-base", "flux.2-klein"])
+def test_the_public_recipes_pass_start_up(recipe):
+    """Flow-Factory's configs as recipes (docs/algorithm.md §7): every value within start-up's checks."""
+    startup.check_args(startup.recipe_args(flowgrpo.Args, recipe))
