@@ -47,8 +47,16 @@ def test_text_to_image_ode_reproduces_the_pipeline(qwen21, cfg, height, width):
 
 def test_the_prefix_kv_cache_changes_no_bit_here(qwen21):
     """The pipeline's default, its prefix-KV cache (the text's keys and values kept from the first step), gives the same
-    latents as recomputing them on the tiny twin in float32 on CPU (its docstring: not so in reduced precision)."""
-    check_ode_equals_pipeline(qwen21, PROMPTS[:1], 1.0, SIDE, SIDE, use_kv_cache=True)
+    latents as recomputing them on the tiny twin in float32 on CPU (its docstring: not so in reduced precision); the
+    cache is used (every step after the first reads it)."""
+    modes = []
+    hook = qwen21.transformer.register_forward_pre_hook(lambda m, a, kw: modes.append(kw.get("kv_cache_mode")),
+                                                        with_kwargs=True)
+    try:
+        check_ode_equals_pipeline(qwen21, PROMPTS[:1], 1.0, SIDE, SIDE, use_kv_cache=True)
+    finally:
+        hook.remove()
+    assert modes[-4:] == ["extract", "cached", "cached", "cached"], modes
 
 
 @pytest.mark.parametrize("cfg", [1.0, 4.0])
