@@ -88,6 +88,7 @@ class Flux2Klein(Adapter):
         self.scheduler = klein_scheduler_class().from_config(pipe.scheduler.config)  # the σ table only; the pipe's own
         pipe.text_encoder.register_forward_pre_hook(last_logit_only, with_kwargs=True)  # its states only are read
         self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, pipe.tokenizer.model_max_length)
+        self.distilled = bool(pipe.config.get("is_distilled", False))  # its pipeline then ignores guidance
 
     @classmethod
     def sp_sequences(cls, model: str, spec: Spec, height: int, width: int, num_frames: int = 1) -> dict[str, int]:
@@ -124,6 +125,9 @@ class Flux2Klein(Adapter):
         """v(x, σ) (B, S, 4C), two-pass CFG v_u + w·(v_c − v_u) when cfg_scale > 1, as the pipeline makes it: the time
         input σ·1000 cast to the latent dtype, then divided by 1000; no guidance embedding. cond: `embeds` (+
         `neg_embeds`)."""
+        if cfg_scale > 1 and self.distilled:
+            raise ValueError(f"--cfg-scale must be 1 for a step-distilled FLUX.2 [klein] (this --model-path's pipeline "
+                             f"runs no CFG), got {cfg_scale}: use --model flux.2-klein, or a base checkpoint")
         t = (sigma.to(self.device, torch.float32) * self.scheduler.config.num_train_timesteps).to(self.dtype) / 1000
         grid = torch.empty(x.shape[0], 0, height // self.multiple, width // self.multiple)
         img_ids = self.pipe._prepare_latent_ids(grid).to(self.device)

@@ -144,3 +144,14 @@ def test_what_a_family_cannot_do_is_refused_before_loading(model, change, needle
 def test_the_public_recipes_pass_start_up(recipe):
     """Flow-Factory's configs as recipes (docs/algorithm.md §7): every value within start-up's checks."""
     startup.check_args(startup.recipe_args(flowgrpo.Args, recipe))
+
+
+def test_a_step_distilled_klein_takes_no_cfg(built):
+    """A distilled FLUX.2 [klein] pipeline (`is_distilled`, which makes Flux2KleinPipeline ignore guidance) given as
+    the base model's --model-path: its adapter refuses --cfg-scale > 1 before the first transformer call."""
+    pipe = models.adapter_class("tiny-flux.2-klein").build_tiny(0)
+    pipe.register_to_config(is_distilled=True)
+    distilled = models.adapter_class("tiny-flux.2-klein")(pipe, "cpu", torch.float32)
+    x = distilled.noise(rollout.image_generators(0, 0, [0]), H, W)
+    with pytest.raises(ValueError, match="--cfg-scale must be 1 for a step-distilled FLUX.2"):
+        distilled.velocity(x, torch.ones(1), distilled.conditioning(PROMPTS[:1], "", 4.0), 4.0, H, W)
