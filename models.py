@@ -4,9 +4,11 @@ anything loads, the start-up checks of the model flags, and `load_model`.
 One adapter per family, each a small class in a file of its own around that family's diffusers pipeline (the base class
 and the shared tiny parts in models_base.py): Qwen-Image with `tiny` (models_qwen.py; the laptop tasks' `nano*` in
 models_nano.py), Stable Diffusion 3.5 (models_sd3.py), FLUX.1 (models_flux.py), Wan2.1 text-to-video (models_wan.py),
-and the edit families FLUX.1 Kontext (models_kontext.py) and Qwen-Image-Edit (models_qwen_edit.py): a source image per
-prompt. Each family has a `tiny` variant: the same diffusers classes with toy configs and random weights, built in code
-from a seed, no downloads. Importing this module loads neither diffusers nor transformers (`--help` stays fast).
+the edit families FLUX.1 Kontext (models_kontext.py) and Qwen-Image-Edit (models_qwen_edit.py): a source image per
+prompt, Z-Image (models_zimage.py), FLUX.2 [klein] (models_flux2.py) and Qwen-Image 2.1 (models_qwen21.py: text to
+image, and editing under the `-edit` names). Each family has a `tiny` variant: the same diffusers classes with toy
+configs and random weights, built in code from a seed, no downloads. Importing this module loads neither diffusers nor
+transformers (`--help` stays fast).
 """
 import functools
 import math
@@ -18,12 +20,15 @@ import checkpoint
 import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
+from models_flux2 import Flux2Klein, Flux2KleinDistilled
 from models_kontext import FluxKontext
 from models_nano import NanoComposeQwenImage, NanoEdit, NanoQwenImage
 from models_qwen import QwenImage
+from models_qwen21 import QwenImage21
 from models_qwen_edit import QwenImageEdit
 from models_sd3 import SD3
 from models_wan import Wan
+from models_zimage import ZImage, ZImageTurbo
 
 SPECS = {
     "tiny": Spec(QwenImage, "QwenImagePipeline", 8),
@@ -41,6 +46,16 @@ SPECS = {
     "qwen-image-edit": Spec(QwenImageEdit, "QwenImageEditPlusPipeline", 16, edits=True),
     "tiny-wan": Spec(Wan, "WanPipeline", 8, frame_multiple=4),
     "wan2.1-t2v-1.3b": Spec(Wan, "WanPipeline", 16, frame_multiple=4),
+    "tiny-z-image": Spec(ZImage, "ZImagePipeline", 8),
+    "z-image": Spec(ZImage, "ZImagePipeline", 16),
+    "z-image-turbo": Spec(ZImageTurbo, "ZImagePipeline", 16),
+    "tiny-flux.2-klein": Spec(Flux2Klein, "Flux2KleinPipeline", 8),
+    "flux.2-klein": Spec(Flux2KleinDistilled, "Flux2KleinPipeline", 16),
+    "flux.2-klein-base": Spec(Flux2Klein, "Flux2KleinPipeline", 16),
+    "tiny-qwen-image-2.1": Spec(QwenImage21, "QwenImage21Pipeline", 32),
+    "tiny-qwen-image-2.1-edit": Spec(QwenImage21, "QwenImage21Pipeline", 32, edits=True),
+    "qwen-image-2.1": Spec(QwenImage21, "QwenImage21Pipeline", 32),
+    "qwen-image-2.1-edit": Spec(QwenImage21, "QwenImage21Pipeline", 32, edits=True),
 }
 MODELS = tuple(SPECS)
 TINY = tuple(m for m in MODELS if m.startswith("tiny"))
@@ -70,6 +85,9 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
     if not spec.guidance_embedding and guidance is not None:
         raise ValueError(f"--guidance applies only to models with a guidance embedding (tiny-flux, flux.1-dev); "
                          f"--model {model} takes --cfg-scale instead")
+    if cfg_scale > 1 and getattr(spec.adapter, "step_distilled", False):  # models_flux2.Flux2KleinDistilled
+        raise ValueError(f"--cfg-scale must be 1 for --model {model}: it is step-distilled and its pipeline runs no CFG "
+                         f"(its base model takes CFG), got {cfg_scale}")
     check_frames(model, num_frames)
     if model_path is not None or spec.trained_parts:  # nano's default is the shipped directory: check it too
         check_model_path(model, model_path or adapter_class(model).default_path)

@@ -11,13 +11,23 @@ import os
 
 import models
 
-LORA_TARGETS = {m: models.adapter_class(m).lora_targets for m in ("tiny-sd3", "tiny-flux", "tiny-wan")}  # no diffusers
+LORA_TARGETS = {m: models.adapter_class(m).lora_targets  # no diffusers
+                for m in ("tiny-sd3", "tiny-flux", "tiny-wan", "tiny-z-image", "tiny-flux.2-klein",
+                          "tiny-qwen-image-2.1")}
 
 # What DiffusionNFT's and AWM's public SD3.5-M configs share: 512², no CFG, their DPM-Solver++(2M) on every step,
 # LoRA r 32 on SD3's public targets, lr 3e-4, mixed precision, an EMA updated every step
 SD3_FORWARD = dict(model="sd3.5-medium", iterations=300, group_size=24, height=512, width=512, eval_steps=40,
                    cfg_scale=1.0, negative_prompt="", ode_solver="dpm2-full", lr=3e-4, lora_rank=32, lora_alpha=64,
                    lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True, ema_every=1)
+
+# What Flow-Factory's public Flow-GRPO LoRA configs (examples/grpo/lora/<model>/default.yaml) share: PickScore, 16
+# images × 48 prompts, per-device batch 1, 2 optimizer steps, one SDE step an iteration drawn from steps 1-3, group std,
+# clip 1e-4, lr 3e-4, LoRA r 64, bf16, EMA 0.9 every 4 iterations (docs/algorithm.md §7, "Flow-Factory's recipes")
+FLOW_FACTORY = dict(iterations=300, prompts="general", reward="pickscore", group_size=16, prompts_per_iteration=48,
+                    micro_batch=1, optimizer_steps=2, noise_level=0.7, window=1, window_range=(1, 4), std="group",
+                    zero_advantage="keep", clip_range=1e-4, lr=3e-4, lora_rank=64, lora_alpha=128,
+                    mixed_precision=True, ema_decay=0.9, ema_every=8)
 
 RECIPES: dict[str, dict] = {
     # this project's CPU toys (docs/algorithm.md §7): random weights, a cheap image-space reward; each clip range is
@@ -28,6 +38,11 @@ RECIPES: dict[str, dict] = {
     "tiny-flux": dict(model="tiny-flux", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
     "tiny-flux-kontext": dict(model="tiny-flux-kontext", guidance=3.5, lora_targets=LORA_TARGETS["tiny-flux"]),
     "tiny-qwen-image-edit": dict(model="tiny-qwen-image-edit", cfg_scale=4.0),  # true CFG at the pipeline's default
+    "tiny-z-image": dict(model="tiny-z-image", lora_targets=LORA_TARGETS["tiny-z-image"]),  # clip range: not measured
+    "tiny-flux.2-klein": dict(model="tiny-flux.2-klein", lora_targets=LORA_TARGETS["tiny-flux.2-klein"]),  # nor here
+    "tiny-qwen-image-2.1": dict(model="tiny-qwen-image-2.1", lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"]),
+    "tiny-qwen-image-2.1-edit": dict(model="tiny-qwen-image-2.1-edit",
+                                     lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"]),
     # 9 frames (3 latent frames), a reward on the frames' motion. Rise in 30 iterations (12) in iteration-0 within-
     # batch stds, seeds 0, 1, 2: 5.4 (1.0), 3.4 (1.4), 7.0 (3.0); at clip 0.2 (which never acted) 5.6 (4.1), 3.1
     # (3.6), 6.9 (4.7); at 0.2 with 8 videos per prompt 4.9, 3.1, 5.3; at 0.2 with the noise and lr of `tiny` (0.7,
@@ -171,4 +186,25 @@ RECIPES: dict[str, dict] = {
                             lora_alpha=64, lora_targets=LORA_TARGETS["tiny-wan"], mixed_precision=True,
                             activation_checkpointing=True, ema_decay=0.9, ema_every=8, checkpoint_every=60,
                             eval_every=30),
+    # Flow-Factory's public configs (X-GenGroup/Flow-Factory at a0b2bc5: examples/grpo/lora/z_image, z_image_turbo,
+    # flux2_klein_base, flux2_klein/default.yaml). Z-Image's guidance 4 is its form, CFG 5 here; departures: §7
+    "z-image": dict(FLOW_FACTORY, model="z-image", height=512, width=512, num_steps=10, eval_steps=40, cfg_scale=5.0,
+                    negative_prompt="", lora_targets=LORA_TARGETS["tiny-z-image"], checkpoint_every=40, eval_every=40),
+    "z-image-turbo": dict(FLOW_FACTORY, model="z-image-turbo", height=512, width=512, num_steps=6, eval_steps=10,
+                          lora_targets=LORA_TARGETS["tiny-z-image"], checkpoint_every=40, eval_every=40),
+    "flux.2-klein-base": dict(FLOW_FACTORY, model="flux.2-klein-base", height=384, width=384, num_steps=8,
+                              eval_steps=28, cfg_scale=4.0, negative_prompt="",
+                              lora_targets=LORA_TARGETS["tiny-flux.2-klein"], checkpoint_every=20, eval_every=20),
+    "flux.2-klein": dict(FLOW_FACTORY, model="flux.2-klein", height=384, width=384, num_steps=4, eval_steps=10,
+                         noise_level=0.5, window_range=(1, 3), lora_targets=LORA_TARGETS["tiny-flux.2-klein"],
+                         checkpoint_every=20, eval_every=20),
+    # Qwen-Image 2.1 on one GPU: Flow-Factory's public edit config (examples/grpo/lora/qwen_image_2_1/default.yaml at
+    # 5f6cda1), CFG-distilled (no CFG), noise 1.0, activation checkpointing; its text-to-image twin takes the same
+    # values on the built-in prompts (no public text-to-image config was readable here: a default, §7)
+    "qwen-image-2.1-edit": dict(FLOW_FACTORY, model="qwen-image-2.1-edit", height=384, width=384, num_steps=10,
+                                eval_steps=40, noise_level=1.0, lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"],
+                                activation_checkpointing=True, checkpoint_every=20, eval_every=20),
+    "qwen-image-2.1": dict(FLOW_FACTORY, model="qwen-image-2.1", height=384, width=384, num_steps=10, eval_steps=40,
+                           noise_level=1.0, lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"],
+                           activation_checkpointing=True, checkpoint_every=20, eval_every=20),
 }

@@ -171,7 +171,8 @@ def test_save_tiny_writes_a_pipeline_that_loads_back(edit, tmp_path):
     ("no images", r"--prompts general: --model tiny-qwen-image-edit edits a source image, and 48 of its prompts have "
                   r'none: give it a \.jsonl whose every line has "image"'),
     ("text to image", r"which --model tiny \(text to image\) cannot use: choose an edit model \(nano-edit, "
-                      r"tiny-flux-kontext, flux\.1-kontext-dev, tiny-qwen-image-edit, qwen-image-edit\)"),
+                      r"tiny-flux-kontext, flux\.1-kontext-dev, tiny-qwen-image-edit, qwen-image-edit, "
+                      r"tiny-qwen-image-2\.1-edit, qwen-image-2\.1-edit\)"),
     ("sp", r"--sp: --model tiny-qwen-image-edit has no sequence parallelism yet .*run without --sp"),
 ])
 def test_prompt_sets_and_flags_it_cannot_serve_are_refused_at_start_up(tmp_path, case, needle):

@@ -114,10 +114,12 @@ def test_first_update_is_exactly_on_policy(name, guide, window):
     assert float(after["gap"]) > 0  # the check can fail: after two optimizer steps the policy has moved
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux", "tiny-wan"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux", "tiny-wan", "tiny-z-image", "tiny-flux.2-klein",
+                                  "tiny-qwen-image-2.1"])
 def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(name, tmp_path):
     """Train one update in-process, export, load with `<Pipeline>.load_lora_weights` into a fresh pipeline: the
-    trained transformer's output, alpha included (Wan too: WanPipeline, one-frame videos)."""
+    trained transformer's output, alpha included (Wan too: WanPipeline, one-frame videos; ZImagePipeline,
+    Flux2KleinPipeline, QwenImage21Pipeline)."""
     check_lora_export(name, str(tmp_path), [{}] * 4)
 
 

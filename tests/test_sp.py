@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism (`--sp`, sequence_parallel.py) on CPU, gloo, 2 and 4 ranks: the split model's
-rollout, velocities and LoRA gradients equal the unsplit model's to float32 rounding (tiny Qwen-Image, tiny FLUX and
-tiny-wan's video tokens);
+rollout, velocities and LoRA gradients equal the unsplit model's to float32 rounding (tiny Qwen-Image, tiny FLUX,
+tiny-wan's video tokens and tiny FLUX.2 [klein]);
 training runs with --sp 2 (on 2 ranks in the comparisons' processes; on 4 through the CLI and torchrun) take the same
 steps as one process and resume bit for bit; impossible --sp values are refused at start-up, naming the flag and the
 numbers.
@@ -46,6 +46,11 @@ def tiny_flux78(device):
     return model
 
 
+def tiny_klein(device):
+    """tiny-flux.2-klein: its 64 text tokens (512 at full size) and the image tokens, both split by FLUX.2's plan."""
+    return models.load_model("tiny-flux.2-klein", None, device)
+
+
 def tiny_wan5(device):
     """tiny-wan with 5 frames: 2 latent frames of 4×4 patches, 32 video tokens."""
     return models.load_model("tiny-wan", None, device, num_frames=5)
@@ -67,7 +72,8 @@ class Family:
 # 2.2e-4), above the 1e-5 the image families meet: its bound is that rounding, measured in the same run
 FAMILIES = {"qwen": Family(tiny_qwen4, 4.0, "attn", 16, (11, 12)),  # the prompts' 11 tokens, padded (masked) to 12
             "flux": Family(tiny_flux78, 1.0, "attn", 16, (78, 78)),
-            "wan": Family(tiny_wan5, 4.5, "attn1", 32, (77, 77), float64=True)}  # text by cross-attention: not split
+            "wan": Family(tiny_wan5, 4.5, "attn1", 32, (77, 77), float64=True),  # text by cross-attention: not split
+            "klein": Family(tiny_klein, 4.0, "attn", 16, (64, 64))}  # FLUX.2 [klein]: two-pass CFG
 
 
 def in_float64(build: Callable) -> Callable:
@@ -215,8 +221,9 @@ def check_float32(r: dict, family: str) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_split_velocities_and_lora_gradients_equal_the_unsplit_models(split_vs_unsplit, family):
-    """Tiny Qwen-Image (true CFG 4, text of 11 tokens padded to 12), tiny FLUX (guidance embedding) and tiny-wan (CFG
-    4.5, 5 frames: 32 video tokens split, the text unsplit), float32: the rollout, the velocity on the same inputs and
+    """Tiny Qwen-Image (true CFG 4, text of 11 tokens padded to 12), tiny FLUX (guidance embedding), tiny-wan (CFG
+    4.5, 5 frames: 32 video tokens split, the text unsplit) and tiny FLUX.2 [klein] (CFG 4, 16 image and 64 text tokens
+    split), float32: the rollout, the velocity on the same inputs and
     the LoRA gradient of the policy loss differ from the unsplit model's by float32 rounding only (attention sums
     taken in another order), and the first update stays exactly on-policy."""
     check_float32(split_vs_unsplit[family], family)
