@@ -178,20 +178,21 @@ def test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device, shar
     assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("model", models.TINY)
+# (Qwen-Image 2.1's transformer reads its image mask's values, which the meta device cannot give: its σ is moved as here)
+@pytest.mark.parametrize("model", [m for m in models.TINY if not m.startswith("tiny-qwen-image-2.1")])
 def test_velocity_takes_sigma_from_the_cpu_to_the_models_device(model, tmp_path):
     """The rollout and the update hand `velocity` σ from the CPU (the schedule lives there). The first GPU run found
     a model left unsharded on cuda:0 (no FSDP2 to move its inputs) meeting that σ in its time embedding. Here the
     model stands on the meta device, its inputs there too but σ: every family must move σ itself."""
     spec = models.SPECS[model]
     m = models.load_model(model, None, "cpu", **({"guidance": 3.5} if spec.guidance_embedding else {}))
-    cfg, source = 1.0 if spec.guidance_embedding else 4.0, test_edit.write_png(tmp_path / "source.png", 32, 32, 0)
-    cond = m.conditioning(["a cat", "a dog"], " ", cfg, [{"image": source} if spec.edits else {}] * 2, 32, 32)
-    x = m.noise([torch.Generator().manual_seed(i) for i in range(2)], 32, 32)
+    cfg, source = 1.0 if spec.guidance_embedding else 4.0, test_edit.write_png(tmp_path / "source.png", 64, 64, 0)
+    cond = m.conditioning(["a cat", "a dog"], " ", cfg, [{"image": source} if spec.edits else {}] * 2, 64, 64)
+    x = m.noise([torch.Generator().manual_seed(i) for i in range(2)], 64, 64)
     m.transformer.to("meta")
     m.device = torch.device("meta")
     cond = {k: v if "mask" in k or "grid" in k else v.to("meta") for k, v in cond.items()}  # (these are read)
-    v = m.velocity(x.to("meta"), torch.full((2,), 0.5), cond, cfg, 32, 32)
+    v = m.velocity(x.to("meta"), torch.full((2,), 0.5), cond, cfg, 64, 64)
     assert v.device.type == "meta" and v.shape == x.shape
 
 
