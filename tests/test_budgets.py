@@ -47,7 +47,9 @@ BUDGETS = {
     # set's source images are checked as they are read (decodable, within the pixel bound before decoding, the ratio)
     "prompts.py": 210,
     "runlog.py": 300,  # what a run leaves for people: metrics, curves, grids, the closing summary
-    "rundir.py": 200,  # a run directory belongs to one run: claimed, locked, refused to another, resumed
+    # a run directory belongs to one run: claimed, locked, refused to another, resumed; raised from 200 for what a run
+    # stopped by Ctrl-C or SIGTERM keeps there and says (the last trained iteration checkpointed on the way out)
+    "rundir.py": 240,
     "nano.py": 450,  # the digits task and what the laptop tasks share (data, pretraining, held-out sampling)
     # the GenEval-shaped task; raised from 450: seven categories, each with its template, layout and condition, read by
     # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
