@@ -33,6 +33,7 @@ import models_nano
 import nano
 import prompts as prompt_sets
 import rollout
+import source_images
 
 SIDE, GLYPH, GAIN = 16, 12, 2.0  # canvas, glyph side (pixels), ink gain (the bilinear strokes' grey made solid)
 SHIFT = 2  # pixels a move instruction moves the glyph
@@ -112,8 +113,7 @@ def to_gray(images: np.ndarray) -> torch.Tensor:
 
 def read_source(path: str) -> torch.Tensor:
     """A source PNG -> (1, 1, 16, 16) in [0, 1], as the judge reads the output (uint8, channel mean)."""
-    with Image.open(path) as im:
-        return to_gray(np.asarray(im.convert("RGB"))[None])
+    return to_gray(np.asarray(source_images.read(path))[None])
 
 
 @functools.lru_cache(maxsize=1)
