@@ -71,6 +71,7 @@ import models
 import offpolicy
 import prompts as prompt_sets
 import recipes
+import reward_http
 import rewards
 import rollout
 import rollout_ranks
@@ -492,7 +493,8 @@ if __name__ == "__main__":
     try:
         eng.handle_signals()  # SIGTERM as Ctrl-C, on every rank; SIGUSR1 prints the stacks
         main(startup.parse_args(Args))
-    except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
+    # bad input, or a peer that failed (a server, a rollout rank): one line naming it (FLOWGRPO_TRACEBACK=1: the stack)
+    except (ValueError, FileNotFoundError, reward_http.PeerError) as e:
         status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"
     except KeyboardInterrupt:  # Ctrl-C, or torchrun's SIGTERM after another rank failed: rank 0 says what is left
         status = rundir.interrupted() if int(os.environ.get("RANK", 0)) == 0 else 1
