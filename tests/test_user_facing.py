@@ -281,3 +281,19 @@ def test_nano_grid_names_a_run_of_another_model(tmp_path, capsys):
     (run / "args.json").write_text(json.dumps({"model": "tiny"}))
     assert said(nano.main, ["grid", str(run)], capsys) == f"nano.py: error: {run} is a run of --model tiny, not nano: " \
                                                           "give a nano run"
+
+
+def test_a_flag_the_parser_refuses_is_one_line(tmp_path):
+    """A typo'd flag, a bad value, a missing one, a model that does not exist: tyro's box of 9 to 16 lines before; now
+    the message, and the flag it suggests, in one line like every other refusal. Through the CLI for the typo."""
+    out = subprocess.run([sys.executable, "flowgrpo.py", "--modle", "nano", "--run-dir", str(tmp_path / "r")], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("flowgrpo.py: error: Unrecognized options: --modle, nano Perhaps you meant: --model {"), \
+        out.stderr
+    for argv, said in [(["--lr", "abc"], "Error parsing --lr: could not convert string to float: 'abc' (`--help`"),
+                       (["--group-size"], "Missing value for argument '--group-size'. Expected 1 values."),
+                       (["--model", "tinyy"], "invalid choice 'tinyy' for argument '--model'. Expected one of")]:
+        with pytest.raises(ValueError) as refused:
+            startup.parse_args(flowgrpo.Args, argv)
+        assert str(refused.value).startswith(said) and "\n" not in str(refused.value), str(refused.value)
