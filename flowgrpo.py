@@ -72,6 +72,7 @@ import models
 import offpolicy
 import prompts as prompt_sets
 import recipes
+import reward_http
 import rewards
 import rollout
 import rollout_ranks
@@ -244,7 +245,8 @@ class Args:
     sp: int = 1
     """Ulysses sequence parallelism: N ranks share each image, 1/N of its tokens each (docs/algorithm.md §14)"""
     checkpoint_every: int = 10
-    """write a checkpoint every this many iterations and at the end; 0 = only at the end"""
+    """write a checkpoint every this many iterations and at the end (one process: also when Ctrl-C stops it); 0 = at
+    the end only"""
     keep_checkpoints: int = 2
     """how many of this run's newest checkpoints to keep in <run-dir>/checkpoints"""
     resume: str | None = None
@@ -405,8 +407,18 @@ def main(a: Args) -> list[dict]:
     if rank == 0:  # the run directory exists from here on (a start that failed before left none to name)
         print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
 
+    def save(it: int) -> int:  # --- 8. checkpoint: atomic, resumable exactly (all randomness: seed and iteration)
+        loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
+                "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train)}
+        engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
+                               {"run_id": run.run_id, "flags": startup.fingerprint(a), "loop": loop},
+                               a.keep_checkpoints, extra=rollouts.save)  # with the rollout in flight, if any
+        return it
+
     bar = tqdm(range(start, a.iterations), desc="iterations", disable=not engine.is_main, initial=start,
                total=a.iterations)
+    done = saved = start - 1  # the newest iteration trained, and the newest checkpointed
+    stop = rundir.Stop(world == 1 and not exchange)  # one process: Ctrl-C keeps the iteration last trained
     previous = time.perf_counter()  # when the last iteration's row was made: perf/iteration_s counts from there
     try:
         for it in bar:
@@ -429,6 +441,7 @@ def main(a: Args) -> list[dict]:
             weights = algorithms.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)  # (P·G,) by id
             batch.weights = weights[mine].to(engine.device)
 
+            stop.hold(it)  # from the update to the checkpoint the weights are between iterations: finish first
             # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
             stats = engine.mean_over_ranks(algo.update(model, engine, batch, a, arith, engine.is_main))
@@ -459,14 +472,17 @@ def main(a: Args) -> list[dict]:
                                  "loss (e.g. --nft-beta, --old-kl, --kl-beta); its checkpoints are as last written")
             bar.set_postfix(reward=f"{row['reward/mean']:.4f}", **{algo.watch.split("/")[-1]: f"{row[algo.watch]:.1e}"})
 
-            # --- 8. checkpoint: atomic, resumable exactly (all randomness derives from seed and iteration)
+            # --- 8. checkpoint (save, above)
             if it == a.iterations - 1 or (a.checkpoint_every and (it + 1) % a.checkpoint_every == 0):
-                loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
-                        "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train)}
-                engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
-                                       {"run_id": run.run_id, "flags": startup.fingerprint(a), "loop": loop},
-                                       a.keep_checkpoints, extra=rollouts.save)  # with the rollout in flight, if any
+                saved = save(it)
+            done = it
+            stop.release()  # a Ctrl-C or SIGTERM noted since hold() stops the run here
+    except KeyboardInterrupt:  # the iteration last trained is kept (rundir.Stop: when); the error goes on up
+        if stop.keeps(done, saved):
+            save(done)
+        raise
     finally:  # an error or Ctrl-C too: stop scoring threads and remove exchange files; checkpoints stay as written
+        stop.restore()
         rollouts.close()
         scorer.close()
         backend.close()
@@ -477,28 +493,13 @@ def main(a: Args) -> list[dict]:
     return log.rows
 
 
-def said_once(status: int | str) -> int | str:
-    """What this rank says as it ends. Every rank meets the same bad input, and torchrun stops the others once one
-    ends, so a rank other than 0 holds its message back a while: rank 0 says it, torchrun stops this rank meanwhile
-    (silently), and only a failure of this rank alone is said, after the wait, naming the rank. The wait is long (a
-    minute) because on a loaded machine the ranks meet the same error seconds apart; a rank failing alone leaves the
-    others blocked in a collective for longer than that anyway."""
-    rank = int(os.environ.get("RANK", 0))
-    if not isinstance(status, str) or rank == 0:
-        return status
-    try:
-        time.sleep(60)
-    except KeyboardInterrupt:  # torchrun's SIGTERM: another rank ended first and said why
-        return 1
-    return f"rank {rank}: {status}"
-
-
 if __name__ == "__main__":
     status = 0
     try:
         eng.handle_signals()  # SIGTERM as Ctrl-C, on every rank; SIGUSR1 prints the stacks
         main(startup.parse_args(Args))
-    except (ValueError, FileNotFoundError) as e:  # bad input, named in one line (FLOWGRPO_TRACEBACK=1: the stack)
+    # bad input, or a peer that failed (a server, a rollout rank): one line naming it (FLOWGRPO_TRACEBACK=1: the stack)
+    except (ValueError, FileNotFoundError, reward_http.PeerError) as e:
         status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"
     except KeyboardInterrupt:  # Ctrl-C, or torchrun's SIGTERM after another rank failed: rank 0 says what is left
         status = rundir.interrupted() if int(os.environ.get("RANK", 0)) == 0 else 1
@@ -507,4 +508,4 @@ if __name__ == "__main__":
     finally:
         eng.shutdown()
         rundir.release_run_dirs()  # a start that failed before training leaves no directory behind
-    eng.exit_process(said_once(status))  # not through the interpreter's teardown, which a gloo thread can abort
+    eng.exit_process(rundir.said_once(status))  # not through the interpreter's teardown, which a gloo thread can abort

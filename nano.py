@@ -324,8 +324,12 @@ def prompt_texts() -> list[str]:
 def load(path: str | None = None, lora: str | None = None):
     """The nano pipeline (the shipped weights, or `path`), with a run's exported LoRA directory loaded if given."""
     pipe = models_nano.build_nano_pipeline(path or models_nano.NANO_DIR)
-    if lora:
-        pipe.load_lora_weights(lora)
+    try:
+        if lora:
+            pipe.load_lora_weights(lora)
+    except (RuntimeError, ValueError, KeyError) as e:  # another model's LoRA: "size mismatch", keys it does not have
+        raise ValueError(f"{lora} does not fit the base in {path or models_nano.NANO_DIR} ({str(e).strip()[:150]}): "
+                         "give a LoRA trained on that base") from None
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -395,13 +399,35 @@ def framed(canvas, image: torch.Tensor, x: int, y: int, cell: int, ok: bool, pad
     canvas.paste(tile, (x + pad, y + pad))
 
 
-def run_lora(run_dir: str) -> str:
-    """<run_dir>/lora, the LoRA a finished `flowgrpo.py` run exported, checked before anything loads."""
+def run_lora(run_dir: str, model: str = MODEL) -> str:
+    """<run_dir>/lora, the LoRA a finished `flowgrpo.py --model MODEL` run exported, checked before anything loads."""
     lora = os.path.join(run_dir, "lora")
     if not os.path.isfile(os.path.join(lora, "pytorch_lora_weights.safetensors")):
         raise ValueError(f"{run_dir}: no exported LoRA ({lora}/pytorch_lora_weights.safetensors): give the directory of "
                          "a finished `flowgrpo.py` run (it exports the LoRA at its end)")
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            trained = json.load(f).get("model", model)
+    except (OSError, ValueError, AttributeError):  # a LoRA without its run's args.json: load() checks it fits
+        trained = model
+    if trained != model:
+        raise ValueError(f"{run_dir} is a run of --model {str(trained)[:40]}, not {model}: give a {model} run")
     return lora
+
+
+def check_numbers(ap, prog: str, counts: dict, pretrain: dict | None = None) -> None:
+    """A laptop CLI's numbers, refused in one line before anything starts: each of `counts`, {flag: (value, most)},
+    in [1, most] (what could not finish, e.g. 10⁸ seeds, is refused rather than begun); each pretraining flag of
+    `pretrain`, {name: value}, finite and in [1, 10⁷] (0 allowed for a seed, a float, a curve's period: a step
+    count of -1 wrote an untrained base)."""
+    bad = [f"--{k.replace('_', '-')} must be in [1, {most}], got {v}" for k, (v, most) in counts.items()
+           if not 1 <= v <= most]
+    for k, v in (pretrain or {}).items():
+        low = 0 if isinstance(v, float) or k in ("seed", "curve_every") else 1
+        if not (math.isfinite(v) and low <= v <= 10**7):
+            bad.append(f"--{k.replace('_', '-')} must be in [{low}, 1e7], got {v}")
+    if bad:
+        ap.exit(2, f"{prog}: error: {bad[0]}\n")
 
 
 def main(argv=None) -> None:
@@ -421,9 +447,9 @@ def main(argv=None) -> None:
     for q in (p, e):
         q.add_argument("--per-digit", type=int, default=50, help="held-out images per digit of each evaluation")
     a = ap.parse_args(argv)
+    check_numbers(ap, "nano.py", {"per_digit": (getattr(a, "per_digit", 1), 10**4)},  # 10⁴: 10⁵ images, minutes
+                  {k: getattr(a, k) for k in PRETRAIN} if a.cmd == "pretrain" else None)
     try:
-        if getattr(a, "per_digit", 1) < 1:
-            raise ValueError(f"--per-digit must be >= 1, got {a.per_digit}")
         if a.cmd == "pretrain":
             pretrain(a.out, a.per_digit, **{k: getattr(a, k) for k in PRETRAIN})
         elif a.cmd == "classifiers":

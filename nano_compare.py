@@ -77,6 +77,16 @@ def run_path(out: str, name: str, seed: int) -> str:
     return os.path.join(out, re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + f"-seed{seed}")
 
 
+def own_file(path: str, mode: str = "w"):
+    """`path` opened for writing, created or emptied, without following a link there (as a run directory's files are
+    written): a link planted in --out is refused, its target untouched."""
+    try:
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), mode)
+    except OSError as e:
+        raise ValueError(f"{path} cannot be written ({e.strerror}: a symbolic link there?): remove it, or give "
+                         "another --out") from None
+
+
 def command(task, flags, seed: int, run_dir: str, iterations: int, eval_every: int, eval_images: int) -> list[str]:
     """flowgrpo.py's arguments for one run of the comparison."""
     return ["--model", task.MODEL, "--seed", str(seed), "--iterations", str(iterations), "--eval-every",
@@ -105,6 +115,9 @@ def run_method(task, name: str, flags, seed: int, out: str, iterations: int, eva
     attempt that no process holds is started again. Returns the run directory."""
     run_dir = run_path(out, name, seed)
     argv = command(task, flags, seed, run_dir, iterations, eval_every, eval_images)
+    if os.path.islink(run_dir) or (os.path.exists(run_dir) and not os.path.isdir(run_dir)):
+        raise ValueError(f"{run_dir} is not a directory of this comparison (a symbolic link, a file): remove it, or "
+                         "give another --out")
     holder = rundir.holder(run_dir)
     if holder:
         raise ValueError(f"{run_dir} is in use by {holder}: let that run end, or give another --out")
@@ -117,11 +130,13 @@ def run_method(task, name: str, flags, seed: int, out: str, iterations: int, eva
         return run_dir
     if os.path.exists(run_dir):  # an unfinished attempt of this comparison (no process holds it): start it again
         shutil.rmtree(run_dir)
-    with open(run_dir + ".log", "w") as log:  # ours: the comparison holds <out>'s lock
+    with own_file(run_dir + ".log") as log:  # ours: the comparison holds <out>'s lock
         done = subprocess.run([sys.executable, os.path.join(nano.ROOT, "flowgrpo.py"), *argv], cwd=nano.ROOT,
                               env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
-        raise RuntimeError(f"flowgrpo.py {' '.join(argv)} failed (exit {done.returncode}); see {run_dir}.log")
+        with open(run_dir + ".log", errors="replace") as log:
+            said = ([line.strip() for line in log if line.strip()] or ["(nothing)"])[-1][:300]
+        raise ValueError(f"the run {run_dir} failed (exit {done.returncode}): {said} (its log: {run_dir}.log)")
     return run_dir
 
 
@@ -186,7 +201,7 @@ def final_evaluation(task, run_dir: str, per_prompt: int) -> dict:
         with open(path) as f:
             return json.load(f)
     final = task.evaluate(task.load(lora=os.path.join(run_dir, "lora")), per_prompt)
-    with open(path + ".tmp", "w") as f:
+    with own_file(path + ".tmp") as f:
         json.dump(final, f, default=float)
     os.replace(path + ".tmp", path)
     return final
@@ -276,28 +291,32 @@ def main(argv=None) -> None:
     a.methods = list(getattr(task, "COMPARED", METHODS)) if a.methods is None else a.methods
     for flag in ("iterations", "eval_every", "eval_images"):  # the recipe's run: the comparison is its rows
         setattr(a, flag, recipes.RECIPES[task.MODEL][flag] if getattr(a, flag) is None else getattr(a, flag))
-    for flag, value in (("--seeds", a.seeds), ("--iterations", a.iterations), ("--eval-every", a.eval_every),
-                        ("--eval-images", a.eval_images), ("--jobs", a.jobs), ("--per-prompt", a.per_prompt)):
-        if value < 1:
-            ap.error(f"{flag} must be >= 1, got {value}")
+    counts = {"seeds": (a.seeds, 100), "iterations": (a.iterations, 10**5), "eval_every": (a.eval_every, 10**5),
+              "eval_images": (a.eval_images, 1024), "jobs": (a.jobs, 64), "per_prompt": (a.per_prompt, 10**4)}
+    nano.check_numbers(ap, "nano_compare.py", counts)  # what could finish: seeds × methods runs, each a recipe's
     if not a.methods:
         ap.error("--methods: name at least one method")
     plot_path = a.plot or os.path.join(nano.ROOT, "assets", a.task, "compare.png")
     try:
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise ValueError(f"--out {out} is not a directory")
+        for flag, path in (("--plot", plot_path), ("--markdown", a.markdown)):  # written after every run: checked now
+            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"{flag} {path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist")
+        for m in a.methods:  # what flowgrpo.py would refuse, refused before the first run
+            startup.check_args(startup.parse_args(flowgrpo.Args, command(task, METHODS[m], 0, os.path.join(out, "x"),
+                                                                         a.iterations, a.eval_every, a.eval_images)))
         rundir.lock_run_dir(out, not os.path.exists(out))  # this comparison's, until it ends
-    except ValueError as e:
-        ap.exit(2, f"nano_compare.py: error: {str(e).replace('--run-dir', '--out')}\n")
-    start = time.time()
-    try:
+        start = time.time()
         measured = compare(task, out, a.seeds, a.iterations, a.eval_every, a.eval_images,
                            {m: METHODS[m] for m in a.methods}, a.jobs, a.per_prompt)
     except ValueError as e:
-        ap.exit(2, f"nano_compare.py: error: {e}\n")
+        ap.exit(2, f"nano_compare.py: error: {str(e).replace('--run-dir', '--out')}\n")
     lines = table(task, {m: METHODS[m] for m in a.methods}, measured)
     plot(plot_path, measured)
     if task.CATEGORIES:
         plot_categories(plot_path.removesuffix(".png") + "_categories.png", task, measured)
-    with open(os.path.join(out, "measured.json"), "w") as f:  # every run's curve and final evaluation
+    with own_file(os.path.join(out, "measured.json")) as f:  # every run's curve and final evaluation
         json.dump(measured, f, indent=1, default=lambda v: v.tolist())
     task.grid(run_path(out, a.methods[0], 0), os.path.join(os.path.dirname(plot_path), "before_after.png"))
     head = (f"`python nano_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "

@@ -536,7 +536,7 @@ def grid(run_dir: str, out: str, per_cat: int = 6, cell: int = 64, model_path: s
     prompts, result = held_out_prompts(per_cat), {}
     canvas = Image.new("RGB", (80 + 2 * per_cat * cell + gap, 22 + len(CATEGORIES) * (cell + text)), "white")
     draw = ImageDraw.Draw(canvas)
-    for side, lora in enumerate((None, nano.run_lora(run_dir))):
+    for side, lora in enumerate((None, nano.run_lora(run_dir, MODEL))):
         images = nano.sample(load(model_path, lora), prompts, SIDE)
         right = judge_scores(nano.quantised(images), prompts)
         result["before" if side == 0 else "after"] = by_category(right, prompts)["overall"]
@@ -608,9 +608,9 @@ def main(argv=None) -> None:
     j.add_argument("--seed", type=int, default=1)
     w = sub.add_parser("prompts", help="write the prompt set: train and held out, each line with its category")
     w.add_argument("--out", default=PROMPTS)
-    a = ap.parse_args(argv)
-    if a.per_category < 1:
-        ap.exit(2, f"nano_compose.py: error: --per-category must be >= 1, got {a.per_category}\n")
+    a = ap.parse_args(argv)  # at most 10⁴ images or renders of a category: minutes
+    nano.check_numbers(ap, "nano_compose.py", {"per_category": (getattr(a, "per_category", 1), 10**4)},
+                       {k: getattr(a, k) for k in PRETRAIN} if a.cmd == "pretrain" else None)
     if a.cmd == "pretrain":
         pretrain(a.out, a.per_category, **{k: getattr(a, k) for k in PRETRAIN})
     elif a.cmd == "evaluate":

@@ -33,6 +33,7 @@ import models_nano
 import nano
 import prompts as prompt_sets
 import rollout
+import source_images
 
 SIDE, GLYPH, GAIN = 16, 12, 2.0  # canvas, glyph side (pixels), ink gain (the bilinear strokes' grey made solid)
 SHIFT = 2  # pixels a move instruction moves the glyph
@@ -112,8 +113,7 @@ def to_gray(images: np.ndarray) -> torch.Tensor:
 
 def read_source(path: str) -> torch.Tensor:
     """A source PNG -> (1, 1, 16, 16) in [0, 1], as the judge reads the output (uint8, channel mean)."""
-    with Image.open(path) as im:
-        return to_gray(np.asarray(im.convert("RGB"))[None])
+    return to_gray(np.asarray(source_images.read(path))[None])
 
 
 @functools.lru_cache(maxsize=1)
@@ -310,7 +310,7 @@ def grid(run_dir: str, out: str, per_kind: int = 4, cell: int = 48, model_path: 
     texts, meta = [p for p, _ in rows], [m for _, m in rows]
     sources = torch.cat([read_source(m["image"]) for m in meta]).expand(-1, 3, -1, -1)
     edits = {side: sample(load(model_path, lora), rows) for side, lora in (
-        ("before", None), ("after", nano.run_lora(run_dir)))}
+        ("before", None), ("after", nano.run_lora(run_dir, MODEL)))}
     right = {side: judge_scores(images, texts, meta) for side, images in edits.items()}
     width = 3 * cell + gap
     canvas = Image.new("RGB", (label + per_kind * width, 40 + len(INSTRUCTIONS) * cell), "white")
@@ -358,9 +358,9 @@ def main(argv=None) -> None:
     sub.add_parser("prompts", help="write the prompt set and its source PNGs").add_argument("--out", default=PROMPTS)
     for q, n in ((e, 20), (j, 300)):
         q.add_argument("--per-kind", type=int, default=n, help="held-out prompts (judge: sources) of each kind")
-    a = ap.parse_args(argv)
-    if min(getattr(a, "per_kind", 1), getattr(a, "seeds", 1)) < 1:
-        ap.exit(2, "nano_edit.py: error: --per-kind and --seeds must be >= 1\n")
+    a = ap.parse_args(argv)  # 10⁴ prompts of a kind, 100 seeds each: at most 10⁶ images
+    nano.check_numbers(ap, "nano_edit.py", {"per_kind": (getattr(a, "per_kind", 1), 10**4),
+                                            "seeds": (getattr(a, "seeds", 1), 100)})
     torch.set_num_threads(1)
     if a.cmd == "evaluate":
         print(json.dumps(evaluate(load(a.model_path, a.lora), a.per_kind, a.seeds)))

@@ -141,8 +141,8 @@ def main(argv=None) -> None:
     for key, value in PRETRAIN.items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     a = ap.parse_args(argv)
-    if a.per_kind < 1:
-        ap.exit(2, "nano_edit_pretrain.py: error: --per-kind must be >= 1\n")
+    nano.check_numbers(ap, "nano_edit_pretrain.py", {"per_kind": (a.per_kind, 10**4)},
+                       {k: getattr(a, k) for k in PRETRAIN})
     torch.set_num_threads(1)
     pretrain(a.out, a.per_kind, **{k: getattr(a, k) for k in PRETRAIN})
 

@@ -10,15 +10,18 @@ splits; `digits` (the nano task's ten prompts) is evaluated on its training prom
 `compose` (the nano-compose task's) is a shipped `.jsonl` with its own split.
 
 Editing: a `.jsonl` line may carry a source image, `{"prompt": ..., "image": "relative/path.png"}` (relative to the
-file), checked as the file is read (`_source_image`); it travels in the metadata, as an absolute path, to the edit
-model's rollout and to every reward.
+file), checked as the file is read (`_source_image`, source_images.py: nothing decoded); it travels in the metadata, as an
+absolute path with its content's SHA-256, to the edit model's rollout and to every reward.
 """
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from tqdm import tqdm
+
+import source_images
 
 # The built-in OCR set: every scene x every phrase. Eval phrases never appear in training, so eval
 # measures rendering of unseen text rather than memorised strings.
@@ -84,7 +87,7 @@ def _hold_out(pairs, every: int) -> PromptSet:
     return PromptSet([x for i, x in enumerate(pairs) if i % every != every - 1], pairs[every - 1::every])
 
 _DIGITS = [(f"a handwritten digit {d}", {}) for d in range(10)]  # nano.py: digit d at index d
-SOURCE_PIXELS = 4096 * 4096  # the largest source image read (omni_pipeline_edit.py's servers take no larger)
+MAX_PROMPTS, MAX_FILE_BYTES = 10**6, 2**30  # a prompt file's lines and bytes
 _COMPOSE = Path(__file__).parent / "assets" / "nano-compose" / "prompts.jsonl"
 BUILTIN = {
     "ocr": lambda: PromptSet([(s.format(p), {}) for s in _SCENES for p in _TRAIN_PHRASES],
@@ -105,6 +108,8 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
     if not path.is_file():  # a directory, a FIFO (whose read would block), a device: no prompt file
         kind = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
         raise FileNotFoundError(f"--prompts: prompt file {path} {kind}")
+    if path.stat().st_size > MAX_FILE_BYTES:  # read whole below
+        raise ValueError(f"--prompts: {path} is {path.stat().st_size} bytes, more than {MAX_FILE_BYTES}: split it")
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -113,12 +118,13 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         raise ValueError(f"--prompts: {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
                          "as UTF-8") from None
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not lines:
-        raise ValueError(f"--prompts: prompt file {path} has no prompts (empty or only blank lines)")
+    if not 0 < len(lines) <= MAX_PROMPTS:
+        raise ValueError(f"--prompts: prompt file {path} has {len(lines) or 'no'} prompts (at most {MAX_PROMPTS}, "
+                         "blank lines skipped)")
     if path.suffix == ".txt":
         return [(line.strip(), {}) for _, line in lines]
-    out = []
-    for n, line in lines:
+    out, quiet = [], len(lines) < 1000 or os.environ.get("RANK", "0") != "0"
+    for n, line in tqdm(lines, f"checking {path.name}", disable=quiet):  # a long edit set's sources take a while
         try:
             row = json.loads(line)
         except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep to parse
@@ -127,31 +133,28 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ValueError(f'{path}:{n}: each line must be a JSON object with a non-empty string "prompt"')
         if "image" in row:
-            row["image"] = _source_image(path, n, row["image"], size)
+            row |= _source_image(path, n, row["image"], size)
         out.append((row.pop("prompt").strip(), row))
     return out
 
-def _source_image(path: Path, n: int, name, size: tuple[int, int] | None) -> str:
-    """Line n's source image as an absolute path, once it has opened and decoded as an image whose aspect ratio is
-    the run's `size` (height, width): the edit model resizes it to the output size, so another ratio would distort."""
+def _source_image(path: Path, n: int, name, size: tuple[int, int] | None) -> dict:
+    """Line n's source image: {"image": its absolute path, "image_sha256": its content's}, once source_images.check has read
+    its header (nothing decoded) and its aspect ratio is the run's `size` (height, width): the edit model resizes it
+    to the output size, so another ratio would distort. The content's hash is in the metadata so that the prompts'
+    hash in a checkpoint covers it: `--resume` names a source changed since."""
     where = f"--prompts: {path}:{n}: source image"
-    file = (path.parent / str(name)).resolve()
-    if not file.is_file():
-        raise ValueError(f"{where} {name} is missing or not a file ({file}): paths are relative to the prompt file")
+    if not isinstance(name, str) or not 0 < len(name) <= 4096 or "\0" in name:
+        raise ValueError(f'{where} must be a path of 1 to 4096 characters without NUL (relative to the prompt file), '
+                         f"got {str(name)[:80]!r}{' (cut)' if len(str(name)) > 80 else ''}")
+    file = os.path.join(path.parent.resolve(), name)
     try:
-        with Image.open(file) as im:
-            w, h = im.size  # from the header: a source too large is refused before its pixels are decoded
-            if w * h <= SOURCE_PIXELS:
-                im.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as e:  # not an image, truncated, too many pixels
-        raise ValueError(f"{where} {name} cannot be read as an image ({e}): save it as a PNG or JPEG") from None
-    if w * h > SOURCE_PIXELS:
-        raise ValueError(f"{where} {name} is {w}×{h}, more than {SOURCE_PIXELS} pixels: resize it (the edit models "
-                         "take a source at about a megapixel or less)")
+        w, h, digest = source_images.check(file)
+    except ValueError as e:
+        raise ValueError(f"{where} {name[:200]} {e} (paths are relative to the prompt file)") from None
     if size and w * size[0] != h * size[1]:
         raise ValueError(f"{where} {name} is {w}×{h}, not the run's aspect ratio (--width {size[1]} --height "
                          f"{size[0]}): crop it to {size[1]}:{size[0]}, or set --height/--width to its ratio")
-    return str(file)
+    return {"image": os.path.realpath(file), "image_sha256": digest}
 
 def load_prompts(spec: str, size: tuple[int, int] | None = None) -> PromptSet:
     """A built-in set by name (`ocr`, `general`) or a `.txt`/`.jsonl` file (eval split: module docstring); `size`:

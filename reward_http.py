@@ -28,6 +28,11 @@ from PIL import Image
 
 
 # ---------------------------------------------------------------- the client
+class PeerError(RuntimeError):
+    """A peer of the run failed or stayed down (a reward, judge or rollout server; a rollout rank): its message names it
+    and what to check, and flowgrpo.py says it in one line, as it says bad input."""
+
+
 class Watchdog:
     """Shuts a socket down `seconds` from now unless cancelled first: a read or write blocked on it in any thread then
     fails at once. (A socket timeout applies per read: a peer trickling one byte a second never reaches it.)"""
@@ -114,8 +119,7 @@ class Client:
             except (ValueError, RecursionError):
                 raise ValueError(f"{self.what} {url}{path} answered{about} with a body that is not JSON: "
                                  f"{text[:300]!r}") from None
-        raise RuntimeError(f"{self.what} {url}{path} failed {self.retries + 1} times{about} (last: {last}); "
-                           f"{self.hint}")
+        raise PeerError(f"{self.what} {url}{path} failed {self.retries + 1} times{about} (last: {last}); {self.hint}")
 
 
 def knob(name: str, default, lo, hi):

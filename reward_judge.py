@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 import reward_http
+import source_images
 
 # ---------------------------------------------------------------- an edit's source image
 SOURCE_FIX = ('use an edit model (tiny-flux-kontext, flux.1-kontext-dev) with a .jsonl prompt set whose every line has '
@@ -27,8 +28,7 @@ def source_image(metadata: dict, prompt: str, who: str) -> Image.Image:
     """The prompt's source image (`metadata["image"]`, a path; prompts.py reads it from a .jsonl) as RGB pixels, for
     reward `who`; a prompt without one is refused in one line (check_source does so at start-up)."""
     check_source(metadata, prompt, who)
-    with Image.open(metadata["image"]) as im:
-        return im.convert("RGB")
+    return source_images.read(metadata["image"])
 
 
 def check_source(metadata: dict, prompt: str, who: str) -> None:

@@ -2,9 +2,10 @@
 hands it a reward). Nothing here knows a reward; the client end and the deadline watchdog are reward_http.py's.
 
 The server bounds what a request may cost: bytes, JSON values, images, decoded pixels (checked in the PNG headers
-before decoding), the PNG text Pillow keeps, header bytes, requests worked on and connections open at once, and the
-time to send the headers and the whole request; its errors carry a message, never a traceback. An idle connection
-holds no working slot: slots count requests, from their headers to their reply.
+before decoding), the PNG text Pillow keeps, header bytes, requests worked on and connections open at once, the
+time to send the headers and the whole request, and the rate its body comes at; its errors carry a message, never a
+traceback. An idle connection holds no working slot (slots count requests, from their headers to their reply) and
+gives its seat to a new connection when every seat is taken.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import dataclasses
 import http.client
 import io
 import json
+import socket
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,9 +43,10 @@ class Limits:
     max_image_pixels: int = 2048 * 2048  # per image, read from the PNG header before decoding
     max_request_pixels: int = 2**25  # per request (e.g. 16 images of 1448²)
     max_requests: int = 8  # read, decoded and scored at once; more wait their turn (at most request_timeout)
-    max_connections: int = 64  # open at once, idle ones too (a thread each); more are answered 503 at once
+    max_connections: int = 64  # open at once (a thread each); a new one closes the oldest idle one, else gets a 503
     header_timeout: float = 10.0  # seconds to send the request line and headers: how long an idle connection stays
     request_timeout: float = 60.0  # seconds to send a whole request, and to wait for a slot; each socket read and write
+    body_rate: float = 2.0**20  # bytes a second a body must arrive at, on average after a second: a slot is not held
 
 
 PNG_TEXT = 2**16  # bytes of PNG text (zTXt, iCCP, ...) Pillow may inflate per image (default: 64 MiB); ours have none
@@ -146,28 +150,48 @@ class _HeaderBudget:
 class _Server(ThreadingHTTPServer):
     """A thread per open connection, at most max_connections of them; a request takes one of max_requests working
     slots only once its headers are in, and gives it back once its reply is built, before sending it. So idle
-    connections hold no slot, and a client's next request never finds its last one still holding one."""
+    connections hold no slot, and a client's next request never finds its last one still holding one. A connection
+    is idle until its headers are in; when every seat is taken, a new connection closes the oldest idle one and takes
+    its place (a client sends its headers at once: idle sockets reconnected whenever cut, 72 to 128 of them, held every
+    seat and turned the trainer's client away for 63 s). Only when none is idle is a newcomer answered 503. Threads of
+    closed connections are ending: at most max_connections more are counted while they do."""
     daemon_threads, request_queue_size = True, 64  # the listen backlog: connections waiting to be accepted
 
     def __init__(self, address, handler, limits: Limits):
-        self.seats = threading.BoundedSemaphore(limits.max_connections)  # open connections, each with a thread
+        self.seats, self.open, self.lock = limits.max_connections, 0, threading.Lock()
+        self.idle = {}  # connections whose headers are not in yet, oldest first
         self.slots = threading.BoundedSemaphore(limits.max_requests)  # requests being read, decoded and scored
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
-        if not self.seats.acquire(blocking=False):  # full: answer at once, hold no thread
-            with contextlib.suppress(OSError):
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\n\r\n{\"error\": \"busy: too many connections\"}")
-            self.shutdown_request(request)
-            return
+        with self.lock:
+            oldest = next(iter(self.idle), None) if self.open >= self.seats else None
+            if self.open >= self.seats and (oldest is None or self.open >= 2 * self.seats):  # full, none to close
+                with contextlib.suppress(OSError):
+                    request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                    b"Connection: close\r\n\r\n{\"error\": \"busy: too many connections\"}")
+                self.shutdown_request(request)
+                return
+            if oldest is not None:
+                del self.idle[oldest]
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread's read ends at once; the thread, and its count, go
+            self.open += 1
+            self.idle[request] = True
         super().process_request(request, client_address)
+
+    def busy(self, request) -> None:
+        """The connection's headers are in: it is no longer idle (never closed for a newcomer)."""
+        with self.lock:
+            self.idle.pop(request, None)
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.seats.release()
+            with self.lock:
+                self.idle.pop(request, None)
+                self.open -= 1
 
 
 def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
@@ -201,6 +225,7 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             self.wfile.write(body)
 
         def do_GET(self):
+            self.server.busy(self.request)
             self.header_dog.cancel()
             ok = self.path == "/health"
             self._send(200 if ok else 404, {"status": "ok", "reward": name} if ok else {"error": "GET /health"})
@@ -221,10 +246,27 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
                     size -= len(chunk)
                 raise Refused(413, f"a request of {self.headers['Content-Length']} bytes is over the server's limit "
                                    f"of {max_bytes} (--max-request-mb): lower FLOWGRPO_REMOTE_BATCH")
-            raw = self.rfile.read(size)
-            if len(raw) < size:
-                raise Refused(400, f"the body ended after {len(raw)} of {size} bytes")
-            return raw
+            return self._body(size)
+
+        def _body(self, size: int) -> bytes:
+            """The body, arriving at limits.body_rate bytes a second on average (a second's grace): a sender slower
+            than that is cut, so that it cannot keep its slot (16 senders of a byte a second held the slots and
+            delayed every score call to 148 s)."""
+            allowed, parts, got = 1 + size / limits.body_rate, [], 0
+            deadline = time.monotonic() + allowed
+            while got < size:
+                try:
+                    self.connection.settimeout(deadline - time.monotonic())  # ValueError once it is past
+                    part = self.rfile.read1(min(size - got, 2**16))
+                except (TimeoutError, ValueError):
+                    raise Refused(408, f"the body came slower than {limits.body_rate:.0f} bytes a second "
+                                       f"(--body-rate): {got} of {size} bytes in {allowed:.1f} s") from None
+                if not part:
+                    raise Refused(400, f"the body ended after {got} of {size} bytes")
+                parts.append(part)
+                got += len(part)
+            self.connection.settimeout(limits.request_timeout)
+            return b"".join(parts)
 
         def do_POST(self):
             with contextlib.suppress(OSError):  # the client left, was too slow, or passed a deadline: nobody to answer
@@ -233,6 +275,7 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
         def _in_a_slot(self) -> tuple[int, dict]:
             """(status, reply) of POST /score, worked out in a working slot, waited for in turn: a request holds
             none until its headers are in, nor once its reply is built."""
+            self.server.busy(self.request)
             self.header_dog.cancel()
             self.dog.cancel()
             if not self.server.slots.acquire(timeout=limits.request_timeout):
@@ -275,9 +318,10 @@ def serve_cli(build, check, argv=None) -> None:
     helps = dict(max_request_mb="largest request body", max_json_values="most JSON values in a body",
                  max_request_images="most images in one request", max_image_pixels="largest image (width × height)",
                  max_request_pixels="most pixels in one request", max_requests="requests scored at once",
-                 max_connections="connections open at once, idle ones too",
+                 max_connections="connections open at once (a new one closes the oldest idle one)",
                  header_timeout="seconds to send the headers",
-                 request_timeout="seconds to send the whole request; the longest wait for a slot")
+                 request_timeout="seconds to send the whole request; the longest wait for a slot",
+                 body_rate="bytes a second a request body must arrive at, on average")
     for f in dataclasses.fields(Limits):
         s.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=helps[f.name])
     a = p.parse_args(argv)

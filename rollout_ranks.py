@@ -16,6 +16,8 @@ puts sampling on the second node.
 """
 import datetime
 import os
+import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -25,12 +27,14 @@ import engine as eng
 import models
 import offpolicy
 import prompts as prompt_sets
+import reward_http
 import rollout
 import scheduler as sch
 from algorithms import need
 
 WEIGHTS, DATA = 1, 2  # the tags of the two kinds of message
 TIMEOUT = datetime.timedelta(minutes=30)  # a rollout of one iteration on a GPU takes minutes, not this
+SAY_EVERY = 60.0  # seconds between a training rank's lines while it waits on its rollout rank
 
 
 def check(a, world: int) -> None:
@@ -78,13 +82,33 @@ class Exchange:
             self.group.send([t.detach().float().cpu().contiguous()], to, tag).wait()
 
     def recv(self, shapes, source: int, tag: int, what: str) -> list[torch.Tensor]:
-        out = [torch.empty(s) for s in shapes]
+        out, peer = [torch.empty(s) for s in shapes], f"{'rollout' if source >= self.trainers else 'training'} rank {source}"
         try:
             for t in out:
-                self.group.recv([t], source, tag).wait()
-        except RuntimeError as e:  # a rollout rank that died: gloo's "connection closed by peer", or the timeout
-            raise RuntimeError(f"rollout rank {source} ({what}): {str(e).splitlines()[0]}") from None
+                self._wait(self.group.recv([t], source, tag), f"{peer} ({what})" if tag == DATA else None)
+        except RuntimeError as e:  # a rank that died: gloo's "connection closed by peer", or the timeout
+            raise reward_http.PeerError(f"{peer} ({what}): {str(e).splitlines()[0]}") from None
         return out
+
+    def _wait(self, work, waited_on: str | None) -> None:
+        """work.wait(); while it waits on `waited_on` (a training rank on its rollout rank; None: a rollout rank on the
+        weights, which wait on training), a thread says so on stderr every SAY_EVERY seconds: a frozen rollout rank
+        was waited for in silence up to TIMEOUT. (gloo's work neither completes before wait() nor survives a wait()
+        that times out: the wait itself cannot be cut into minutes.)"""
+        done = threading.Event()
+        if waited_on:
+            threading.Thread(target=self._say, args=(done, waited_on), daemon=True).start()
+        try:
+            work.wait()
+        finally:
+            done.set()
+
+    def _say(self, done: threading.Event, waited_on: str) -> None:
+        said = 0
+        while not done.wait(SAY_EVERY):
+            said += 1
+            print(f"\nflowgrpo.py: rank {self.rank} has waited {said * SAY_EVERY:.0f} s for {waited_on}; it gives up "
+                  f"after {TIMEOUT.total_seconds():.0f} s", file=sys.stderr, flush=True)
 
 
 def split(rollout_ranks: int) -> Exchange | None:

@@ -1,12 +1,16 @@
 """A run directory belongs to one run: claimed on rank 0 before anything is built, locked (flock) for the life of the
 process that claimed it, refused to a new run when it holds another, continued by a resumed one, and removed again if
-a start fails before anything was written. The project's other tools (nano_compare.py) honour the same lock."""
+a start fails before anything was written. The project's other tools (nano_compare.py) honour the same lock. A run
+stopped by Ctrl-C or SIGTERM keeps its last trained iteration there (Stop) and says what it left (interrupted)."""
 import contextlib
 import fcntl
 import json
 import os
 import re
+import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -153,11 +157,69 @@ def _read_json(path: str) -> dict:
 
 
 def interrupted() -> str:
-    """What an interrupted run leaves, said by rank 0: its run directory's checkpoints, or that none was written."""
+    """What an interrupted run leaves, said by rank 0: the newest checkpoint of its run directory, or that none was
+    written."""
     run_dir = _LOCKS[-1]["run_dir"] if _LOCKS else None
-    names = os.listdir(os.path.join(run_dir, "checkpoints")) if run_dir and os.path.isdir(
-        os.path.join(run_dir, "checkpoints")) else []
-    if any(n.startswith("iter_") and ".tmp" not in n for n in names):
-        return (f"flowgrpo.py: interrupted; {run_dir}'s checkpoints are as last written (--resume auto --run-dir "
-                f"{run_dir} continues)")
+    root = os.path.join(run_dir, "checkpoints") if run_dir else ""
+    names = sorted(n for n in os.listdir(root) if re.fullmatch(r"iter_\d+", n)) if os.path.isdir(root) else []
+    if names:
+        return (f"flowgrpo.py: interrupted; its newest checkpoint is {os.path.join(root, names[-1])} (iteration "
+                f"{int(names[-1][5:])}): --resume auto --run-dir {run_dir} continues after it")
     return "flowgrpo.py: interrupted before any checkpoint was written: nothing to resume"
+
+
+class Stop:
+    """Ctrl-C and SIGTERM in a run of one process keep the iteration last trained. Between `hold(it)` and `release()`
+    (iteration it's update, evaluation and checkpoint: the weights are between two iterations' states) the first
+    signal is noted, said, and acted on at `release()`: the iteration finishes and is checkpointed. Anywhere else it
+    stops the run at once (the handler in force: engine.handle_signals), and the loop checkpoints the iteration last
+    trained if it has no checkpoint yet (`keeps`). A second signal stops at once, keeping the checkpoints as written.
+    Under torchrun nothing is held or written on the way out: a rank cannot tell that the others are alive to write
+    with it (torchrun signals them all when one fails), and --checkpoint-every's checkpoints are what a run keeps."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()  # (signals: the main's)
+        self.held, self.noted, self.it = False, None, -1
+        self.previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)} if self.enabled \
+            else {}
+
+    def hold(self, it: int) -> None:
+        self.held, self.it = self.enabled, it
+
+    def _note(self, signum, frame):
+        if self.noted or not self.held:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        self.noted = signal.Signals(signum).name
+        print(f"\nflowgrpo.py: {self.noted}: stopping once iteration {self.it} is trained and checkpointed (again: "
+              "stop now, the checkpoints as written)", file=sys.stderr, flush=True)
+
+    def release(self) -> None:
+        self.held = False
+        if self.noted:
+            raise KeyboardInterrupt(self.noted)
+
+    def keeps(self, done: int, saved: int) -> bool:
+        """Whether the loop, stopped, writes iteration `done`'s checkpoint: one process, not stopped within an update,
+        an iteration trained since the newest checkpoint `saved`."""
+        return self.enabled and not self.held and done > saved
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+
+def said_once(status: int | str) -> int | str:
+    """What this rank says as it ends. Every rank meets the same bad input, and torchrun stops the others once one
+    ends, so a rank other than 0 holds its message back a while: rank 0 says it, torchrun stops this rank meanwhile
+    (silently), and only a failure of this rank alone is said, after the wait, naming the rank. The wait is long (a
+    minute) because on a loaded machine the ranks meet the same error seconds apart; a rank failing alone leaves the
+    others blocked in a collective for longer than that anyway."""
+    rank = int(os.environ.get("RANK", 0))
+    if not isinstance(status, str) or rank == 0:
+        return status
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:  # torchrun's SIGTERM: another rank ended first and said why
+        return 1
+    return f"rank {rank}: {status}"

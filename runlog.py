@@ -13,6 +13,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import checkpoint
+import source_images
 from rundir import Claim
 
 
@@ -56,8 +57,7 @@ def beside_sources(images: torch.Tensor, sources: list[str | None]) -> torch.Ten
     left = torch.full_like(images, 0.5)
     for i, path in enumerate(sources):
         if path:
-            with Image.open(path) as im:
-                pixels = np.array(im.convert("RGB").resize((w, h), Image.LANCZOS))  # (H, W, 3) uint8
+            pixels = np.array(source_images.read(path).resize((w, h), Image.LANCZOS))  # (H, W, 3) uint8
             left[i] = torch.from_numpy(pixels).permute(2, 0, 1) / 255
     return torch.cat([left, images], dim=-1)
 

@@ -5,9 +5,12 @@ flags (its fingerprint) match. `flowgrpo.main` calls `check_args` before it buil
 The loop's `Args` is passed in (the class to `parse_args`, an instance `a` elsewhere) and read by field name, so that
 this file imports nothing of the loop.
 """
+import contextlib
 import dataclasses
+import io
 import math
 import os
+import re
 import sys
 
 import tyro
@@ -42,7 +45,30 @@ def parse_args(cls, argv: list[str] | None = None):
     for every flag) picks the recipe whose values become the defaults; the other flags override them."""
     argv = sys.argv[1:] if argv is None else argv
     name = _last_value(argv, "--recipe") or _last_value(argv, "--model") or "tiny"
-    return tyro.cli(cls, default=recipe_args(cls, name if name in recipes.RECIPES else "tiny"), args=argv)
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):  # tyro's error box (--help goes to stdout)
+            return tyro.cli(cls, default=recipe_args(cls, name if name in recipes.RECIPES else "tiny"), args=argv)
+    except SystemExit as e:
+        if not e.code:
+            raise
+        raise ValueError(f"{_one_line(box.getvalue())} (`--help` lists every flag)") from None
+
+
+def _one_line(box: str) -> str:
+    """tyro's error box (a typo'd flag, a bad value: 9 to 16 lines) as one line: its message and the flags it
+    suggests, without the border, the rules, the suggestions' help text or the pointer to --help."""
+    kept, keep = [], "all"  # the first section whole; of a "Perhaps you meant" one, its flags (indented 4)
+    for line in box.splitlines()[1:-1]:  # the borders' first and last lines go
+        text = re.sub(r"^\s*│ ?|\s*│\s*$", "", line)
+        if set(text.strip()) <= {"─"}:
+            keep = "next"
+            continue
+        if keep == "next":
+            keep = "flags" if text.startswith("Perhaps") else "none"
+        if keep == "all" or (keep == "flags" and len(text) - len(text.lstrip()) <= 4):
+            kept.append(text.strip())
+    return " ".join(" ".join(kept).split()) or box.strip()[-300:]
 
 
 def _last_value(argv: list[str], flag: str) -> str | None:

@@ -16,7 +16,9 @@ BUDGETS = {
     "flowgrpo.py": 510,
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
-    "startup.py": 155,  # what a run checks before anything expensive starts; 150 -> 155: --micro-batch 0's check
+    # what a run checks before anything expensive starts; raised from 150: a parse error (tyro's box of 9 to 16 lines)
+    # said in one line like every other refusal; --micro-batch 0's check
+    "startup.py": 185,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
     # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
     "recipes.py": 225,
@@ -53,11 +55,16 @@ BUDGETS = {
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies
     "reward_server.py": 420,  # the bounded reward server
     # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler; raised from 200: an edit
-    # set's source images are checked as they are read (decodable, within the pixel bound before decoding, the ratio)
+    # set's source images are checked as they are read (source_images.py's bounds, the ratio, a bar on a long set)
     "prompts.py": 210,
+    "source_images.py": 150,  # an edit prompt's source image read within bounds wherever it is read; its content's hash
     "runlog.py": 300,  # what a run leaves for people: metrics, curves, grids, the closing summary
-    "rundir.py": 200,  # a run directory belongs to one run: claimed, locked, refused to another, resumed
-    "nano.py": 450,  # the digits task and what the laptop tasks share (data, pretraining, held-out sampling)
+    # a run directory belongs to one run: claimed, locked, refused to another, resumed; raised from 200 for what a run
+    # stopped by Ctrl-C or SIGTERM keeps there and says (the last trained iteration checkpointed on the way out)
+    "rundir.py": 240,
+    # the digits task and what the laptop tasks share (data, pretraining, held-out sampling); raised from 450 for what
+    # their CLIs share: the numbers bounded in one line, a run's LoRA checked against its model before it loads
+    "nano.py": 475,
     # the GenEval-shaped task; raised from 450: seven categories, each with its template, layout and condition, read by
     # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
     # alone, the transformer)

@@ -1,10 +1,13 @@
 """The front page and the manual hold together: every relative link of README.md and docs/*.md reaches a file of the
 repository and every `#anchor` a heading (GitHub's slugs), the README stays a front page (≤ 150 lines), each page
-opens with a sentence saying what it is for, and CI runs the README's own set-up and test commands."""
+opens with a sentence saying what it is for, CI runs the README's own set-up and test commands, what ran where is
+said truly, and the test counts are the suite's."""
 import glob
+import json
 import os
 import re
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_LINES = 150  # a front page read in two minutes; the rest is docs/
@@ -132,3 +135,49 @@ def test_every_package_the_requirements_bring_is_pinned():
             if spec.marker is None or spec.marker.evaluate({"extra": ""}):
                 todo.append(canonicalize_name(spec.name))
     assert not unpinned, unpinned
+
+
+# Denials of a run that happened. Before: the front page said nano-compose's method comparison "is not run yet" under
+# its figure, and "GPU: no figure yet" after the first GPU run (2026-12-04, one H200).
+STALE = re.compile(r"not run yet|no figure yet|no GPU has run|prepared,? (?:but )?not run", re.I)
+
+
+def test_what_ran_where_denies_nothing_that_ran():
+    """No page says a thing has not run when it has, and the front page's "What ran where" names the method comparison
+    of every laptop task whose comparison figure ships in assets/ (`nano_compare.py` writes assets/<task>/compare.png)."""
+    stale = [f"{page}: {m.group(0)!r}" for page in pages() for m in STALE.finditer(open(os.path.join(ROOT, page)).read())]
+    assert not stale, stale
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    compared = next(s for s in re.split(r"(?<=;)|\n- ", readme.split("## What ran where", 1)[1]) if "comparison" in s)
+    tasks = sorted(t for t in os.listdir(os.path.join(ROOT, "assets")) if os.path.isfile(
+        os.path.join(ROOT, "assets", t, "compare.png")))
+    assert tasks and all(re.search(rf"\b{t}\b", compared) for t in tasks), (tasks, compared)
+
+
+# `python -c COUNTS`: the suite as pytest collects it: [tests, of them in tests/omni, of them needing a GPU (a skipif
+# whose reason names one, whatever this machine has)]
+COUNTS = """
+import json, pytest
+class Count:
+    def pytest_collection_modifyitems(self, items):
+        gpu = [i for i in items if any("GPU" in m.kwargs.get("reason", "") for m in i.iter_markers("skipif"))]
+        self.counts = [len(items), sum(i.nodeid.startswith("tests/omni/") for i in items), len(gpu)]
+count = Count()
+pytest.main(["--collect-only", "-qq", "-n", "0", "-p", "no:cacheprovider"], plugins=[count])
+print(json.dumps(count.counts))
+"""
+
+
+def test_the_test_counts_the_readme_and_the_manual_give_are_the_suites():
+    """The README's and docs/running.md's counts: the tests, and what a set-up of the README's alone passes (the
+    vLLM-Omni tier skipped without its environment, the CUDA tests without a GPU). Before: "685 passed", which
+    counted the vLLM-Omni tests only CI's environment runs."""
+    out = subprocess.run([sys.executable, "-c", COUNTS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    total, omni, gpu = json.loads(out.stdout.strip().splitlines()[-1])
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    running = " ".join(open(os.path.join(ROOT, "docs", "running.md"), encoding="utf-8").read().split())
+    said = f"{total} tests on two pytest-xdist workers (`pytest.ini`; `-n 0` runs one process). With the README's " \
+           f"set-up alone, {total - omni - gpu} pass and {omni + gpu} are skipped: the {omni} vLLM-Omni tests"
+    assert said in readme and f"the {gpu} CUDA tests" in readme, (total, omni, gpu)
+    assert f"{total} tests:" in running and f"({omni} tests against real vLLM" in running and f"its {gpu} CUDA cases" \
+        in running and f"{total - omni - gpu} pass and those {omni + gpu} are skipped" in running, (total, omni, gpu)

@@ -15,10 +15,10 @@ from PIL import Image
 
 import flowgrpo
 import models
-import prompts as prompt_sets
 import rewards
 import rollout
 import scheduler as sch
+import source_images
 import startup
 from test_engine import ENV, ROOT, assert_same, lora, relative_difference, train_state
 from tiny_setup import check_lora_export, main_here
@@ -144,7 +144,7 @@ def test_the_source_image_reaches_the_rewards_metadata(edit_run):
 
 
 @pytest.mark.parametrize("case,needle", [
-    ("missing", r"edits\.jsonl:2: source image sources/1\.png is missing or not a file .*relative to the prompt file"),
+    ("missing", r"edits\.jsonl:2: source image sources/1\.png is missing .*relative to the prompt file"),
     ("unreadable", r"edits\.jsonl:2: source image sources/1\.png cannot be read as an image .*save it as a PNG"),
     ("large", r"edits\.jsonl:1: source image sources/0\.png is 32×32, more than 1000 pixels: resize it"),
     ("ratio", r"edits\.jsonl:2: source image sources/1\.png is 48×32, not the run's aspect ratio \(--width 32 "
@@ -168,7 +168,7 @@ def test_prompt_sets_that_cannot_serve_the_model_are_refused_at_start_up(tmp_pat
     elif case == "unreadable":
         source.write_text("not an image")
     elif case == "large":
-        monkeypatch.setattr(prompt_sets, "SOURCE_PIXELS", 1000)
+        monkeypatch.setattr(source_images, "SOURCE_PIXELS", 1000)
     elif case == "ratio":
         write_png(source, 32, 48, seed=1)
     elif case == "no images":

@@ -106,9 +106,8 @@ def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_
     margin is there for that.
     Every first update is exactly on-policy, the clip acts in the second, and the grid shows the change."""
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "nano", "--run-dir", str(run), "--iterations",
-                          str(ITERATIONS), "--eval-every", "0", "--no-wandb"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    out = tiny_setup.run_cpu_bounded("flowgrpo.py", "--model", "nano", "--run-dir", run, "--iterations", ITERATIONS,
+                                     "--eval-every", 0, "--no-wandb", cpu_seconds=3600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == ITERATIONS and all(r["train/logp_gap"] == 0 for r in rows)

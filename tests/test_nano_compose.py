@@ -3,9 +3,6 @@ answers (every category, both ways), the reward built differently from the judge
 pretraining on a few steps, and a seeded RL run on the shipped base judged on held-out prompts."""
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,8 +14,6 @@ import nano_compose as nc
 import rewards
 import startup
 import tiny_setup
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One known composition per category, then prompts it satisfies (1) and prompts it does not (0): a wrong digit, a
 # wrong count, a wrong colour, the wrong side, swapped colours, the number's digits in another order.
@@ -116,9 +111,8 @@ def test_the_compose_reward_through_the_registry_and_its_prompt_check():
 
 def pretrain(out, *flags: str) -> str:
     """`python nano_compose.py pretrain` on a few steps and a small pool; its stdout."""
-    run = subprocess.run([sys.executable, "nano_compose.py", "pretrain", "--out", str(out), "--pool-size", "140",
-                          "--vae-steps", "30", "--per-category", "1", *flags], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    run = tiny_setup.run_cpu_bounded("nano_compose.py", "pretrain", "--out", out, "--pool-size", 140, "--vae-steps", 30,
+                                     "--per-category", 1, *flags, cpu_seconds=3600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -229,9 +223,8 @@ def test_a_short_seeded_rl_run_raises_the_held_out_overall(tmp_path, one_thread)
     docs/tasks.md); the room above the margin is for a machine whose floats round differently. Every first update is
     exactly on-policy and the clip acts."""
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "nano-compose", "--run-dir", str(run),
-                          "--iterations", str(RL_ITERATIONS), "--eval-every", "0", "--no-wandb"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1800, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    out = tiny_setup.run_cpu_bounded("flowgrpo.py", "--model", "nano-compose", "--run-dir", run, "--iterations",
+                                     RL_ITERATIONS, "--eval-every", 0, "--no-wandb", cpu_seconds=7200)  # needs ~540
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == RL_ITERATIONS and all(r["train/logp_gap"] == 0 for r in rows)

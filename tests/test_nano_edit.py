@@ -21,6 +21,7 @@ import prompts as prompt_sets
 import recipes
 import rewards
 import startup
+import tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PER_KIND = 40  # held-out (source, instruction) pairs of each kind in the constructed answers
@@ -198,10 +199,10 @@ def short_run(tmp_path_factory):
     folder, lines = os.path.dirname(ne.PROMPTS), [json.loads(line) for line in open(ne.PROMPTS)]
     subset = [line | {"image": os.path.join(folder, line["image"])} for line in lines if line["tag"] == RL_KIND]
     (tmp / "kind.jsonl").write_text("".join(json.dumps(line) + "\n" for line in subset))
-    out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "nano-edit", "--prompts", str(tmp / "kind.jsonl"),
-                          "--prompts-per-iteration", str(RL_PROMPTS), "--iterations", str(RL_ITERATIONS), "--seed", "0",
-                          "--eval-every", "0", "--checkpoint-every", "0", "--run-dir", str(tmp / "run"), "--no-wandb"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    out = tiny_setup.run_cpu_bounded("flowgrpo.py", "--model", "nano-edit", "--prompts", tmp / "kind.jsonl",
+                                     "--prompts-per-iteration", RL_PROMPTS, "--iterations", RL_ITERATIONS, "--seed", 0,
+                                     "--eval-every", 0, "--checkpoint-every", 0, "--run-dir", tmp / "run", "--no-wandb",
+                                     cpu_seconds=3600)
     assert out.returncode == 0, out.stderr[-3000:]
     return tmp / "run"
 

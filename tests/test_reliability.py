@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 import checkpoint
@@ -279,6 +280,63 @@ def test_sigterm_stops_every_rank_like_ctrl_c_and_removes_the_exchange_directory
     # each rank stops through the Ctrl-C path (the exchange directory goes); rank 0 alone says so, once
     assert err.count("flowgrpo.py: interrupted") == 1, err[-3000:]
     assert list(exchange.iterdir()) == [], "the exchange directory was left behind"
+
+
+# `python -c STOPPED_AT WHERE SIGNAL flowgrpo.py ...`: the script, sent SIGNAL by itself in its second iteration (1):
+# as its rollout starts ("rollout": the weights are still iteration 0's), or after the first of its two optimizer
+# steps ("update": the weights half-way between iterations 0 and 1), as a user's Ctrl-C or a scheduler's SIGTERM.
+STOPPED_AT = """
+import os, runpy, signal, sys
+import engine, offpolicy
+where, sig = sys.argv[1], getattr(signal, sys.argv[2])
+get, step, steps = offpolicy.Rollouts.get, engine.Engine.step, []
+def get_stopped(self, it):
+    if where == "rollout" and it == 1:
+        os.kill(os.getpid(), sig)
+    return get(self, it)
+def step_stopped(self):
+    steps.append(step(self))
+    if where == "update" and len(steps) == 3:
+        os.kill(os.getpid(), sig)
+    return steps[-1]
+offpolicy.Rollouts.get, engine.Engine.step = get_stopped, step_stopped
+sys.argv = sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+STOP_RUN = ("--iterations", 3, "--checkpoint-every", 0)  # a checkpoint at the end only, unless stopped
+
+
+@pytest.fixture(scope="module")
+def unstopped(tmp_path_factory):
+    run = tmp_path_factory.mktemp("unstopped") / "run"
+    here(*STOP_RUN, "--run-dir", run)
+    return run
+
+
+@pytest.mark.parametrize("where,sig,kept", [("rollout", "SIGINT", 0), ("update", "SIGTERM", 1)])
+def test_a_stopped_run_keeps_its_last_trained_iteration_and_resume_auto_continues_exactly(tmp_path, unstopped, where,
+                                                                                           sig, kept):
+    """Ctrl-C (SIGINT) as iteration 1's rollout starts: iteration 0's checkpoint is written on the way out. SIGTERM
+    half-way through iteration 1's update: the iteration finishes, is logged and checkpointed, then the run stops.
+    Either way `--resume auto` ends on the weights and rows of a run never stopped, bit for bit. Before, both said
+    "interrupted before any checkpoint was written: nothing to resume" and the iterations were lost."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", STOPPED_AT, where, sig, str(ROOT / "flowgrpo.py"), *TINY, *map(str, STOP_RUN),
+           "--run-dir", str(run)]
+    out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    kept_dir = run / "checkpoints" / f"iter_{kept:06d}"
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        f"flowgrpo.py: interrupted; its newest checkpoint is {kept_dir} (iteration {kept}): --resume auto --run-dir "
+        f"{run} continues after it"), out.stderr[-3000:]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [kept_dir.name] and checkpoint.verify_checkpoint(
+        str(kept_dir))["loop"]["iteration"] == kept
+    assert ("stopping once iteration 1 is trained and checkpointed" in out.stderr) == (where == "update")
+    here(*STOP_RUN, "--run-dir", run, "--resume", "auto")
+    weights = [load_file(str(r / "lora" / "pytorch_lora_weights.safetensors")) for r in (run, unstopped)]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    logged = [[{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+               for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, unstopped)]
+    assert logged[0] == logged[1]
 
 
 def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):

@@ -181,6 +181,20 @@ def test_unreachable_server_fails_at_make_reward(fast_retries, serve):
         rewards.make_reward(f"remote={url}")
 
 
+def test_a_reward_server_down_at_start_is_one_line_through_the_cli(serve, tmp_path):
+    """Before, a RuntimeError's traceback (after 15.7 s of retries); now the line naming the server, as bad input."""
+    url, server = serve("jpeg_compressibility")
+    server.shutdown()
+    server.server_close()
+    env = os.environ | {"FLOWGRPO_REMOTE_RETRIES": "1", "FLOWGRPO_REMOTE_BACKOFF": "0.01", "WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "tiny", "--reward", f"remote={url}", "--no-wandb",
+                          "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr.startswith(f"flowgrpo.py: error: remote reward server {url}/health failed 2 times"), out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------- the server under broken and hostile clients
 
 def test_oversized_and_malformed_requests_are_refused(serve, fast_retries):
@@ -267,18 +281,21 @@ def test_endless_content_length_then_close_is_answered_and_frees_the_thread(serv
 
 
 def test_connections_are_bounded(serve):
-    # 4 idle connections hold the server's 4 slots (the old server gave every connection a thread for ever);
-    # the next 16 are answered 503 at once, and the slots free up when the idle ones leave.
-    url, _ = serve("jpeg_compressibility", max_connections=4, request_timeout=60)
+    # 4 connections in the middle of a request (headers in, their body awaited: a body rate low enough to wait for
+    # it) hold the server's 4 seats (the old server gave every connection a thread for ever); the next 16 are answered
+    # 503 at once, and the seats free up when those leave. (Idle connections give way to new ones: the next tests.)
+    url, server = serve("jpeg_compressibility", max_connections=4, request_timeout=60, body_rate=1e-3)
     port, before = int(url.rsplit(":", 1)[1]), handler_threads()
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
-    assert wait_until(lambda: handler_threads() - before == 4), handler_threads() - before
+    busy = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+    for s in busy:
+        s.sendall(b"POST /score HTTP/1.0\r\nContent-Length: 100\r\n\r\n")
+    assert wait_until(lambda: handler_threads() - before == 4 and not server.idle), handler_threads() - before
     for _ in range(16):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
             answer = s.makefile("rb").read()
             assert answer.startswith(b"HTTP/1.0 503") and b"too many connections" in answer, answer
     assert handler_threads() - before == 4
-    for s in idle:
+    for s in busy:
         s.close()
     assert wait_until(lambda: handler_threads() == before), handler_threads() - before
     assert post(url, json.dumps({"images": [png_b64(8, 8)], "prompts": ["a"]}).encode())[0] == 200
@@ -324,6 +341,63 @@ def test_idle_sockets_that_reconnect_when_cut_do_not_starve_a_client(serve, fast
     finally:
         stop.set()
         for t in holders:
+            t.join(timeout=10)
+
+
+def test_more_idle_sockets_than_seats_reconnecting_when_cut_do_not_starve_a_client(serve, fast_retries):
+    """The attack review's second hold: more idle sockets than the server has seats (72 to 128 at its 64), each
+    reconnected whenever cut, kept every seat taken, and the trainer's client gave up after 63 s of "busy: too many
+    connections". A new connection now closes the oldest idle one: here 16 holders churn through 8 seats, and the
+    client is scored at its first attempt, five times over."""
+    url, server = serve("brightness", max_connections=8, header_timeout=30)
+    stop, cut = threading.Event(), []
+    holders = hold_idle(int(url.rsplit(":", 1)[1]), 16, stop, cut)
+    try:
+        assert wait_until(lambda: len(cut) >= 16), len(cut)  # the holders are churning through the seats
+        reward = rewards.make_reward(f"remote={url}")
+        for _ in range(5):
+            scores, _ = reward(torch.zeros(2, 3, 8, 8), ["a", "b"])
+            assert scores.tolist() == [0.0, 0.0]
+        assert fast_retries == [], f"the client had to retry: {fast_retries}"
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(timeout=10)
+    assert wait_until(lambda: server.open == 0), server.open
+
+
+def test_senders_of_a_byte_a_second_cannot_keep_the_slots(serve, fast_retries):
+    """The attack review's slow senders: 16 sockets sending their bodies a byte a second held the 8 working slots for
+    the whole request deadline, and each score call waited up to 148 s. A body must now arrive at --body-rate on
+    average (a second's grace): each sender is answered 408 and cut within about a second, so a client waiting for
+    a slot gets one well within the request deadline (5 s here: a hold of the slots till then answers it 503, which
+    it would have to retry)."""
+    url, _ = serve("brightness", request_timeout=5)
+    port, stop, answers = int(url.rsplit(":", 1)[1]), threading.Event(), []
+
+    def trickle():
+        while not stop.is_set():
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                try:
+                    s.sendall(b"POST /score HTTP/1.0\r\nContent-Length: 1000\r\n\r\n")
+                    while not stop.is_set():
+                        s.sendall(b"{")
+                        time.sleep(1.0)
+                except OSError:  # cut by the server: its answer, then reconnect
+                    answers.append(s.recv(200))
+    senders = [threading.Thread(target=trickle, daemon=True) for _ in range(16)]
+    for t in senders:
+        t.start()
+    try:
+        assert wait_until(lambda: len(answers) >= 16, 30), len(answers)  # each cut within seconds, not 5 s
+        assert all(b"408" in a and b"slower than" in a for a in answers[:16]), answers[:3]
+        reward = rewards.make_reward(f"remote={url}")
+        for _ in range(3):
+            assert reward(torch.zeros(2, 3, 8, 8), ["a", "b"])[0].tolist() == [0.0, 0.0]
+        assert fast_retries == [], f"the client was turned away: {fast_retries}"
+    finally:
+        stop.set()
+        for t in senders:
             t.join(timeout=10)
 
 

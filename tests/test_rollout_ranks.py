@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -24,9 +25,20 @@ FLAGS = ("--iterations", "3", "--eval-every", "0", "--group-size", "4", "--promp
          "--micro-batch", "4")
 
 
-def torchrun(run_dir, *flags, n=2, wait=True):
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            os.path.join(ROOT, "flowgrpo.py"), "--no-wandb", "--run-dir", str(run_dir), *FLAGS, *flags]
+# `torchrun ... --no-python python -c SAYING flowgrpo.py ...`: the script with a training rank's line while it waits on
+# its rollout rank said every second, not every minute
+SAYING = """
+import runpy, sys
+import rollout_ranks
+rollout_ranks.SAY_EVERY = 1.0
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def torchrun(run_dir, *flags, n=2, wait=True, script=(os.path.join(ROOT, "flowgrpo.py"),)):
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *script,
+            "--no-wandb", "--run-dir", str(run_dir), *FLAGS, *flags]
     kw = dict(cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return subprocess.Popen(argv, start_new_session=True, **kw)
@@ -72,23 +84,36 @@ def test_two_training_ranks_agree_with_one(tmp_path):
     assert rel < 1e-3, f"1 vs 2 training ranks differ by {rel:.3g} relative (max |Δ| {worst:.3g})"
 
 
-@pytest.mark.parametrize("how", ["kill the rollout rank", "SIGTERM"])
+@pytest.mark.parametrize("how", ["freeze, then kill the rollout rank", "SIGTERM"])
 def test_a_dead_rollout_rank_or_sigterm_stops_every_rank(tmp_path, how):
-    run = tmp_path / "run"
+    """A rollout rank frozen (SIGSTOP) is waited for with a line every SAY_EVERY seconds naming it (before: in
+    silence, up to the 30-minute bound), then killed: every rank stops, rank 0 naming it; SIGTERM stops every rank."""
+    run, lines, outs = tmp_path / "run", [], []
     proc = torchrun(run, "--rollout-ranks", "1", "--off-policy", "1", "--iterations", "200", "--checkpoint-every", "1",
-                    wait=False)
+                    wait=False, script=("--no-python", sys.executable, "-c", SAYING, os.path.join(ROOT, "flowgrpo.py")))
+    readers = [threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True),  # read as it comes
+               threading.Thread(target=lambda: outs.extend(proc.stdout), daemon=True)]
+    for reader in readers:
+        reader.start()
     try:
         deadline = time.monotonic() + 300
         while not (run / "checkpoints" / f"{checkpoint.PREFIX}{0:06d}" / "meta.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.2)
         if how == "SIGTERM":
             os.kill(proc.pid, signal.SIGTERM)
         else:
             sampler = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
             assert len(sampler) == 1, sampler
+            sampler[0].suspend()
+            while not any("has waited" in line for line in lines):
+                assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+                time.sleep(0.2)
             sampler[0].kill()
-        out, err = proc.communicate(timeout=120)  # no hang: every rank ends
+        proc.wait(timeout=120)  # no hang: every rank ends
+        for reader in readers:
+            reader.join(10)
+        out, err = "".join(outs), "".join(lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -97,6 +122,9 @@ def test_a_dead_rollout_rank_or_sigterm_stops_every_rank(tmp_path, how):
     assert proc.returncode != 0, said[-5000:]
     assert ("flowgrpo.py: interrupted" in said) if how == "SIGTERM" else ("rollout rank 1" in said or
                                                                            "local_rank: 1" in said), said[-5000:]
+    if how != "SIGTERM":
+        waited = [line for line in lines if "has waited" in line]
+        assert waited[0].startswith("flowgrpo.py: rank 0 has waited 1 s for rollout rank 1 (iteration "), waited
 
 
 @pytest.mark.parametrize("world,flags,needle", [

@@ -31,6 +31,7 @@ from test_engine import (ENV, ROOT, SMALL, assert_same, flat, free_port, lora, r
 from test_nft_awm import train_here
 
 KEYS = {"reward/mean", "train/policy_loss", "train/grad_norm", "eval/reward_mean"}  # compared with 1 process
+NFT_BOUND = 2e-2  # DiffusionNFT's runs against 1 process (test_cli_nft_sp2_takes_the_steps_of_one_process: why)
 PROMPTS = ["a cat", "a cat", "a photo of a red bicycle", "a photo of a red bicycle"]  # 11 Qwen tokens: padded to 12
 
 
@@ -68,8 +69,6 @@ class Family:
     float64: bool = False  # also in float64: the split exact there, and float32's own rounding measured
 
 
-# tiny-wan's unsplit float32 LoRA gradient is itself 1.4e-5 of its largest element from float64's (measured: 3.1e-9 of
-# 2.2e-4), above the 1e-5 the image families meet: its bound is that rounding, measured in the same run
 FAMILIES = {"qwen": Family(tiny_qwen4, 4.0, "attn", 16, (11, 12)),  # the prompts' 11 tokens, padded (masked) to 12
             "flux": Family(tiny_flux78, 1.0, "attn", 16, (78, 78)),
             "wan": Family(tiny_wan5, 4.5, "attn1", 32, (77, 77), float64=True),  # text by cross-attention: not split
@@ -85,7 +84,7 @@ def in_float64(build: Callable) -> Callable:
     return build64
 
 
-def rollout_and_gradients(family: Family, sp: int, inputs=None, **engine_kw) -> dict:
+def rollout_and_gradients(family: Family, sp: int, inputs=None, terms=False, **engine_kw) -> dict:
     """One engine (--sp sp) on every rank, its LoRA set to the same seeded values: its own rollout of PROMPTS, then on
     `inputs` (the unsplit run's batch, or its own) the velocity at the second trained state and the LoRA gradients of
     the policy loss there, its KL to the reference (the adapter off) included. Gradients are gathered full tensors."""
@@ -110,13 +109,43 @@ def rollout_and_gradients(family: Family, sp: int, inputs=None, **engine_kw) -> 
     model.transformer.train()
     _, own = algorithms.policy_loss(model, engine, batch, 0, a)  # the rollout's own first transition: on-policy?
     given = dataclasses.replace(inputs or batch, cond=batch.cond)  # the split model keeps its own (padded) text
+    hooks = summed_terms(engine) if terms else None
     loss, _ = algorithms.policy_loss(model, engine, given, 1, a)
     engine.optimizer.zero_grad(set_to_none=False)
     loss.backward()
+    extra = {} if hooks is None else hooks()
     with torch.no_grad():
         v = model.velocity(given.latents[:, 1], given.sigmas[1].expand(len(ids)), given.cond, cfg, 32, 32)
     return dict(batch=batch, velocity=v.double(), gap=float(own["gap"]), text=batch.cond["embeds"].shape[1], seen=seen,
-                grads=[p.grad.full_tensor().cpu() for p in engine.params])
+                grads=[p.grad.full_tensor().cpu() for p in engine.params], **extra)
+
+
+def summed_terms(engine) -> Callable:
+    """Hooks on every LoRA linear layer, whose weight's gradient is a sum over the rows (tokens) it saw,
+    g = Σ_t go_t x_tᵀ: -> a function that removes them and gives each parameter's Σ_t |go_t| |x_t|ᵀ (float64) and the
+    number of rows summed (a layer that never got a gradient, as the last block's text stream: zeros and 0)."""
+    found, handles = {}, []
+
+    def forward(module, args, out):
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().double()
+
+        def backward(go):
+            sums = found.setdefault(module.weight_name, [0, 0])
+            sums[0] = sums[0] + go.detach().reshape(-1, go.shape[-1]).abs().double().T @ x
+            sums[1] += x.shape[0]
+        out.register_hook(backward)
+    for name, m in engine.model.transformer.named_modules():
+        if isinstance(m, torch.nn.Linear) and ("lora_A" in name or "lora_B" in name):
+            m.weight_name = name + ".weight"  # FSDP2 swaps the parameter objects around a forward: names stay
+            handles.append(m.register_forward_hook(forward))
+    names = {id(p): name for name, p in engine.model.transformer.named_parameters()}
+
+    def done():
+        for h in handles:
+            h.remove()
+        sums = [found.get(names[id(p)], (torch.zeros(p.shape, dtype=torch.float64), 0)) for p in engine.params]
+        return dict(abs_terms=[s for s, _ in sums], rows=[n for _, n in sums])
+    return done
 
 
 def grad_gap(one: dict, two: dict) -> tuple[float, float, float]:
@@ -125,15 +154,34 @@ def grad_gap(one: dict, two: dict) -> tuple[float, float, float]:
     return (g1 - g2).abs().max().item(), g1.abs().max().item(), ((g1 - g2).norm() / g1.norm()).item()
 
 
+def summation_bound(one: dict, two: dict) -> float:
+    """The largest |Δ| of the two LoRA gradients as a fraction of what float32 summation allows, elementwise.
+    Split and unsplit sum the same float32 terms go_t x_tᵀ (the forward and each row's backward are the same kernels
+    on the same rows; the split only changes which rank sums which rows, then adds the two partial sums), each in
+    some order: a sum of n products computed in float32 in any order is within γ_n·Σ|terms| of the exact sum
+    (γ_n = nu/(1 − nu), u = 2⁻²⁴; Higham, Accuracy and Stability of Numerical Algorithms, §3.1 and §4.2), one more
+    rounding for the ranks' addition, so the two differ by at most 2·γ_{n+1}·Σ|terms|. The order (hence the actual
+    difference) depends on the machine's vector width and BLAS kernels; this bound does not. 1 means it is reached."""
+    g1, g2 = (torch.cat([g.flatten() for g in r["grads"]]).double() for r in (one, two))
+    u = 2.0 ** -24
+    gamma = torch.tensor([(n + 1) * u / (1 - (n + 1) * u) for n in one["rows"]], dtype=torch.float64)
+    bound = 2 * gamma.repeat_interleave(torch.tensor([s.numel() for s in one["abs_terms"]])) * torch.cat(
+        [s.flatten() for s in one["abs_terms"]])
+    diff = (g1 - g2).abs()
+    if (diff[bound == 0] > 0).any():  # no terms (a layer without a gradient): both must be exactly 0
+        return float("inf")
+    return (diff[bound > 0] / bound[bound > 0]).max().item()
+
+
 def compare(family: Family, **engine_kw) -> dict:
-    one = rollout_and_gradients(family, 1, **engine_kw)
+    one = rollout_and_gradients(family, 1, terms=True, **engine_kw)
     two = rollout_and_gradients(family, 2, inputs=one["batch"], **engine_kw)
     grad_max, grad_scale, grad_rel = grad_gap(one, two)
     r = dict(latents=(one["batch"].latents - two["batch"].latents).abs().max().item(),  # each its own rollout
              log_probs=(one["batch"].log_probs - two["batch"].log_probs).abs().max().item(),
              velocity=(one["velocity"] - two["velocity"]).abs().max().item(),
              velocity_scale=one["velocity"].abs().max().item(), grad_max=grad_max, grad_scale=grad_scale,
-             grad_rel=grad_rel, gap=two["gap"], text=[one["text"], two["text"]],
+             grad_rel=grad_rel, summed=summation_bound(one, two), gap=two["gap"], text=[one["text"], two["text"]],
              tokens=[sorted(set(one["seen"])), sorted(set(two["seen"]))])
     if family.float64:  # the unsplit run's inputs in float64, unsplit and split
         exact = dataclasses.replace(family, build=in_float64(family.build))
@@ -211,9 +259,8 @@ def split_vs_unsplit(two_ranks):
 def check_float32(r: dict, family: str) -> None:
     assert r["latents"] < 1e-5 and r["log_probs"] < 1e-5, r
     assert r["velocity"] < 1e-5 * max(1.0, r["velocity_scale"]), f"velocity: max |Δ| {r['velocity']:.3g}"
-    bound = 2 * r["rounding"] if "rounding" in r else 1e-5 * r["grad_scale"]  # measured: twice float32's own error
-    assert r["grad_rel"] < 1e-5 and r["grad_max"] < bound, f"LoRA gradient: max |Δ| {r['grad_max']:.3g} (bound " \
-        f"{bound:.3g}) of {r['grad_scale']:.3g}, ‖Δ‖/‖g‖ {r['grad_rel']:.3g}"
+    assert r["summed"] <= 1, f"LoRA gradient: max |Δ| {r['grad_max']:.3g} of {r['grad_scale']:.3g} (‖Δ‖/‖g‖ " \
+        f"{r['grad_rel']:.3g}), {r['summed']:.3g} of float32 summation's bound at the worst element"
     assert r["gap"] == 0
     n = FAMILIES[family].tokens  # the first self-attention gets n image (video) tokens unsplit, n/2 a rank split
     assert r["tokens"] == [[n], [n // 2]] and r["text"] == list(FAMILIES[family].text), r
@@ -223,15 +270,18 @@ def check_float32(r: dict, family: str) -> None:
 def test_split_velocities_and_lora_gradients_equal_the_unsplit_models(split_vs_unsplit, family):
     """Tiny Qwen-Image (true CFG 4, text of 11 tokens padded to 12), tiny FLUX (guidance embedding), tiny-wan (CFG
     4.5, 5 frames: 32 video tokens split, the text unsplit) and tiny FLUX.2 [klein] (CFG 4, 16 image and 64 text tokens
-    split), float32: the rollout, the velocity on the same inputs and
-    the LoRA gradient of the policy loss differ from the unsplit model's by float32 rounding only (attention sums
-    taken in another order), and the first update stays exactly on-policy."""
+    split), float32: the rollout, the velocity on the same inputs and the LoRA gradient of the policy loss differ from
+    the unsplit model's by float32 rounding only, and the first update stays exactly on-policy. The gradient's bound is
+    float32 summation's (summation_bound), not a measured difference: which order the kernels sum in depends on the
+    machine (AVX-512 or AVX2), and with it the difference (tiny-wan's max |Δ| 4.5e-9 with AVX-512, 4.3e-9 with AVX2,
+    where the unsplit float32 gradient's own error was 3.1e-9 and 1.9e-9); measured at 0.05–0.11 of the bound on both,
+    and with SSE4 kernels."""
     check_float32(split_vs_unsplit[family], family)
 
 
 def test_wan_split_is_exact_in_float64(split_vs_unsplit):
-    """tiny-wan's float32 gradient bound is float32's own error (the unsplit float32 gradient against float64's):
-    that the split costs nothing beyond rounding shows in float64, where split and unsplit agree to 1e-12."""
+    """That the split costs nothing beyond rounding shows in float64, where split and unsplit agree to 1e-12 (tiny-wan:
+    its gradient is the families' most cancelled, S/|g| up to 2.6e4); float32 rounds it at its own precision."""
     r = split_vs_unsplit["wan"]
     assert r["exact_grad_rel"] < 1e-12 and r["exact_velocity"] < 1e-12 * r["velocity_scale"], r
     assert 0 < r["rounding"] < 1e-4 * r["grad_scale"], r  # float32 does round, and only at its own precision
@@ -300,20 +350,32 @@ def test_cli_sp2_takes_the_steps_of_one_process_and_resumes_exactly(pipeline, tw
 def test_cli_nft_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, tmp_path):
     """DiffusionNFT (--algorithm nft, with its reference KL) through the split model: the ODE rollout under the old
     policy, the forward-process update on the re-noised final latents. --sp 2 on 2 ranks (two_ranks) takes the steps
-    of one process: the metrics, and the trained weights and the old policy in the checkpoint within the 1e-3 bound."""
+    of one process: the first rollout's rewards to rounding, and the trained weights and the old policy in the
+    checkpoint within NFT_BOUND.
+
+    Why NFT_BOUND is 2e-2 and not the 1e-3 of Flow-GRPO's runs: a few LoRA elements get a gradient at float32's
+    rounding level (√v in AdamW's state 1e-10 to 1e-8, near its eps), and AdamW moves such an element by about the
+    learning rate whichever sign the rounding gave it: up to 2·lr (0.02 here) between two runs that sum in another
+    order. Which elements, and how many, depends on the machine's kernels: with AVX-512 the two runs agreed to 1.4e-5
+    relative; with the AVX2 kernels (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2),
+    2.8e-3 after 2 steps and 3.6e-3 after 4 (max |Δ| 0.015, 0.021: ten of the 32 768 elements moved by 1.5–2 lr, the
+    LoRA's norm ‖w‖ 7.9). The bound admits (2e-2·‖w‖ / 2·lr)² ≈ 60 elements moved by 2·lr; one optimizer step
+    instead of two differs by 0.18 (test_engine.test_two_ranks_match_one_process). The
+    metrics after the first optimizer step are functions of weights that agree only that far, so they are compared
+    within the same bound; the first rollout's reward precedes any update and agrees to rounding."""
     runs = {"one": tmp_path / "one", "sp2": two_ranks[1]["nft"]}
     launch(runs["one"], pipeline, *NFT)
     one, split = rows(runs["one"]), rows(runs["sp2"])
     assert len(split) == 2 and split[0]["reward/mean"] == pytest.approx(one[0]["reward/mean"], rel=1e-6)
     for a, b in zip(one, split):
         for key in (KEYS | {"train/kl", "train/old_kl"}) & a.keys() & b.keys():
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["iteration"], key, a[key], b[key])
+            assert b[key] == pytest.approx(a[key], rel=NFT_BOUND, abs=1e-6), (a["iteration"], key, a[key], b[key])
     state = {name: flat(train_state(run, "iter_000001", tmp_path)) for name, run in runs.items()}
     for part in ("model.", "old."):
         mine, theirs = ({k: v for k, v in state[r].items() if k.startswith(part)} for r in runs)
         rel, worst = relative_difference(mine, theirs)
         print(f"nft --sp 2, {part}*: {rel:.3g} relative to 1 process (max |Δ| {worst:.3g})")
-        assert mine and rel < 1e-3, f"{part}*: --sp 2 is {rel:.3g} relative from 1 process (max |Δ| {worst:.3g})"
+        assert mine and rel < NFT_BOUND, f"{part}*: --sp 2 is {rel:.3g} relative from 1 process (max |Δ| {worst:.3g})"
 
 
 def test_cli_dppo_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, tmp_path):

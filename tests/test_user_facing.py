@@ -204,3 +204,96 @@ def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path, 
     for code, err in ((out.returncode, out.stderr), (e.value.code, capsys.readouterr().err)):
         assert code == 2 and err.strip().startswith("nano.py: error:") and len(err.strip().splitlines()) == 1 and \
             "no exported LoRA" in err, err
+
+
+# ---- the laptop tasks' CLIs: one line for each bad input, before anything runs -------------------------------------
+
+def said(main, argv: list, capsys) -> str:
+    """What a laptop CLI's `main(argv)` said as it stopped (its exit status 2, one line on stderr after any progress
+    bar's, no traceback)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    rundir.release_run_dirs()  # (a process's end lets go of nano_compare.py's lock on --out)
+    lines = [line for line in capsys.readouterr().err.split("\n") if line and not line.startswith("\r")]
+    assert stopped.value.code == 2 and len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+def test_the_laptop_clis_refuse_what_could_not_finish_in_one_line(tmp_path, capsys):
+    """Sizes without an upper bound (`nano_compare.py --seeds 10⁹` held 3 GB after 79 s; `nano_edit.py evaluate
+    --seeds 10⁸`, `nano_compose.py evaluate --per-category 10⁸`) and a step count of -1 (`nano_edit_pretrain.py` wrote
+    an untrained base): each refused in one line, before anything starts."""
+    import nano_compose
+    import nano_edit
+    import nano_edit_pretrain
+    for main, argv, line in [
+            (nano_compare.main, ["--seeds", "1000000000"], "nano_compare.py: error: --seeds must be in [1, 100]"),
+            (nano_compare.main, ["--jobs", "100000"], "nano_compare.py: error: --jobs must be in [1, 64]"),
+            (nano_edit.main, ["evaluate", "--seeds", "100000000"], "nano_edit.py: error: --seeds must be in [1, 100]"),
+            (nano_compose.main, ["evaluate", "--per-category", "100000000"],
+             "nano_compose.py: error: --per-category must be in [1, 10000]"),
+            (nano_edit_pretrain.main, ["--transformer-steps", "-1", "--out", str(tmp_path / "base")],
+             "nano_edit_pretrain.py: error: --transformer-steps must be in [1, 1e7], got -1"),
+            (nano.main, ["pretrain", "--vae-lr", "nan", "--out", str(tmp_path / "base")],
+             "nano.py: error: --vae-lr must be in [0, 1e7], got nan")]:
+        assert said(main, argv, capsys).startswith(line)
+    assert not (tmp_path / "base").exists()
+
+
+def test_nano_compose_prompts_writes_the_shipped_set(tmp_path):
+    """`python nano_compose.py prompts` (a documented command) failed every time: AttributeError, per_category."""
+    out = subprocess.run([sys.executable, "nano_compose.py", "prompts", "--out", str(tmp_path / "p.jsonl")], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "p.jsonl").read_text() == (ROOT / "assets" / "nano-compose" / "prompts.jsonl").read_text()
+
+
+def test_nano_compare_refuses_a_bad_out_plot_or_run_directory_before_any_run(tmp_path, capsys):
+    """--out a file, --plot or --markdown into a missing folder (found only after every run, before), a run directory
+    that is a symbolic link, and a run log planted there as a link (its target was overwritten): each one line,
+    nothing run or written through a link."""
+    (tmp_path / "file").write_text("")
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    one = ["--methods", "Flow-GRPO, full mode", "--seeds", "1"]
+    assert said(nano_compare.main, ["--out", str(tmp_path / "file"), *one], capsys).endswith("is not a directory")
+    for flag in ("--plot", "--markdown"):
+        line = said(nano_compare.main, ["--out", str(tmp_path / "o"), flag, str(tmp_path / "no" / "x"), *one], capsys)
+        assert line == f"nano_compare.py: error: {flag} {tmp_path}/no/x: its folder {tmp_path}/no does not exist"
+    out = tmp_path / "links"
+    out.mkdir()
+    run = nano_compare.run_path(str(out), "Flow-GRPO, full mode", 0)
+    os.symlink(tmp_path / "elsewhere", run)
+    assert said(nano_compare.main, ["--out", str(out), *one], capsys).startswith(
+        f"nano_compare.py: error: {run} is not a directory of this comparison (a symbolic link, a file)")
+    os.unlink(run)
+    os.symlink(victim, run + ".log")
+    assert said(nano_compare.main, ["--out", str(out), *one], capsys).startswith(
+        f"nano_compare.py: error: {run}.log cannot be written (")
+    assert victim.read_text() == "untouched" and not os.path.exists(run)
+
+
+def test_nano_grid_names_a_run_of_another_model(tmp_path, capsys):
+    """`nano.py grid` on a tiny run's LoRA: before, a "size mismatch" traceback; now the run's model, named."""
+    run = tmp_path / "run"
+    (run / "lora").mkdir(parents=True)
+    (run / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    (run / "args.json").write_text(json.dumps({"model": "tiny"}))
+    assert said(nano.main, ["grid", str(run)], capsys) == f"nano.py: error: {run} is a run of --model tiny, not nano: " \
+                                                          "give a nano run"
+
+
+def test_a_flag_the_parser_refuses_is_one_line(tmp_path):
+    """A typo'd flag, a bad value, a missing one, a model that does not exist: tyro's box of 9 to 16 lines before; now
+    the message, and the flag it suggests, in one line like every other refusal. Through the CLI for the typo."""
+    out = subprocess.run([sys.executable, "flowgrpo.py", "--modle", "nano", "--run-dir", str(tmp_path / "r")], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("flowgrpo.py: error: Unrecognized options: --modle, nano Perhaps you meant: --model {"), \
+        out.stderr
+    for argv, said in [(["--lr", "abc"], "Error parsing --lr: could not convert string to float: 'abc' (`--help`"),
+                       (["--group-size"], "Missing value for argument '--group-size'. Expected 1 values."),
+                       (["--model", "tinyy"], "invalid choice 'tinyy' for argument '--model'. Expected one of")]:
+        with pytest.raises(ValueError) as refused:
+            startup.parse_args(flowgrpo.Args, argv)
+        assert str(refused.value).startswith(said) and "\n" not in str(refused.value), str(refused.value)

@@ -4,6 +4,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -36,6 +37,31 @@ def main_here(*argv) -> list[dict]:
         eng.shutdown()
         rundir.release_run_dirs()
         torch.set_num_threads(threads)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `python -c CPU_BOUND SECONDS SCRIPT ARGS...`: SCRIPT's __main__ with the process's CPU time bounded (RLIMIT_CPU).
+CPU_BOUND = """
+import resource
+import runpy
+import sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 10))
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_cpu_bounded(script: str, *args, cpu_seconds: int) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in the repository on one torch thread, its output captured, bounded by its CPU time and not
+    by the wall clock: a loaded machine (two busy processes a core) stretches a long run's wall-clock time past any
+    fixed limit (nano-compose's RL run hit 1,800 s so), and a test that fails by its machine's load tests the machine.
+    The CPU time a run needs hardly changes with load; past `cpu_seconds` the kernel ends it (SIGXCPU)."""
+    out = subprocess.run([sys.executable, "-c", CPU_BOUND, str(cpu_seconds), script, *map(str, args)], cwd=ROOT,
+                         capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    if out.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        out.stderr += f"\n{script} ended by the kernel at its CPU-time bound, {cpu_seconds} s"
+    return out
 
 
 def tiny_setup(lora_alpha=8, lr=5e-2, advantages=(1.0, -1.0, 0.5, -0.5)):

@@ -1,0 +1,109 @@
+"""An edit prompt's source image (`"image"` in a .jsonl line: a path), read within bounds wherever it is read: at
+start-up (`check`, from prompts.py: nothing decoded) and wherever its pixels are needed (`read`: the rewards and the
+judge that compare a result with it, nano-edit's judge, a run's grids). One opener for both, so that a file swapped
+after start-up meets the same bounds where it is read: the path opened without waiting (a FIFO is refused, not read
+from) as a regular file of at most MAX_BYTES; a PNG's chunks walked before Pillow reads any, their text at most
+TEXT_BYTES (Pillow reads a text chunk whole before it checks its own limit: 3.5 GB for one of 1 GiB); the image's
+format, size (at most SOURCE_PIXELS) and mode read from its header before a pixel is decoded. `check` also gives the
+file's SHA-256, which a checkpoint's hash of its prompts covers, so that a source whose pixels changed between a
+checkpoint and `--resume` is named."""
+import hashlib
+import os
+import stat
+
+from PIL import Image, PngImagePlugin
+
+SOURCE_PIXELS = 4096 * 4096  # the largest source image read (omni_pipeline_edit.py's servers take no larger)
+MAX_BYTES = 2**27  # 128 MiB: a 4096² RGBA PNG stored without compression is 64 MiB
+TEXT_BYTES = 2**16  # a PNG's text chunks and ICC profile, stored and inflated: as the reward server's PNG_TEXT
+TEXT_CHUNKS = (b"tEXt", b"zTXt", b"iTXt", b"iCCP")
+MAX_CHUNKS = 2**17  # a PNG's chunks walked (ours: a few; 8 KiB IDAT chunks of a 64 MiB image: 8192)
+FORMATS = ("PNG", "JPEG")
+MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16", "I;16B", "CMYK", "YCbCr")  # those PNG and JPEG have: RGB-able
+PNG = b"\x89PNG\r\n\x1a\n"
+_CHECKED = {}  # (path, device, inode, size, modification time) -> check's answer
+
+
+def _open(path: str):
+    """`path` opened for reading as a regular file of at most MAX_BYTES, or ValueError saying what it is instead."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once, and is refused below
+    except FileNotFoundError:
+        raise ValueError("is missing") from None
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission, a loop of links
+        raise ValueError(f"cannot be opened ({getattr(e, 'strerror', None) or e})") from None
+    info = os.fstat(fd)
+    problem = None if stat.S_ISREG(info.st_mode) else f"is not a regular file (mode {stat.filemode(info.st_mode)})"
+    if not problem and info.st_size > MAX_BYTES:
+        problem = f"is {info.st_size} bytes, more than {MAX_BYTES}"
+    if problem:
+        os.close(fd)
+        raise ValueError(problem)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _png_text(f) -> None:
+    """A PNG's chunks walked from their headers (their data skipped, not read): ValueError if its text chunks hold more
+    than TEXT_BYTES or it has more than MAX_CHUNKS chunks. Anything but a PNG passes (Pillow reads the rest)."""
+    if f.read(8) == PNG:
+        text = 0
+        for n in range(MAX_CHUNKS + 1):
+            head = f.read(8)
+            if len(head) < 8 or head[4:] == b"IEND":
+                break
+            if n == MAX_CHUNKS:
+                raise ValueError(f"has more than {MAX_CHUNKS} PNG chunks")
+            length = int.from_bytes(head[:4], "big")
+            text += length if head[4:] in TEXT_CHUNKS else 0
+            if text > TEXT_BYTES:
+                raise ValueError(f"holds more than {TEXT_BYTES} bytes of PNG text chunks (tEXt, zTXt, iTXt, iCCP): "
+                                 "save it without them")
+            f.seek(length + 4, os.SEEK_CUR)  # the data and its CRC
+    f.seek(0)
+
+
+def _header(f) -> Image.Image:
+    """The image of open file `f` with its header read and checked, its pixels not decoded."""
+    _png_text(f)
+    PngImagePlugin.MAX_TEXT_CHUNK = PngImagePlugin.MAX_TEXT_MEMORY = TEXT_BYTES  # what Pillow inflates, as the server
+    resize = "resize it (the edit models take a source at about a megapixel or less)"
+    try:
+        im = Image.open(f, formats=FORMATS)
+    except Image.DecompressionBombError as e:  # Pillow's own refusal, from the header, past twice its 89 M pixels
+        raise ValueError(f"has more than {SOURCE_PIXELS} pixels ({e}): {resize}") from None
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ValueError(f"cannot be read as an image ({type(e).__name__}; PNG and JPEG are read): save it as a PNG") \
+            from None
+    w, h = im.size
+    if w * h > SOURCE_PIXELS:
+        raise ValueError(f"is {w}×{h}, more than {SOURCE_PIXELS} pixels: {resize}")
+    if im.mode not in MODES:
+        raise ValueError(f"has pixel mode {im.mode}, which is not one of {', '.join(MODES)}: save it as an RGB PNG")
+    return im
+
+
+def check(path: str) -> tuple[int, int, str]:
+    """(width, height, SHA-256 of the file) of source `path`, its pixels not decoded; ValueError saying what is wrong
+    (the caller names the file and line). About 1.6 ms for a 1024² PNG of 2.4 MB, most of it the hash; a file
+    unchanged since this process checked it (the same inode, size and modification time) is not read again: a run
+    reads its prompt set twice as it starts (its check, then the loop)."""
+    with _open(path) as f:
+        info = os.fstat(f.fileno())
+        key = (path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+        if key not in _CHECKED:
+            with _header(f) as im:
+                f.seek(0)
+                _CHECKED[key] = (*im.size, hashlib.file_digest(f, "sha256").hexdigest())
+        return _CHECKED[key]
+
+
+def read(path: str) -> Image.Image:
+    """Source `path` as RGB pixels, through the same bounds as `check`; ValueError naming it (it was checked when the
+    run started, so a problem here is a file changed since)."""
+    try:
+        with _open(path) as f, _header(f) as im:
+            return im.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:  # also a body that does not decode (truncated, corrupt)
+        raise ValueError(f"source image {path} {e if isinstance(e, ValueError) else 'does not decode'}: it was "
+                         "readable when the run started; was it changed since?") from None
