@@ -12,8 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGETS = {
     # the loop: Args (every flag, documented), batch arithmetic, evaluation, an iteration's phases; 450 -> 500 for the
     # rollout phase as a function of its own (`draw`, which --off-policy 1 runs a step ahead in a thread) and its flags,
-    # -> 510 for --reuse-rollout-forward (its flag, its departure, the rollout told what to keep)
-    "flowgrpo.py": 510,
+    # -> 510 for --reuse-rollout-forward (its flag, its departure, the rollout told what to keep), -> 515 for
+    # --micro-batch 0 (the micro-batch sized once the model is built, the batch arithmetic redone)
+    "flowgrpo.py": 515,
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
     # what a run checks before anything expensive starts; raised from 150: a parse error (tyro's box of 9 to 16 lines)
