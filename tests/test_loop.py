@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import algorithms
+import ema
 import engine as eng
 import flowgrpo
 import memory
@@ -355,12 +356,12 @@ def test_reference_is_the_base_model_and_the_kl_forms():
 def test_a_non_finite_gradient_skips_the_step():
     model, engine, _ = tiny_setup()
     before = {k: v.clone() for k, v in engine.lora_state_dict().items()}
-    eng._local(engine.params[0].grad).fill_(float("nan"))  # (this rank's shard, under FSDP2)
+    ema.local_shard(engine.params[0].grad).fill_(float("nan"))  # (this rank's shard, under FSDP2)
     norm, skipped = engine.step()
     assert skipped and not math.isfinite(norm) and engine.skipped_steps == 1
     after = engine.lora_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(torch.count_nonzero(eng._local(p.grad)) == 0 for p in engine.params)  # gradients cleared
+    assert all(torch.count_nonzero(ema.local_shard(p.grad)) == 0 for p in engine.params)  # gradients cleared
 
 
 def test_the_update_reports_the_fraction_of_its_steps_skipped():
