@@ -418,12 +418,12 @@ def run_lora(run_dir: str, model: str = MODEL) -> str:
 def check_numbers(ap, prog: str, counts: dict, pretrain: dict | None = None) -> None:
     """A laptop CLI's numbers, refused in one line before anything starts: each of `counts`, {flag: (value, most)},
     in [1, most] (what could not finish, e.g. 10⁸ seeds, is refused rather than begun); each pretraining flag of
-    `pretrain`, {name: value}, finite and in [1, 10⁷] (0 allowed for a seed, a float, a curve's period, and the steps
-    of nano-compose's optional decoder-only stage: a step count of -1 wrote an untrained base)."""
+    `pretrain`, {name: value}, finite and in [1, 10⁷] (0 allowed for a seed, a float, a curve's period and
+    nano-compose's optional decoder stage: a step count of -1 wrote an untrained base)."""
     bad = [f"--{k.replace('_', '-')} must be in [1, {most}], got {v}" for k, (v, most) in counts.items()
            if not 1 <= v <= most]
     for k, v in (pretrain or {}).items():
-        low = 0 if isinstance(v, float) or k in ("seed", "curve_every", "decoder_steps") else 1
+        low = 0 if isinstance(v, float) or k in ("seed", "curve_every", "decoder_steps") else 1  # 0: a stage skipped
         if not (math.isfinite(v) and low <= v <= 10**7):
             bad.append(f"--{k.replace('_', '-')} must be in [{low}, 1e7], got {v}")
     if bad:
