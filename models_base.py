@@ -42,9 +42,11 @@ def from_pretrained(pipeline_class: str, model: str, path: str, **kwargs):
     except (OSError, ValueError) as e:  # hub, offline and missing-file errors are OSError or ValueError subclasses
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" (")[0][:160]
-        hint = ("HF_HUB_OFFLINE is set, so nothing is downloaded: point --model-path at a local copy, or unset "
-                "HF_HUB_OFFLINE" if offline else "pass --model-path DIR with a local copy, or set HF_HUB_OFFLINE=1 "
-                "to use only the local cache")
+        local = os.path.isabs(path) or path.startswith(".") or os.path.isdir(path)
+        get = f"`huggingface-cli download {path} --local-dir DIR` where the hub is reachable, then --model-path DIR"
+        hint = ("not a complete pipeline directory: point --model-path at one (`huggingface-cli download HUB_ID "
+                "--local-dir DIR` makes one)" if local else f"HF_HUB_OFFLINE is set and the local cache lacks it: {get}"
+                if offline else f"neither the hub nor the local cache gave it: check the name, or {get}")
         message = f"--model {model}: cannot load a {pipeline_class} from {path!r} ({reason}); {hint}"
         raise ValueError(message) from None
     finally:

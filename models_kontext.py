@@ -14,6 +14,7 @@ import io
 import torch
 from PIL import Image
 
+import source_images
 from models_base import EditAdapter
 from models_flux import Flux, build_tiny_flux_pipeline
 
@@ -53,8 +54,7 @@ class FluxKontext(EditAdapter, Flux):
 
     def resized_source(self, path: str, height: int, width: int) -> Image.Image:
         """One source image (an RGB image file) at the output size, resized as the pipeline resizes it."""
-        with Image.open(path) as im:
-            return self.pipe.image_processor.resize(im.convert("RGB"), height, width)
+        return self.pipe.image_processor.resize(source_images.read(path), height, width)
 
     def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
         """`source`: the prompt's source image at the output size, a base64 PNG (the same pixels). vLLM-Omni's Kontext

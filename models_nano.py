@@ -6,6 +6,7 @@ import os
 import torch
 from PIL import Image
 
+import source_images
 from models_qwen import QwenImage, build_tiny_qwen_pipeline
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
@@ -83,8 +84,7 @@ class NanoEdit(NanoQwenImage):
         pipeline's image processor, encoded alone, the posterior's mode normalised by the VAE's latents_mean and
         latents_std (QwenImageEditPlusPipeline._encode_vae_image), packed."""
         pipe, vae = self.pipe, self.pipe.vae
-        with Image.open(path) as im:
-            image = pipe.image_processor.resize(im.convert("RGB"), height, width)
+        image = pipe.image_processor.resize(source_images.read(path), height, width)
         pixels = pipe.image_processor.preprocess(image, height, width).to(self.device, vae.dtype)
         z = vae.encode(pixels[:, :, None]).latent_dist.mode()  # (1, C, 1, h, w)
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)

@@ -15,6 +15,7 @@ import math
 import torch
 from PIL import Image
 
+import source_images
 from models_base import Adapter, Spec, from_pretrained
 from models_qwen import QWEN_SCHEDULER, last_logit_only, qwen_tokenizer_dir
 
@@ -129,8 +130,7 @@ class QwenImage21(Adapter):
     def source(self, path: str) -> tuple[Image.Image, dict]:
         """One source image (a path) as the pipeline prepares it: its copy for the text encoder (RGBA, resized) and its
         packed VAE tokens `source` (1, S', C) in the model dtype with their grid `source_grid` (1, 2)."""
-        with Image.open(path) as im:
-            image = im.convert("RGBA")
+        image = source_images.read(path, "RGBA")
         from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions  # the pipeline's rule
         side_w, side_h, _ = calculate_dimensions(CONDITION_SIDE * CONDITION_SIDE, image.width / image.height)
         pixels = self.pipe.image_processor.preprocess(image, width=side_w, height=side_h).unsqueeze(2)

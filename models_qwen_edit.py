@@ -25,6 +25,7 @@ import os
 import torch
 from PIL import Image
 
+import source_images
 from models_base import EditAdapter, from_pretrained
 from models_qwen import QwenImage, build_tiny_qwen_pipeline
 
@@ -144,8 +145,7 @@ class QwenImageEdit(EditAdapter, QwenImage):
         """`source`: the prompt's source image as it is (RGB, a base64 PNG: the same pixels), and `source_areas`: the
         server resizes it as `encode_source` does (omni_pipeline_edit.py)."""
         png = io.BytesIO()
-        with Image.open(metadata["image"]) as im:
-            im.convert("RGB").save(png, format="PNG")
+        source_images.read(metadata["image"]).save(png, format="PNG")
         return {"source": base64.b64encode(png.getvalue()).decode("ascii"), "source_areas": self.source_areas()}
 
     def encode_source(self, path: str) -> tuple[torch.Tensor, torch.Tensor, Image.Image]:
@@ -153,8 +153,7 @@ class QwenImageEdit(EditAdapter, QwenImage):
         (rows, columns) of patches as a LongTensor (2,), its copy for the text encoder (a PIL image)): resized and
         encoded exactly as `QwenImageEditPlusPipeline.__call__` prepares its `image`."""
         pipe = self.pipe
-        with Image.open(path) as im:
-            image = im.convert("RGB")
+        image = source_images.read(path)
         # the pipeline's `calculate_dimensions` at its module's sizes
         module = importlib.import_module(type(pipe).__module__)
         ratio = image.size[0] / image.size[1]

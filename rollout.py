@@ -431,7 +431,7 @@ class OmniBackend:
                 raise ValueError(f"the answer lacks its {body['n']} images: {str(resp)[:300]}")
             return read_trajectory(knobs["trajectory"], seeds=knobs["seeds"], prompt=body["prompt"], **expect)
         except (FileNotFoundError, ValueError, RecursionError) as e:  # an answer not JSON, or nested past the parser
-            raise RuntimeError(f"vLLM-Omni server {url}, {what}: {e}") from None
+            raise reward_http.PeerError(f"vLLM-Omni server {url}, {what}: {e}") from None
         finally:  # never over the request's own error: what cannot be unlinked (a directory) goes with close()
             with contextlib.suppress(OSError):
                 os.unlink(knobs["trajectory"])
@@ -454,7 +454,7 @@ class OmniBackend:
             with contextlib.suppress(ValueError, TypeError, KeyError):  # vLLM-Omni's {"error": {"message": …}}
                 detail = str(json.loads(detail)["error"]["message"])
             if status not in (502, 503, 504):
-                raise RuntimeError(f"vLLM-Omni server {url} answered HTTP {status} to {what}: {detail[:2000]}")
+                raise reward_http.PeerError(f"vLLM-Omni server {url} answered HTTP {status} to {what}: {detail[:2000]}")
             last = f"HTTP {status}: {detail[:2000]}"
-        raise RuntimeError(f"vLLM-Omni server {url} stayed down for {what}: {self.retries + 1} attempts failed "
-                           f"(last: {last}); is it running and reachable from this node (docs/vllm-omni.md)?")
+        raise reward_http.PeerError(f"vLLM-Omni server {url} stayed down for {what}: {self.retries + 1} attempts "
+                                    f"failed (last: {last}); is it running, reachable from here (docs/vllm-omni.md)?")

@@ -98,12 +98,12 @@ def check(path: str) -> tuple[int, int, str]:
         return _CHECKED[key]
 
 
-def read(path: str) -> Image.Image:
-    """Source `path` as RGB pixels, through the same bounds as `check`; ValueError naming it (it was checked when the
-    run started, so a problem here is a file changed since)."""
+def read(path: str, mode: str = "RGB") -> Image.Image:
+    """Source `path` as pixels of `mode` (RGBA: Qwen-Image 2.1 keeps the alpha), through the same bounds as `check`;
+    ValueError naming it (it was checked when the run started, so a problem here is a file changed since)."""
     try:
         with _open(path) as f, _header(f) as im:
-            return im.convert("RGB")
+            return im.convert(mode)
     except (OSError, ValueError, SyntaxError) as e:  # also a body that does not decode (truncated, corrupt)
         raise ValueError(f"source image {path} {e if isinstance(e, ValueError) else 'does not decode'}: it was "
                          "readable when the run started; was it changed since?") from None
