@@ -96,7 +96,9 @@ def test_a_dead_rollout_rank_or_sigterm_stops_every_rank(tmp_path, how):
     for reader in readers:
         reader.start()
     try:
-        deadline = time.monotonic() + 300
+        # each phase its own bound, generous for a loaded machine (CI once spent ~300 s starting the two ranks beside
+        # a vLLM-Omni test, and a deadline shared by both phases left the frozen rank's line 0.1 s)
+        deadline = time.monotonic() + 900
         while not (run / "checkpoints" / f"{checkpoint.PREFIX}{0:06d}" / "meta.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.2)
@@ -106,6 +108,7 @@ def test_a_dead_rollout_rank_or_sigterm_stops_every_rank(tmp_path, how):
             sampler = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
             assert len(sampler) == 1, sampler
             sampler[0].suspend()
+            deadline = time.monotonic() + 300  # the line is due every SAY_EVERY = 1 s once rank 0 waits
             while not any("has waited" in line for line in lines):
                 assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
                 time.sleep(0.2)
