@@ -278,10 +278,11 @@ def _altered(directory: str, rel: str, state: str) -> ValueError:
                       "the checkpoint was altered or damaged; resume from another one")
 
 
-def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=()) -> tuple[str, dict]:
+def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=(), defaults=None) -> tuple[str, dict]:
     """(checkpoint directory, its meta.json) for `--resume PATH|auto`, checked before anything is built: its files
     against its manifest, and its flags against this run's `flags` (those that decide the result), except the ones
-    named in `may_change`."""
+    named in `may_change`; a flag the checkpoint predates counts at its value in `defaults` (new flags default to
+    the behaviour before them)."""
     if resume == "auto":
         if run_dir is None:
             raise ValueError("--resume auto needs --run-dir (the run whose newest checkpoint to continue)")
@@ -290,7 +291,7 @@ def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=())
             raise FileNotFoundError(f"--resume auto: no complete checkpoint in {os.path.join(run_dir, 'checkpoints')}")
         resume = found[-1]
     meta = verify_checkpoint(resume)
-    saved = meta["flags"]
+    saved = {**(defaults or {}), **meta["flags"]}
     diff = {k: (saved.get(k), v) for k, v in flags.items() if saved.get(k) != v and k not in may_change}
     if diff:
         raise ValueError(f"--resume: {os.path.join(resume, 'meta.json')} was written with different flags, which would "

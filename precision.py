@@ -43,14 +43,22 @@ class _Bf16Copy(torch.autograd.Function):
 
 
 def _working_copy_linear(self, x: torch.Tensor) -> torch.Tensor:
-    """A LoRA factor's forward in bf16: the float32 weight's bf16 copy, made again only after the weight changed (an
-    optimizer step, an EMA swap or a checkpoint load bump its version), so a rollout casts nothing."""
-    w = self.weight
-    if self.working_key != (w.data_ptr(), w._version):
-        with torch.no_grad():
-            self.working_copy, self.working_key = w.to(torch.bfloat16), (w.data_ptr(), w._version)
+    """A LoRA factor's forward in bf16 through its working copy (a buffer `_refresh` keeps equal to the float32 weight
+    cast): no check and no cast here, so that a compiled block traces it without a break (`--compile`)."""
     copy = self.working_copy
-    return F.linear(x, _Bf16Copy.apply(w, copy) if torch.is_grad_enabled() else copy, self.bias)
+    return F.linear(x, _Bf16Copy.apply(self.weight, copy) if torch.is_grad_enabled() else copy, self.bias)
+
+
+def _refresh(factors) -> None:
+    """Each factor's working copy made again, in place, where its float32 weight changed since (an optimizer step, an
+    EMA swap or a checkpoint load bump its version or replace its storage): a rollout casts nothing. Runs before each
+    transformer call (the root's pre-hook), outside any compiled block."""
+    with torch.no_grad():
+        for m in factors:
+            w = m.weight
+            if m.working_key != (w.data_ptr(), w._version):
+                m.working_copy.copy_(w)
+                m.working_key = (w.data_ptr(), w._version)
 
 
 def bf16_working_copies(net: torch.nn.Module) -> None:
@@ -67,6 +75,8 @@ def bf16_working_copies(net: torch.nn.Module) -> None:
     for m in net.modules():
         if hasattr(m, "cast_input_dtype_enabled"):  # a peft LoRA layer: its input stays bf16
             m.cast_input_dtype_enabled = False
-    for m in factors:
-        m.working_key, m.working_copy = None, None
+    for m in factors:  # a buffer (not saved): moved with the module, and an input of a compiled block, not a constant
+        m.register_buffer("working_copy", torch.empty_like(m.weight, dtype=torch.bfloat16), persistent=False)
+        m.working_key = None
         m.forward = types.MethodType(_working_copy_linear, m)
+    net.register_forward_pre_hook(lambda module, args: _refresh(factors))

@@ -142,7 +142,8 @@ def check_args(a) -> tuple[str, dict] | None:
     rollout_ranks.check(a, int(os.environ.get("WORLD_SIZE", 1)))  # --rollout-ranks, --off-policy (offpolicy.check)
     if not a.resume:
         return None
-    ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a))
+    ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a),
+                                           fingerprint(type(a)()))
     # The shadows this run keeps must be in the checkpoint (dcp.load is strict); one it holds and this run does not
     # keep is not loaded (nft -> grpo: the weights and AdamW state carry over, the old policy is dropped).
     old, then = [k for k, algo in algorithms.ALGORITHMS.items() if algo.keeps_old], meta["flags"]

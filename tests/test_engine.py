@@ -266,6 +266,10 @@ def test_bad_resume_input(straight, tmp_path):
         checkpoint.resolve_resume(good, None, fp | {"lora_rank": 4})
     with pytest.raises(ValueError, match="--model: checkpoint 'tiny', this run 'qwen-image'"):
         checkpoint.resolve_resume(good, None, fp | {"model": "qwen-image"})
+    newer = fp | {"a_newer_flag": True}  # a flag the checkpoint predates: compared at its default
+    assert checkpoint.resolve_resume(good, None, newer, defaults={"a_newer_flag": True})[0] == good
+    with pytest.raises(ValueError, match="--a-newer-flag: checkpoint False, this run True"):
+        checkpoint.resolve_resume(good, None, newer, defaults={"a_newer_flag": False})
     bad = tmp_path / "iter_000009"
     shutil.copytree(good, bad)
     (bad / "meta.json").write_text("{not json")
@@ -471,3 +475,52 @@ def test_memory_options_train(flags, ranks, tmp_path):
         assert r["train/grad_norm"] > 0 and r["train/skipped_steps"] == 0
     assert (run / "checkpoints" / "iter_000001" / "meta.json").exists()
     assert (run / "lora").exists() != ("--full-finetune" in flags)  # no adapter to export when all weights train
+
+
+def test_compile_traces_one_graph_for_every_block(monkeypatch):
+    """--compile with the qwen-image recipe's bf16 compute and checkpointing: no graph break, and as many graphs at 6
+    blocks as at 2 (one per call kind, reused by every block: before, a LoRA factor's working-copy check broke each
+    block into pieces and recompiled per weight shape until dynamo's limit); after an optimizer step the compiled
+    blocks read the new weights (their working copies are inputs, not constants): equal to the same engine in eager.
+    (dynamo with aot_eager: its graphs and breaks are inductor's, without the C++ build, minutes on CPU.)"""
+    from diffusers import QwenImageTransformer2DModel
+    from torch._dynamo.utils import counters
+
+    from bench import make_engine
+
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager"))
+    a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", lora_rank=4)
+
+    def graphs(blocks: int, compile: bool):
+        pipe = models_qwen.build_tiny_qwen_pipeline(0, 2)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            pipe.transformer = QwenImageTransformer2DModel(
+                patch_size=2, in_channels=16, out_channels=4, num_layers=blocks, attention_head_dim=16,
+                num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+        model = models_qwen.QwenImage(pipe.to(torch.bfloat16), "cpu", torch.bfloat16)
+        engine = make_engine(a, model, compile=compile)
+        x = model.noise([torch.Generator().manual_seed(i) for i in range(2)], 32, 32)
+        s, cond = torch.full((2,), 0.5), model.conditioning(["a sign that says hello"] * 2, " ", 1.0)
+        torch._dynamo.reset()
+        counters.clear()
+        out = []
+        for _ in range(2):  # train: forward + backward, a step; then a rollout's forward on the new weights
+            model.transformer.train()
+            model.velocity(x, s, cond, 1.0, 32, 32).float().square().mean().backward()
+            engine.step()
+            model.transformer.eval()
+            with torch.no_grad():
+                out.append(model.velocity(x, s, cond, 1.0, 32, 32).float())
+        seen = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+                "frames": counters["frames"]["total"]}
+        return seen, out
+
+    shallow, _ = graphs(2, True)
+    deep, compiled = graphs(6, True)
+    _, eager = graphs(6, False)
+    assert deep["breaks"] == 0 and deep == shallow, f"2 blocks: {shallow}; 6 blocks: {deep}"
+    for c, e in zip(compiled, eager):
+        assert (c - e).abs().max() <= 1e-2 * e.abs().max(), f"compiled vs eager: {(c - e).abs().max():.3g}"
+    assert (compiled[1] - compiled[0]).abs().max() > 0  # the step moved the compiled model's output
