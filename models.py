@@ -219,20 +219,24 @@ def adapter_class(model: str) -> type[Adapter]:
 
 
 def load_model(model: str, path: str | None, device, seed: int = 0, guidance: float | None = None,
-               num_frames: int = 1) -> Adapter:
+               num_frames: int = 1, prefix_kv_cache: bool = False) -> Adapter:
     """The adapter of `--model` with its pipeline loaded (or, for the tiny ones, built from `seed`).
     `guidance` is FLUX's guidance embedding (None: the pipeline's default); other families take none. `num_frames`:
-    a video model's frames per sample (images: 1)."""
+    a video model's frames per sample (images: 1). `prefix_kv_cache`: the rollout's, where the family has one."""
     if model not in SPECS:
         raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
     if guidance is not None and not SPECS[model].guidance_embedding:
         raise ValueError(f"--guidance applies only to models with a guidance embedding; --model {model} has none")
     check_frames(model, num_frames)
+    if prefix_kv_cache and adapter_class(model).prefix_kv_cache is None:
+        raise ValueError(f"--prefix-kv-cache: --model {model} has no prefix-KV cache (Qwen-Image 2.1's family has one)")
     options = {} if guidance is None else {"guidance": guidance}
     if SPECS[model].frame_multiple:
         options["num_frames"] = num_frames
     adapter = adapter_class(model).load(model, path, device, seed, **options)
     assert adapter.multiple == SPECS[model].multiple, (adapter.multiple, model)  # the table matches the VAE
+    if prefix_kv_cache:
+        adapter.prefix_kv_cache = True
     return adapter
 
 

@@ -69,6 +69,12 @@ class Adapter:
     max_sequence_length: int  # the prompts' text length (T5 pads to it); the servers are told it per request
     sp_degree = 1  # --sp N: each rank of a group holds 1/N of each sequence (set by sequence_parallel.enable_ulysses)
     num_frames: int = 1  # frames per sample: 1 for images (the servers are told it per request)
+    prefix_kv_cache: bool | None = None  # --prefix-kv-cache where a family has one (off: False); None: it has none
+
+    def rollout_cache(self) -> dict:
+        """What one chunk's rollout calls share besides its conditioning (rollout.sample adds it to their `cond`, never
+        to the batch's): nothing here; a family's prefix-KV cache with --prefix-kv-cache (models_qwen21.py)."""
+        return {}
 
     def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
         """What a vLLM-Omni request adds to its knobs for one prompt's metadata: nothing for text to image (an edit

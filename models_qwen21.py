@@ -80,6 +80,7 @@ class QwenImage21(Adapter):
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.proj", "img_mlp.gate_layer",
                     "img_mlp.out")
     build_tiny = staticmethod(build_tiny_qwen21_pipeline)
+    prefix_kv_cache = False  # --prefix-kv-cache: see rollout_cache
 
     def __init__(self, pipe, device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)
@@ -155,14 +156,26 @@ class QwenImage21(Adapter):
         """The frozen Qwen3-VL's language layers, then its root."""
         return [*self.pipe.text_encoder.model.language_model.layers, self.pipe.text_encoder]
 
-    def _forward(self, x, t, embeds, mask, image_mask, shapes):
+    def rollout_cache(self) -> dict:
+        """--prefix-kv-cache: a chunk's rollout calls share an empty QwenImage21KVCache per CFG branch (the pipeline's
+        `use_kv_cache`): the first call without autograd fills it with every block's keys and values of the prompt's
+        (and source's) tokens, later ones read them and run the noisy tokens alone; valid as `causal_condition` keeps
+        those tokens from attending to the noisy ones, modulated at t = 0. Calls with autograd recompute them."""
+        if not self.prefix_kv_cache:
+            return {}
+        from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+        return {"kv_cache": tuple(QwenImage21KVCache(len(self.blocks)) for _ in range(2))}
+
+    def _forward(self, x, t, embeds, mask, image_mask, shapes, cache=None):
         """One transformer call as the pipeline makes it on these prompts (trimmed to their longest, an all-ones mask
-        dropped, the target's slots appended to the image mask); its last S tokens."""
+        dropped, the target's slots appended to the image mask; `cache` filled or read without autograd); its last S."""
         n, target = int(mask.sum(dim=1).max()), math.prod(shapes[-1])
         image_mask = torch.cat([image_mask[:, :n], image_mask.new_ones(len(x), target // 4)], dim=1)
+        kv = {} if cache is None or torch.is_grad_enabled() else {
+            "kv_cache": cache, "kv_cache_mode": "extract" if cache.get_layer(0).k is None else "cached"}
         out = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds[:, :n],
                                encoder_hidden_states_mask=None if bool(mask[:, :n].all()) else mask[:, :n],
-                               img_shapes=[shapes] * len(x), img_mask=image_mask, return_dict=False)
+                               img_shapes=[shapes] * len(x), img_mask=image_mask, return_dict=False, **kv)
         return out[0][:, -target:]
 
     def velocity(self, x, sigma, cond: dict, cfg_scale: float, height: int, width: int) -> torch.Tensor:
@@ -174,9 +187,10 @@ class QwenImage21(Adapter):
         if "source" in cond:
             shapes = [(1, *map(int, cond["source_grid"][0])), *shapes]
             x = torch.cat([cond["source"], x], dim=1)
-        v = self._forward(x, t, cond["embeds"], cond["mask"], cond["image_mask"], shapes)
+        cache, neg_cache = cond.get("kv_cache", (None, None))  # the rollout's (rollout_cache)
+        v = self._forward(x, t, cond["embeds"], cond["mask"], cond["image_mask"], shapes, cache)
         if cfg_scale > 1:
-            v_neg = self._forward(x, t, cond["neg_embeds"], cond["neg_mask"], cond["neg_image_mask"], shapes)
+            v_neg = self._forward(x, t, cond["neg_embeds"], cond["neg_mask"], cond["neg_image_mask"], shapes, neg_cache)
             v = v_neg + cfg_scale * (v - v_neg)
         return v
 

@@ -81,7 +81,8 @@ def branch_prefixes(model, prompts: list[str], metadata: list[dict], group: torc
     for g, i in {g: i for i, g in enumerate(group.tolist())}.items():  # a group's images share prompt and metadata
         cond = model.conditioning([prompts[i]], negative_prompt, cfg_scale, [metadata[i]], height, width)
         x = model.noise([torch.Generator().manual_seed(image_seed(seed, iteration, -1 - g))], height, width)
-        velocity = functools.partial(model.velocity, cond=cond, cfg_scale=cfg_scale, height=height, width=width)
+        velocity = functools.partial(model.velocity, cond=cond | model.rollout_cache(), cfg_scale=cfg_scale,
+                                     height=height, width=width)
         prefixes[g] = sch.ode_euler(velocity, x, sigmas[:start + 1])
     return prefixes
 
@@ -123,7 +124,7 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
                leave=False)
     for c in range(0, len(prompts), chunk):
         b_gens = gens[c:c + chunk]
-        b_cond = {k: v[c:c + chunk] for k, v in cond.items()}
+        b_cond = {k: v[c:c + chunk] for k, v in cond.items()} | model.rollout_cache()  # the batch keeps `cond` alone
         velocity = functools.partial(model.velocity, cond=b_cond, cfg_scale=cfg_scale, height=height, width=width)
         # (b, S, C) float32 at σ_start: the groups' shared prefixes, or each image's own noise at σ = 1
         b_group = group[c:c + chunk].tolist()

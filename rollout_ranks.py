@@ -161,7 +161,8 @@ def serve(a, x: Exchange, algo) -> None:
     the images of the training ranks it serves, sampled by the local backend and sent to each."""
     from peft import LoraConfig  # as the engine does: peft loads diffusers and transformers
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-    model = models.load_model(a.model, a.model_path, eng.local_device(), seed=a.seed, guidance=a.guidance, num_frames=a.num_frames)
+    model = models.load_model(a.model, a.model_path, eng.local_device(), seed=a.seed, guidance=a.guidance,
+                              num_frames=a.num_frames, prefix_kv_cache=a.prefix_kv_cache)
     model.transformer.add_adapter(LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha, target_modules=list(a.lora_targets)))
     model.transformer.eval()
     own = get_peft_model_state_dict(model.transformer)

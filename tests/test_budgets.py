@@ -36,7 +36,9 @@ BUDGETS = {
     "models_kontext.py": 200,  # the first edit family: FLUX.1 Kontext, a source image per prompt
     "models_qwen_edit.py": 200,  # the second edit family: Qwen-Image-Edit, the source through the VL encoder and VAE
     "models_zimage.py": 200, "models_flux2.py": 200,  # Z-Image; FLUX.2 [klein]
-    "models_qwen21.py": 200,  # Qwen-Image 2.1: text to image and editing in one adapter
+    # Qwen-Image 2.1: text to image and editing in one adapter; raised from 200 for --prefix-kv-cache (the rollout's
+    # cache per chunk and CFG branch, filled or read by each call without autograd)
+    "models_qwen21.py": 215,
     "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here (nano-edit's edit call too)
     "memory.py": 100,  # --micro-batch 0: the micro-batch sized to the device's memory, measured
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, the rollout's gathered weights, process groups
@@ -47,8 +49,9 @@ BUDGETS = {
     # before use (meta.json's ranks, its size, the manifest's names and sizes before any hashing, the tree's depth)
     "checkpoint.py": 300,
     # trajectories with log-probs: the local backend and the vLLM-Omni client; raised from 450 for the rollout's
-    # forwards kept with their graphs for the first update (--reuse-rollout-forward)
-    "rollout.py": 460,
+    # forwards kept with their graphs for the first update (--reuse-rollout-forward), -> 461 for the family's rollout
+    # cache (--prefix-kv-cache) handed to a group's shared-prefix calls
+    "rollout.py": 461,
     "omni_pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
     "omni_pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
     "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote reward, the judge's registration

@@ -122,6 +122,38 @@ def test_first_update_is_exactly_on_policy(small_sources, tmp_path, edit, cfg, w
     assert float(after["gap"]) > 0
 
 
+@pytest.mark.parametrize("edit,window", [(False, 0), (True, 2)])
+def test_the_rollouts_prefix_kv_cache_keeps_the_first_update_on_policy(small_sources, tmp_path, edit, window):
+    """--prefix-kv-cache with true CFG (a cache per branch), text to image on prompts of two lengths (padded, masked) in
+    full mode, editing (the source's tokens cached too) in a window: the rollout reads the cache (later calls run the
+    noisy tokens alone) and equals the one without it bit for bit, latents, log-probs and images; the update, which
+    never sees the cache, has `train/logp_gap` exactly 0."""
+    name = "tiny-qwen-image-2.1" + ("-edit" if edit else "")
+    args = dataclasses.replace(flowgrpo.RECIPES[name], window=window, window_range=(0, 3), cfg_scale=4.0,
+                               negative_prompt=" ", group_size=2, prompts_per_iteration=2, micro_batch=2)
+    model = models.load_model(name, None, "cpu", seed=0, prefix_kv_cache=True)
+    engine = eng.Engine(model, lora_rank=4, lora_alpha=8, lora_targets=model.lora_targets, lr=1e-2, weight_decay=0,
+                        max_grad_norm=1.0, seed=0)
+    meta = [{"image": write_png(tmp_path / f"{i}.png", 32, 32, i)} if edit else {} for i in range(2)]
+    modes = []
+    model.transformer.register_forward_pre_hook(lambda m, a, kw: modes.append(kw.get("kv_cache_mode")), with_kwargs=True)
+
+    def sample(cache):
+        model.prefix_kv_cache = cache
+        return rollout.sample(model, [*PROMPTS[:1] * 2, *PROMPTS[1:] * 2], [meta[0]] * 2 + [meta[1]] * 2, [0, 0, 1, 1],
+                              range(4), steps=sch.trained_steps(4, window, (0, 3), seed=1), num_steps=4, height=32,
+                              width=32, cfg_scale=4.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
+                              iteration=0, chunk=2)
+    plain, batch = sample(False), sample(True)
+    assert modes[16:] == ["extract"] * 2 + ["cached"] * 6 + ["extract"] * 2 + ["cached"] * 6, modes  # 2 chunks × 4 steps
+    for k in ("latents", "log_probs", "images"):
+        assert torch.equal(getattr(batch, k), getattr(plain, k)), (k, (getattr(batch, k) - getattr(plain, k)).abs().max())
+    batch.advantages, modes[:] = torch.linspace(-1, 1, 4), []
+    stats = algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), progress=False)
+    assert stats["train/logp_gap"] == 0.0, stats["train/logp_gap"]
+    assert modes and set(modes) == {None}, modes
+
+
 @pytest.mark.parametrize("edit", [False, True])
 def test_resume_through_the_cli_is_bit_for_bit(small_sources, tmp_path, edit):
     """`python flowgrpo.py --model tiny-qwen-image-2.1[-edit]` (in this process) for 2 iterations, and for 1 then
@@ -150,6 +182,18 @@ def test_what_the_family_cannot_do_is_refused_before_loading(model, change, need
     kw = dict(height=512, width=512, cfg_scale=1.0, guidance=None, model_path=None) | change
     with pytest.raises(ValueError, match=needle):
         models.check_model_args(model, **kw)
+
+
+@pytest.mark.parametrize("model,rollout_kind", [("tiny", "local"), ("tiny-qwen-image-2.1", "vllm-omni")])
+def test_the_prefix_kv_cache_is_refused_where_there_is_none(model, rollout_kind):
+    """--prefix-kv-cache at start-up, in one line: a family without a prefix-KV cache, or another sampler."""
+    args = dataclasses.replace(startup.recipe_args(flowgrpo.Args, model), prefix_kv_cache=True, rollout=rollout_kind,
+                               rollout_url="http://localhost:1" if rollout_kind == "vllm-omni" else None)
+    with pytest.raises(ValueError, match=rf"^--prefix-kv-cache needs --rollout local .* --model {model} with "
+                                         rf"--rollout {rollout_kind} has none: run without it$"):
+        startup.check_args(args)
+    with pytest.raises(ValueError, match="--prefix-kv-cache: --model tiny has no prefix-KV cache"):
+        models.load_model("tiny", None, "cpu", prefix_kv_cache=True)
 
 
 def test_the_recipes_pass_start_up(tmp_path):
