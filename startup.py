@@ -134,8 +134,9 @@ def check_args(a) -> tuple[str, dict] | None:
     need(edits or missing == len(prompts.train + prompts.eval), f"--prompts {a.prompts}: its prompts carry source "
          f'images ("image"), which --model {a.model} (text to image) cannot use: choose an edit model '
          f"({', '.join(m for m, spec in models.SPECS.items() if spec.edits)}) or prompts without images")
-    need(a.rollout == "local" or models.adapter_class(a.model).omni_pipeline_class, f"--rollout vllm-omni: --model "
-         f"{a.model} has no vLLM-Omni pipeline yet (docs/vllm-omni.md lists the families): use --rollout local")
+    adapter = models.adapter_class(a.model)
+    need(a.rollout == "local" or adapter.omni_pipeline_class, f"--rollout vllm-omni: --model {a.model} "
+         f"{adapter.omni_unserved}: use --rollout local")
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
                                      [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
     rollout.check_backend(a.rollout, a.rollout_url)
