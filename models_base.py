@@ -65,7 +65,8 @@ class Adapter:
     default_path: str  # hub id loaded when --model-path is not given
     lora_targets: tuple[str, ...]  # default LoRA target module names
     build_tiny = None  # seed -> the tiny pipeline (a staticmethod in each family)
-    omni_pipeline_class: str | None  # the vLLM-Omni servers' pipeline_class for --rollout vllm-omni (None: none yet)
+    omni_pipeline_class: str | None = None  # the vLLM-Omni servers' pipeline_class for --rollout vllm-omni
+    omni_unserved = "has no vLLM-Omni pipeline yet (docs/vllm-omni.md lists the families)"  # why None, for start-up
     max_sequence_length: int  # the prompts' text length (T5 pads to it); the servers are told it per request
     sp_degree = 1  # --sp N: each rank of a group holds 1/N of each sequence (set by sequence_parallel.enable_ulysses)
     num_frames: int = 1  # frames per sample: 1 for images (the servers are told it per request)

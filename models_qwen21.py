@@ -74,7 +74,7 @@ class QwenImage21(Adapter):
     `source` (B, S', C), the packed source latents, and `source_grid` (B, 2), their rows and columns."""
     pipeline_class = "QwenImage21Pipeline"
     default_path = "Qwen/Qwen-Image-2.1"
-    omni_pipeline_class = None  # vLLM-Omni 0.30.0 has no Qwen-Image 2.1 pipeline
+    omni_unserved = "has no vLLM-Omni pipeline (vLLM-Omni 0.30.0 ships none for Qwen-Image 2.1)"  # for start-up
     max_sequence_length = 0  # the pipeline pads the prompts to the longest, with no length limit
     # Flow-Factory's and miles_diffusion's Qwen-Image 2.1 LoRA targets: attention and the SwiGLU MLP of every block
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.proj", "img_mlp.gate_layer",

@@ -66,7 +66,7 @@ class ZImage(Adapter):
     again per image before the transformer, which takes each prompt at its own length as the pipeline gives it."""
     pipeline_class = "ZImagePipeline"
     default_path = "Tongyi-MAI/Z-Image"
-    omni_pipeline_class = None  # vLLM-Omni 0.30 serves Z-Image, but this project's pipeline for it is not written yet
+    omni_pipeline_class = "omni_pipeline_2026.FlowGRPOZImagePipeline"
     max_sequence_length = MAX_SEQUENCE_LENGTH
     # Flow-Factory's Z-Image LoRA targets (models/z_image/z_image.py): attention and the SwiGLU MLP of every block
     lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
@@ -133,6 +133,11 @@ class ZImage(Adapter):
             pos, neg = out.chunk(2)
             out = pos + (cfg_scale - 1) * (pos - neg)
         return -out.squeeze(2)
+
+    def omni_request(self, cfg_scale: float, negative_prompt: str) -> dict:
+        """The vLLM-Omni request fields that guide as `velocity` does: its Z-Image runs CFG in Z-Image's form when
+        guidance_scale g = w − 1 > 0 (always sent: it has no default there), with the request's negative prompt."""
+        return {"guidance_scale": cfg_scale - 1, **({"negative_prompt": negative_prompt} if cfg_scale > 1 else {})}
 
     def pipeline_kwargs(self, cond: dict, cfg_scale: float) -> dict:
         """The `ZImagePipeline.__call__` arguments that sample from exactly these conditions (its guidance g = w − 1)."""

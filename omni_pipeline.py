@@ -5,7 +5,8 @@
         '{"pipeline_class": "omni_pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
-FlowGRPOWanPipeline; the edit families' are omni_pipeline_edit.py's).
+FlowGRPOWanPipeline; the edit families' are omni_pipeline_edit.py's, Z-Image's and FLUX.2 [klein]'s
+omni_pipeline_2026.py's).
 Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
@@ -154,7 +155,7 @@ class FlowGRPOSampler:
         # Rows of the batch are [request 0 × n, request 1 × n, …], as the conditioning is repeated.
         self._run = dict(knobs[0], gens=[torch.Generator().manual_seed(s) for k in knobs for s in k["seeds"]])
         try:
-            outputs = super().forward(req, **kwargs)
+            outputs = self.generate(req, **kwargs)
             run = self._run
         finally:
             self._run = None
@@ -171,6 +172,11 @@ class FlowGRPOSampler:
                     "sigma_max": torch.tensor(run["sigma_max"]), "images": images, "x0": run["x0"][rows]},
                     {"format": FORMAT, "seeds": json.dumps(k["seeds"]), "prompt": _prompt_text(req.prompts[i])})
         return outputs
+
+    def generate(self, req: DiffusionRequestBatch, **kwargs):
+        """One pass with this request's knobs in `_run`: the parent's `forward`, whose `diffuse` is ours (a parent that
+        denoises inside its `forward`, omni_pipeline_2026.py's, replaces this)."""
+        return super().forward(req, **kwargs)
 
     def prepare_latents(self, *args, **kwargs):
         """x at σ = 1 in float32 from one generator per image, as the adapter's `noise` draws it (Qwen-Image, FLUX:

@@ -134,11 +134,12 @@ def check_args(a) -> tuple[str, dict] | None:
     need(edits or missing == len(prompts.train + prompts.eval), f"--prompts {a.prompts}: its prompts carry source "
          f'images ("image"), which --model {a.model} (text to image) cannot use: choose an edit model '
          f"({', '.join(m for m, spec in models.SPECS.items() if spec.edits)}) or prompts without images")
-    need(not a.prefix_kv_cache or (a.rollout == "local" and models.adapter_class(a.model).prefix_kv_cache is not None),
+    adapter = models.adapter_class(a.model)
+    need(not a.prefix_kv_cache or (a.rollout == "local" and adapter.prefix_kv_cache is not None),
          f"--prefix-kv-cache needs --rollout local and a family with a prefix-KV cache (Qwen-Image 2.1's); --model "
          f"{a.model} with --rollout {a.rollout} has none: run without it")
-    need(a.rollout == "local" or models.adapter_class(a.model).omni_pipeline_class, f"--rollout vllm-omni: --model "
-         f"{a.model} has no vLLM-Omni pipeline yet (docs/vllm-omni.md lists the families): use --rollout local")
+    need(a.rollout == "local" or adapter.omni_pipeline_class, f"--rollout vllm-omni: --model {a.model} "
+         f"{adapter.omni_unserved}: use --rollout local")
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
                                      [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
     rollout.check_backend(a.rollout, a.rollout_url)

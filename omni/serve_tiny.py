@@ -4,8 +4,9 @@
     .venv/bin/python omni/serve_tiny.py serve /tmp/tiny-sd3 --port 8091 --trajectory-root /tmp  # vllm of .venv-omni
 
 `build` is `python models.py save-tiny DIR --model M` (the weights of `--model M --seed S`; M: tiny, tiny-sd3,
-tiny-flux, tiny-wan); `serve` runs vLLM-Omni from its own venv (omni/setup_env.sh) with this project's pipeline
-class for the directory's family (its adapter's `omni_pipeline_class`, omni_pipeline.py) on PYTHONPATH.
+tiny-flux, tiny-wan, tiny-z-image, tiny-flux.2-klein, …); `serve` runs vLLM-Omni from its own venv (omni/setup_env.sh)
+with this project's pipeline class for the directory's family (its adapter's `omni_pipeline_class`, omni_pipeline*.py)
+on PYTHONPATH.
 """
 import argparse
 import json
@@ -36,7 +37,10 @@ def pipeline_class(model_dir: str) -> str:
     fits = [m for m, spec in models.SPECS.items() if spec.pipeline == found]
     if not fits:
         raise ValueError(f"{model_dir} holds a {found}: no adapter of this project serves it")
-    return models.adapter_class(fits[0]).omni_pipeline_class
+    adapter = models.adapter_class(fits[0])
+    if not adapter.omni_pipeline_class:
+        raise ValueError(f"{model_dir} holds a {found}: --model {fits[0]} {adapter.omni_unserved}")
+    return adapter.omni_pipeline_class
 
 
 def serve_command(model_dir: str, port: int, venv: str = DEFAULT_VENV, extra: list[str] = (),
@@ -63,7 +67,7 @@ def main() -> None:
     b = sub.add_parser("build", help="write the tiny pipeline to DIR")
     b.add_argument("dir")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--model", default="tiny", help="tiny, tiny-sd3, tiny-flux or tiny-wan")
+    b.add_argument("--model", default="tiny", help="a tiny model: tiny, tiny-sd3, tiny-flux, tiny-z-image, …")
     s = sub.add_parser("serve", help="serve DIR with vLLM-Omni in the foreground (Ctrl-C stops it)")
     s.add_argument("dir")
     s.add_argument("--port", type=int, default=8091)

@@ -54,6 +54,9 @@ BUDGETS = {
     "rollout.py": 461,
     "omni_pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
     "omni_pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
+    # the 2026 families' pipelines inside vLLM-Omni servers (Z-Image, FLUX.2 [klein]): each parent's preparation and
+    # decode around the shared loop, with their 0.30.0 fixes; 160 lines for two, 200 leaves room for one more family
+    "omni_pipeline_2026.py": 200,
     "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote reward, the judge's registration
     "reward_judge.py": 250,  # the vision-language judge: its tasks, their scores, its client; an edit's source image
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies

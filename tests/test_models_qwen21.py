@@ -201,3 +201,15 @@ def test_the_recipes_pass_start_up(tmp_path):
     startup.check_args(startup.recipe_args(flowgrpo.Args, "qwen-image-2.1"))
     startup.check_args(dataclasses.replace(startup.recipe_args(flowgrpo.Args, "qwen-image-2.1-edit"),
                                            prompts=edit_prompts(tmp_path)))
+
+
+def test_rollout_through_vllm_omni_is_refused_at_start_up_with_the_reason(tmp_path):
+    """vLLM-Omni 0.30.0 ships no Qwen-Image 2.1 pipeline: `--rollout vllm-omni` is refused in one line naming that and
+    the fix, before anything is built or any server is asked."""
+    for name, prompts in (("qwen-image-2.1", "general"), ("qwen-image-2.1-edit", edit_prompts(tmp_path))):
+        args = dataclasses.replace(startup.recipe_args(flowgrpo.Args, name), rollout="vllm-omni",
+                                   rollout_url="http://127.0.0.1:1", prompts=prompts)
+        with pytest.raises(ValueError) as refusal:
+            startup.check_args(args)
+        assert str(refusal.value) == (f"--rollout vllm-omni: --model {name} has no vLLM-Omni pipeline (vLLM-Omni "
+                                      "0.30.0 ships none for Qwen-Image 2.1): use --rollout local")

@@ -208,8 +208,8 @@ def test_requests_group_by_prompt_and_keep_per_image_seeds(model):
 def test_each_family_asks_for_its_own_guidance():
     """CFG and guidance travel in each vLLM-Omni pipeline's own request fields (the adapters' `omni_request`):
     Qwen-Image's true_cfg_scale, SD3's guidance_scale, FLUX's guidance embedding; a negative prompt only with
-    CFG (the servers would run CFG with one), and never for FLUX; Wan's as SD3's. Only FLUX's reads its adapter's
-    state."""
+    CFG (the servers would run CFG with one), and never for FLUX; Wan's and FLUX.2 [klein]'s as SD3's; Z-Image's in
+    its own form. Only FLUX's reads its adapter's state."""
     qwen, sd3 = models.adapter_class("tiny").omni_request, models.adapter_class("tiny-sd3").omni_request
     flux = models.adapter_class("tiny-flux").omni_request
     assert qwen(None, 1.0, " ") == {"true_cfg_scale": 1.0}
@@ -224,8 +224,15 @@ def test_each_family_asks_for_its_own_guidance():
         "omni_pipeline.FlowGRPOQwenImagePipeline", "omni_pipeline.FlowGRPOSD3Pipeline",
         "omni_pipeline.FlowGRPOFluxPipeline", "omni_pipeline_edit.FlowGRPOFluxKontextPipeline",
         "omni_pipeline_edit.FlowGRPOQwenImageEditPlusPipeline", "omni_pipeline.FlowGRPOWanPipeline",
-        None, None, None, None]  # tiny-z-image, tiny-flux.2-klein, tiny-qwen-image-2.1[-edit]: no vLLM-Omni pipeline
-    # (not yet for the first two; vLLM-Omni 0.30 has none for Qwen-Image 2.1): start-up refuses --rollout vllm-omni
+        "omni_pipeline_2026.FlowGRPOZImagePipeline", "omni_pipeline_2026.FlowGRPOFlux2KleinPipeline",
+        None, None]  # tiny-qwen-image-2.1[-edit]: vLLM-Omni 0.30.0 has none; start-up refuses --rollout vllm-omni
+    # Z-Image's CFG in its own form: guidance g = w − 1; FLUX.2 [klein]'s as SD3's (its negative prompt encoded)
+    zimage = models.adapter_class("tiny-z-image").omni_request
+    klein = models.adapter_class("tiny-flux.2-klein").omni_request
+    assert zimage(None, 1.0, "") == {"guidance_scale": 0.0} and zimage(None, 5.0, "x") == {"guidance_scale": 4.0,
+                                                                                          "negative_prompt": "x"}
+    assert klein(None, 1.0, "") == {"guidance_scale": 1.0} and klein(None, 4.0, "x") == {"guidance_scale": 4.0,
+                                                                                         "negative_prompt": "x"}
 
 
 # ---- trajectory files ---------------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""Z-Image and FLUX.2 [klein] through the real vLLM-Omni 0.30.0 server: omni_pipeline_2026.FlowGRPOZImagePipeline
+serves tiny-z-image and omni_pipeline_2026.FlowGRPOFlux2KleinPipeline tiny-flux.2-klein (the base model's form: CFG
+applies), each family's pipeline directory from models.save_tiny_pipeline, one server per family reused by all of that
+family's tests (one request a pass: neither parent batches requests).
+
+The served trajectories equal the local backend's (same seeds, the same LoRA on the adapter's default targets, with
+and without CFG and a negative prompt); their σ equal the trainer's to the bit; a 2-iteration run of the family's tiny
+recipe with `--rollout vllm-omni` has a tiny `train/logp_gap`.
+
+Tolerances: test_omni_families.py's bounds (TOL 1e-5 on latents, log-probs and images; GAP_TOL 2e-5), for the same
+reasons (float32 on CPU, vLLM-Omni's fused-projection transformers against diffusers'). Measured (4 steps, 32², the
+same values in two runs): Z-Image's latents within 3.6e-7 without CFG and 1.6e-6 with CFG 5 and cps, log-probs within
+1.2e-7, images within 1.4e-6, the trainer's log-prob of the served transitions within 1.2e-7; FLUX.2 [klein]'s latents
+within 4.8e-7 (CFG 4 and a negative prompt included), log-probs within 1.2e-7, images within 1.8e-6, the trainer's
+log-prob of the served transitions equal to the bit; a recipe run's `train/logp_gap` at most 2.5e-8 (Z-Image) and 0
+(klein). The LoRA moves the images by 3.2e-3 (klein) and 0.18 (Z-Image) and the negative prompt klein's latents by more
+than 1e-3 (asserted): what the bounds exist to catch is 100 times larger.
+"""
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness import OmniServer, http, set_lora_b, train_here
+from test_omni_families import GAP_TOL, TOL, trainer_logp_gap
+
+import engine as eng
+import models
+import rollout
+import scheduler as sch
+
+H = W = 32
+KW = dict(num_steps=4, height=H, width=W, noise_level=0.7, seed=0, iteration=3, chunk=8)
+PROMPTS = ["a red cube on a table", "a blue ball", "a red cube on a table", "a blue ball", "a red cube on a table"]
+# (steps, cfg_scale, negative prompt, sde_type) per family: without CFG, then with CFG and a negative prompt (Z-Image's
+# --cfg-scale 5 is its guidance 4, the recipe's)
+CASES = {"tiny-z-image": [([0, 1, 2], 1.0, "", "sde"), ([1, 2], 5.0, "blurry", "cps")],
+         "tiny-flux.2-klein": [([0, 1, 2], 1.0, "", "sde"), ([1, 2], 4.0, "blurry", "cps")]}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    """One family's pipeline on disk, its server and the trainer's side: the adapter loaded from the same directory,
+    with LoRA on its default targets."""
+    name = request.param
+    directory = models.save_tiny_pipeline(str(tmp_path_factory.mktemp("omni") / name), seed=0, model=name)
+    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / f"{name}.log",
+                        pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
+    try:
+        model = models.load_model(name, directory, "cpu")
+        engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=type(model).lora_targets, lr=1e-2,
+                            weight_decay=0.0, max_grad_norm=1.0, seed=0)
+        yield SimpleNamespace(name=name, dir=directory, server=server, model=model, engine=engine)
+    finally:
+        server.stop()
+
+
+def test_served_trajectories_equal_the_local_backend(family, tmp_path):
+    model, engine = family.model, family.engine
+    backend = rollout.OmniBackend(family.server.url, str(tmp_path), engine)
+    group = torch.tensor([0, 1, 0, 1, 0])
+    for steps, cfg, negative, sde_type in CASES[family.name]:
+        kw = dict(KW, steps=steps, cfg_scale=cfg, negative_prompt=negative, sde_type=sde_type)
+        set_lora_b(model, None)
+        base = rollout.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)  # the policy before training
+        set_lora_b(model, 1)
+        backend.sync(engine, len(steps))
+        served = backend.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)
+        local = rollout.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)
+        diffs = {k: (getattr(served, k) - getattr(local, k)).abs().max().item()
+                 for k in ("latents", "log_probs", "images")}
+        gap = trainer_logp_gap(model, served, steps, cfg, sde_type)
+        lora_effect = (local.images - base.images).abs().max().item()
+        print(f"\n{family.name} steps {steps}, cfg {cfg}, {sde_type}: served - local max|diff| {diffs}; trainer-vs-"
+              f"server log-prob gap max {gap:.2e}; the LoRA moves the images by {lora_effect:.2e}")
+        assert torch.equal(served.sigmas, local.sigmas) and served.sigma_max == local.sigma_max
+        assert served.latents.shape == local.latents.shape and served.images.shape == local.images.shape
+        assert max(diffs.values()) < TOL and gap < GAP_TOL, (diffs, gap)
+        assert lora_effect > 100 * TOL  # the server applied the adapter on every target: it matters
+    if family.name == "tiny-flux.2-klein":  # the negative prompt counts (0.30.0's own pipeline encodes "" instead)
+        kw = dict(KW, steps=[1, 2], cfg_scale=4.0, negative_prompt="", sde_type="cps")
+        other = backend.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)
+        assert (other.latents - served.latents).abs().max() > 100 * TOL
+    backend.close()
+
+
+def test_served_sigmas_equal_the_trainers_to_the_bit(family, tmp_path):
+    """Over step counts and sizes (FLUX.2's shift depends on both, Z-Image's on neither)."""
+    model = family.model
+    sampler = dict(cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0, iteration=0, lora=None)
+    for num_steps, height, width in [(2, 32, 32), (10, 64, 32), (28, 64, 64)]:
+        [(_, body)] = rollout.build_requests(model, ["a blue ball"], [0], steps=list(range(num_steps - 1)),
+                                             num_steps=num_steps, height=height, width=width,
+                                             prefix=str(tmp_path / f"s{num_steps}"), **sampler)
+        del body["lora"]  # the base model
+        status, resp = http("POST", family.server.url + "/v1/images/generations", body)
+        assert status == 200, resp
+        served = load_file(body["extra_params"]["flowgrpo"]["trajectory"])
+        sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
+        diff = (served["sigmas"] - sigmas[:num_steps]).abs().max().item()
+        assert torch.equal(served["sigmas"], sigmas[:num_steps]), (num_steps, height, width, diff)
+        assert served["sigma_max"].item() == float(sigmas[1]), (served["sigma_max"].item(), float(sigmas[1]))
+
+
+def test_a_short_run_of_the_recipe_serves_each_iteration_a_new_adapter(family, tmp_path):
+    """The family's tiny recipe with --rollout vllm-omni for 2 iterations (flowgrpo.main in this process): the server
+    samples each iteration with a new adapter version, and the trainer's log-prob of the served transitions is the
+    server's within 1e-6 (train/logp_gap)."""
+    log_start = len(family.server.log_text())
+    rows = train_here("--model", family.name, "--model-path", family.dir, "--rollout", "vllm-omni", "--rollout-url",
+                      family.server.url, "--run-dir", str(tmp_path / "run"), "--iterations", "2", "--eval-every", "0")
+    gaps = [r["train/logp_gap"] for r in rows]
+    print(f"\n{family.name}: 2 iterations through vLLM-Omni: train/logp_gap {gaps}")
+    assert [r["iteration"] for r in rows] == [0, 1] and max(gaps) < 1e-6, gaps
+    loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", family.server.log_text()[log_start:])
+    assert [int(v) for _, v in loaded] == [0, 1], loaded
