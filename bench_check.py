@@ -5,7 +5,7 @@
 Each step runs under its own bound, the most important first: the recipe end to end (the micro-batch fitted to the
 device, the recipe's own, the update on the rollout's kept forwards, transformer forwards against diffusers' bare
 ones), the GPU tests (tests/test_gpu.py, the Wan2.1 recipe at its real width among them), the --sp 2 rows, the update
-against plain PyTorch at the real width, the recipe held to 60 GiB, parameter offload. A step's output goes to
+against plain PyTorch at the real width, the recipe held to 60 GiB, parameter offload, --compile's forwards. A step's output goes to
 OUT/<step>.log as it comes, and OUT/summary.md gains its verdict and table rows as it ends, so a check cut short keeps
 everything measured until then. The summary closes with the steps that passed; the exit status is 0 only if all did.
 """
@@ -29,19 +29,22 @@ TESTS = [PY, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rP"]  
 STEPS = [
     ("recipe", "Qwen-Image's public recipe end to end, random weights at the real width",
      [*GPU, "--random-init", "--rows", "fitted,recipe,reuse,floor", "--repeats", "1"],
-     [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor"], 190),
+     [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor"], 180),
     ("tests", "tests/test_gpu.py", [*TESTS, "tests/test_gpu.py"],
-     [*TESTS, "tests/test_gpu.py", "-k", "sigma and tiny-sd3"], 150),
+     [*TESTS, "tests/test_gpu.py", "-k", "sigma and tiny-sd3"], 140),
     ("sp", "--sp 2 ÷ --sp 1 at 1024², one GPU standing for rank 0 of 2", [*GPU, "--sp", "2", "--profile", "--repeats", "2"],
-     [*TOY, "--sp", "2"], 60),
+     [*TOY, "--sp", "2"], 50),
     ("plain", "the update ÷ plain PyTorch's, 4 of 60 blocks at the real width, fp32",
      [PY, "bench_gpu.py", "--device", "cuda", "--plain", "--repeats", "2"], [PY, "bench_gpu.py", "--plain", "--quick"],
-     40),
+     35),
     ("limit60", "the recipe with the allocator held to 60 GiB (an 80-GB GPU less the text encoder)",
      [*GPU, "--random-init", "--rows", "fitted", "--memory-limit", "60", "--repeats", "1"],
-     [*TOY, "--random-init", "--rows", "fitted", "--memory-limit", "60"], 60),
+     [*TOY, "--random-init", "--rows", "fitted", "--memory-limit", "60"], 55),
     ("offload", "parameter offload, one micro-batch", [*GPU, "--random-init", "--rows", "offload"],
-     [*TOY, "--random-init", "--rows", "offload"], 40),
+     [*TOY, "--random-init", "--rows", "offload"], 35),
+    ("compiled", "--compile: the loop's forwards compiled, dynamo's graphs and breaks",
+     [*GPU, "--random-init", "--rows", "compiled", "--repeats", "2"],
+     [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 45),
 ]
 
 

@@ -108,13 +108,17 @@ def forward_rows(t: list, o, a: flowgrpo.Args, model, label: str, sizes: list[in
             "", f"one CFG branch, {side}², no gradient; {ms(seconds[b])}")
     return seconds
 
+def peak_flops(o) -> tuple[str, float]:
+    """The device's name and its dense bf16 peak in FLOP/s (no data sheet, a CPU: its measured matmul rate)."""
+    name, x = torch.cuda.get_device_name() if CUDA else "cpu", torch.randn(2048, 2048, device=o.device)
+    return name, 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0) or \
+        2 * 2048 ** 3 / min(measure({0: lambda: x @ x}, 5)[0])
+
 def gpu_rows(t: list, o, a: flowgrpo.Args):
     """The recipe end to end on one model and engine: at the micro-batch fitted to the device (memory.py, within
     --memory-limit), at the recipe's own, with --reuse-rollout-forward; transformer forwards against diffusers' bare
     ones (a model of its own, built and freed first) as the floor."""
-    name, x = torch.cuda.get_device_name() if CUDA else "cpu", torch.randn(2048, 2048, device=o.device)
-    peak = 1e12 * next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0) or \
-        2 * 2048 ** 3 / min(measure({0: lambda: x @ x}, 5)[0])  # no data sheet (CPU): the measured matmul rate
+    name, peak = peak_flops(o)
     if CUDA and o.memory_limit:  # the allocator held to it: beyond, out of memory, as on a smaller GPU
         torch.cuda.set_per_process_memory_fraction(o.memory_limit * 2**30 / torch.cuda.mem_get_info()[1])
     texts, sizes = texts_of(a), sorted({4, len(texts_of(a))} if CUDA else {2})
@@ -150,6 +154,30 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
             for i, phase in enumerate(("rollout", "reward wait", "training")):  # the reward scored during the rollout
                 row(t, f"{phase} share of the iteration", np.divide(p := [s[i] for s in splits], total), "share", "",
                     ms(p))
+
+def compiled_rows(t: list, o, a: flowgrpo.Args):
+    """--compile (each block compiled once, reused by all): the loop's forwards compiled, their first call, and dynamo's
+    graphs and breaks; alone, on a model of its own."""
+    from torch._dynamo.utils import counters
+    _, peak = peak_flops(o)
+    model = random_model(a.model, o.device)
+    make_engine(a, model)
+    for block in model.blocks:  # as Engine(compile=True) on one rank (nothing sharded after it), on --compile-backend
+        block.compile(backend=o.compile_backend)
+    model.transformer.eval()
+    x = model.noise([torch.Generator()], a.height, a.width)
+    s, c = torch.full((1,), 0.5, device=model.device), model.conditioning(texts_of(a)[:1], a.negative_prompt, 1.0)
+    torch._dynamo.reset()
+    counters.clear()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.velocity(x, s, c, 1.0, a.height, a.width)
+    sync()
+    row(t, "--compile: first call (tracing and compiling)", [time.perf_counter() - start], "s", "", "B = 1")
+    forward_rows(t, o, a, model, "the loop, --compile", sorted({4, len(texts_of(a))} if CUDA else {2}), peak)
+    assert not counters["graph_break"], f"--compile: graph breaks {dict(counters['graph_break'])}"
+    row(t, "--compile: dynamo graphs", [counters["stats"]["unique_graphs"]], "graphs", "", f"{len(model.blocks)} "
+        "blocks, every size measured (a new size: a new graph); no graph break (asserted)")
 
 def offload_rows(t: list, o, a: flowgrpo.Args):
     """Parameter offload (FSDP2's CPUOffloadPolicy) on one micro-batch of the recipe's size: its peak and speed."""
@@ -256,7 +284,10 @@ def main(argv=None):
     p.add_argument("--rows", default="fitted,recipe,floor", help="--random-init's rows, comma-separated: fitted "
                    "(--micro-batch 0), recipe (its micro-batch), reuse (fitted, --reuse-rollout-forward: the update on "
                    "the rollout's kept forwards, every image in one optimizer step), floor (forwards, the loop ÷ "
-                   "diffusers' bare), offload (FSDP2 parameter offload, one micro-batch; alone, a model of its own)")
+                   "diffusers' bare), offload (FSDP2 parameter offload, one micro-batch; alone, a model of its own), compiled (--compile: the loop's "
+                   "forwards compiled, dynamo's graphs and breaks; alone)")
+    p.add_argument("--compile-backend", default="inductor", help="--rows compiled: torch.compile's backend (the dry "
+                   "run's aot_eager: dynamo's graphs without inductor's C++ build)")
     p.add_argument("--memory-limit", type=float, default=0.0, help="--random-init: GiB the allocator is held to and "
                    "the micro-batch fitted within (an 80-GB GPU less the text encoder: 60); 0: the device's")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
@@ -292,7 +323,7 @@ def main(argv=None):
         a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
                                 reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward, **toy)
         o.rows = o.rows.split(",")
-        (offload_rows if o.rows == ["offload"] else gpu_rows)(t, o, a)
+        {"offload": offload_rows, "compiled": compiled_rows}.get(",".join(o.rows), gpu_rows)(t, o, a)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
         command = f"python bench_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}"

@@ -78,7 +78,9 @@ ROWS = {"recipe": ["micro-batch fitted (--micro-batch 0)", "images/s per device,
         "limit60": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
                     "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
                     "training share of the iteration"],
-        "offload": ["peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"]}
+        "offload": ["peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"],
+        "compiled": ["--compile: first call (tracing and compiling)", "transformer forward MFU, the loop, --compile, "
+                     "B = 2", "--compile: dynamo graphs"]}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,8 @@ def test_the_gpu_checks_dry_run_rows(check, step):
     """The GPU benchmark's paths (random-weight model, text encoder bypassed) at toy size: the recipe at the fitted
     micro-batch (a CPU: the largest up to 8 of [1, 2, 4]), at its own, on the rollout's kept forwards, against the bare
     forward; --sp 2 on 2 gloo ranks; the update against plain PyTorch at the real width (which must first land on the
-    same LoRA: bench.plain_rows asserts it); the 60 GiB cap; parameter offload."""
+    same LoRA: bench.plain_rows asserts it); the 60 GiB cap; parameter offload; --compile's forwards, without a graph
+    break."""
     rows = table_rows((check / f"{step}.log").read_text())
     assert sorted(rows) == sorted(ROWS[step]), list(rows)
     if "rollout share of the iteration" in rows:
