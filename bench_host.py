@@ -1,6 +1,6 @@
 """bench_host.py: the host's work per transformer call, the loop's against bare diffusers', at real depth; and the
 bytes a rollout gathers on 2 ranks.
-    python bench_host.py [--quick] [--markdown FILE]    # CPU: time and aten ops per call, loop ÷ bare
+    python bench_host.py [--quick] [--compile] [--markdown FILE]  # CPU: time and aten ops per call, loop ÷ bare
 
 On a GPU at the recipe's micro-batch the transformer's kernels are short, and what the host does to launch them (the
 adapter's layers, casts, hooks) decides the time: the first GPU run (BENCHMARKS.md) measured the loop's forward at
@@ -85,8 +85,14 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
         with CountOps() as counter:
             fn()
         ops[name] = counter.ops
-    r = measure({"bare": lambda: forward(bare), "loop": lambda: forward(loop), "plain step": lambda: step(plain),
-                 "loop step": lambda: step(loop)}, o.repeats)
+    timed = {"bare": lambda: forward(bare), "loop": lambda: forward(loop), "plain step": lambda: step(plain),
+             "loop step": lambda: step(loop)}
+    if o.compile:  # the loop's engine with --compile (inductor): what is left of the host's work once blocks are fused
+        compiled = copy.deepcopy(bare)
+        make_engine(dataclasses.replace(a, model="tiny"), compiled, compile=True)
+        timed |= {"compiled": lambda: forward(compiled), "compiled step": lambda: step(compiled)}
+        forward(compiled), step(compiled)  # traced and compiled here, outside the timing
+    r = measure(timed, o.repeats)
     n = {k: sum(v.values()) for k, v in ops.items()}
     what = f"Qwen-Image's {BLOCKS} blocks at 2 heads × 16, {batch} images {side}², one thread"
     row(t, "host: time per forward, loop ÷ bare diffusers", np.divide(r["loop"], r["bare"]), "×", "≤ 1.25",
@@ -100,6 +106,11 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
         f"{ms(r['plain step'])}")
     row(t, "host: aten ops per forward + backward, loop ÷ plain LoRA step", [n["loop step"] / n["plain step"]], "×",
         "≤ 1.2", f"{n['loop step'] / BLOCKS:.0f} vs {n['plain step'] / BLOCKS:.0f} per block")
+    if o.compile:
+        row(t, "host: time per forward, loop --compile ÷ bare diffusers", np.divide(r["compiled"], r["bare"]), "×",
+            "≤ 1.25", f"{what}; inductor; {ms(r['compiled'])}")
+        row(t, "host: time per forward + backward, loop --compile ÷ plain LoRA step",
+            np.divide(r["compiled step"], r["plain step"]), "×", "≤ 1.25", f"{what}; {ms(r['compiled step'])}")
 
 
 def gather_worker() -> None:
@@ -150,6 +161,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="one repeat (the smoke test)")
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1)")
     p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("--compile", action="store_true", help="also the loop with --compile (inductor; compiling takes minutes)")
     p.add_argument("--gather-worker", action="store_true", help=argparse.SUPPRESS)  # one rank of gather_rows
     o, t = p.parse_args(argv), list(HEAD)
     o.repeats = o.repeats or (1 if o.quick else 9)

