@@ -69,7 +69,8 @@ def grid_image(images: torch.Tensor, captions: list[str], sources: list[str | No
     """save_grid's picture, readable at any count: where prompts repeat (an eval set of few prompts, many seeds), one
     row per prompt under its text (at most ROWS rows of PER_ROW images), each image with its reward; otherwise 4 images
     a row, each under its prompt and reward, at most FLAT images. A first line says how many are shown. With `sources`
-    (an edit model's source image paths, None where a prompt has none), each tile is the pair source | result."""
+    (an edit model's source image paths, None where a prompt has none), each tile is the pair source | result. A caption
+    `prompt | reward\njudge score`: the judge's line under the reward's."""
     pairs = bool(sources and any(sources))
     images = beside_sources(images, sources) if pairs else images
     n, _, h, w = images.shape
@@ -82,7 +83,8 @@ def grid_image(images: torch.Tensor, captions: list[str], sources: list[str | No
         rows = {None: list(range(min(n, FLAT)))}
     cols = max(map(len, rows.values())) if per_prompt else min(n, 4)
     cell = min(max(w, 96 if per_prompt else 192), 256 * (1 + pairs))  # a pair: two images of up to 256
-    tile_h, title_h, text_h = cell * h // w, 16 if per_prompt else 0, 14 if per_prompt else 44
+    judges = max(c.rpartition(" | ")[2].count("\n") for c in captions)  # lines under the reward (a run's judges)
+    tile_h, title_h, text_h = cell * h // w, 16 if per_prompt else 0, (14 if per_prompt else 44) + 12 * judges
     font = ImageFont.load_default(size=11)  # Pillow's bundled TrueType font: real word spacing, no system fonts needed
     lines = [ids[j:j + cols] for ids in rows.values() for j in range(0, len(ids), cols)]
     grid = Image.new("RGB", (cols * cell, 18 + len(lines) * (title_h + tile_h + text_h)), "white")

@@ -22,6 +22,7 @@ import nano_compare
 import rundir
 import runlog
 import startup
+from tiny_setup import main_here
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -116,6 +117,21 @@ def test_a_sample_grid_of_many_images_stays_readable():
     assert per_prompt.size[0] <= 8 * 96 and per_prompt.size[1] <= 18 + 10 * (16 + 96 + 14), per_prompt.size
     flat = runlog.grid_image(images, [f"prompt {i} | 0.5" for i in range(200)])
     assert flat.size[0] == 4 * 192 and flat.size[1] <= 18 + 8 * (192 + 44), flat.size
+
+
+def test_the_eval_grid_captions_the_judge_the_claims_are_about(tmp_path, monkeypatch):
+    """nano's eval grid, through its CLI: under each image its reward and, a line below, the judge's score (the
+    weight-0 term the task's claims are about, never trained on). Before: the reward alone."""
+    grids = []
+    monkeypatch.setattr(runlog, "save_grid", lambda path, images, captions, sources=None: grids.append(captions))
+    main_here("--model", "nano", "--iterations", "1", "--eval-every", "1", "--eval-images", "10", "--group-size", "2",
+              "--prompts-per-iteration", "2", "--micro-batch", "2", "--run-dir", tmp_path / "run")
+    captions = grids[-1]
+    assert len(captions) == 10 and all(re.fullmatch(r"[^|]+ \| -?[0-9.]+\ndigit_judge [01]\.00", c) for c in captions), \
+        captions
+    judged = runlog.grid_image(torch.rand(10, 3, 16, 16), captions)
+    plain = runlog.grid_image(torch.rand(10, 3, 16, 16), [c.split("\n")[0] for c in captions])
+    assert judged.size[1] > plain.size[1], (judged.size, plain.size)  # room for the judge's line under each image
 
 
 def test_a_run_whose_every_update_is_skipped_stops_naming_it(tmp_path, monkeypatch):
