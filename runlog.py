@@ -68,8 +68,9 @@ ROWS, PER_ROW, FLAT = 16, 8, 32  # the most prompt rows, images per prompt row, 
 def grid_image(images: torch.Tensor, captions: list[str], sources: list[str | None] | None = None) -> Image.Image:
     """save_grid's picture, readable at any count: where prompts repeat (an eval set of few prompts, many seeds), one
     row per prompt under its text (at most ROWS rows of PER_ROW images), each image with its reward; otherwise 4 images
-    a row, each under its prompt and reward, at most FLAT images. A first line says how many are shown. With `sources`
-    (an edit model's source image paths, None where a prompt has none), each tile is the pair source | result. A caption
+    a row, each under its prompt and reward, at most FLAT images, evenly spaced over the set. A first line says how
+    many are shown. With `sources` (an edit model's source image paths, None where a prompt has none), each tile is the
+    pair source | result, a white gap between them. A caption
     `prompt | reward\njudge score`: the judge's line under the reward's."""
     pairs = bool(sources and any(sources))
     images = beside_sources(images, sources) if pairs else images
@@ -79,28 +80,34 @@ def grid_image(images: torch.Tensor, captions: list[str], sources: list[str | No
     per_prompt = len(rows) < n
     if per_prompt:
         rows = {p: ids[:PER_ROW] for p, ids in list(rows.items())[:ROWS]}
-    else:
-        rows = {None: list(range(min(n, FLAT)))}
+    else:  # spread over the set, whose prompts may come in blocks (nano-compose's categories): each block shown
+        rows = {None: sorted(set(np.linspace(0, n - 1, min(n, FLAT)).round().astype(int).tolist()))}
     cols = max(map(len, rows.values())) if per_prompt else min(n, 4)
     cell = min(max(w, 96 if per_prompt else 192), 256 * (1 + pairs))  # a pair: two images of up to 256
     judges = max(c.rpartition(" | ")[2].count("\n") for c in captions)  # lines under the reward (a run's judges)
     tile_h, title_h, text_h = cell * h // w, 16 if per_prompt else 0, (14 if per_prompt else 44) + 12 * judges
     font = ImageFont.load_default(size=11)  # Pillow's bundled TrueType font: real word spacing, no system fonts needed
+    inner, outer = (4, 12) if pairs else (0, 0)  # white between a source and its result, wider between pairs
+    step = cell + inner + outer
     lines = [ids[j:j + cols] for ids in rows.values() for j in range(0, len(ids), cols)]
-    grid = Image.new("RGB", (cols * cell, 18 + len(lines) * (title_h + tile_h + text_h)), "white")
+    grid = Image.new("RGB", (cols * step, 18 + len(lines) * (title_h + tile_h + text_h)), "white")
     draw, y = ImageDraw.Draw(grid), 18
     shown = sum(map(len, rows.values()))
-    draw.text((2, 2), f"{shown} of {n} images" + (f", {len(rows)} prompts: one row each" if per_prompt else "") +
+    draw.text((2, 2), f"{shown} of {n} images" + (f", {len(rows)} prompts: one row each" if per_prompt else
+                                                  ", evenly spaced over the set" if shown < n else "") +
               (", each as source | result" if pairs else ""), fill="black", font=font)
     for line in lines:
         if per_prompt:
-            draw.text((2, y + 2), wrap(prompts[line[0]], font, cols * cell - 4, max_lines=1)[0], fill="black", font=font)
+            draw.text((2, y + 2), wrap(prompts[line[0]], font, cols * step - 4, max_lines=1)[0], fill="black", font=font)
         for k, i in enumerate(line):
             pil = Image.fromarray((images[i].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-            grid.paste(pil.resize((cell, tile_h), Image.NEAREST), (k * cell, y + title_h))
+            halves = [pil.crop((0, 0, w // 2, h)), pil.crop((w // 2, 0, w, h))] if pairs else [pil]
+            for j, part in enumerate(halves):  # a pair's source, then its result after the gap
+                grid.paste(part.resize((cell // len(halves), tile_h), Image.NEAREST),
+                           (k * step + j * (cell // 2 + inner), y + title_h))
             prompt, _, score = captions[i].rpartition(" | ")
             text = [f"reward {score}"] if per_prompt else wrap(prompt, font, cell - 4, max_lines=2) + [f"reward {score}"]
-            draw.multiline_text((k * cell + 2, y + title_h + tile_h + 1), "\n".join(text), fill="black", font=font,
+            draw.multiline_text((k * step + 2, y + title_h + tile_h + 1), "\n".join(text), fill="black", font=font,
                                 spacing=1)
         y += title_h + tile_h + text_h
     return grid

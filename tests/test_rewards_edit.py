@@ -201,6 +201,9 @@ def test_grid_draws_each_result_beside_its_source(tmp_path):
     grid = np.asarray(runlog.grid_image(images, ["make it red | 0.500", "no source | 0.100"], [path, None]))
     # Two prompts, 4 to a row: each tile a 32×64 pair drawn 3× larger, the source on its left.
     assert contains(grid, source.repeat(3, axis=0).repeat(3, axis=1))
+    # a white gap between the source and its result, which before ran into each other
+    assert contains(grid, np.concatenate([source.repeat(3, axis=0).repeat(3, axis=1)[:, -1:], np.full((96, 4, 3), 255,
+                                                                                                 np.uint8)], axis=1))
     assert contains(grid, np.full((96, 96, 3), 128, np.uint8))  # the missing source: grey
     assert not contains(np.asarray(runlog.grid_image(images, ["make it red | 0.500", "no source | 0.100"])),
                         source[:8, :8])

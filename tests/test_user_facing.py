@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -117,6 +118,11 @@ def test_a_sample_grid_of_many_images_stays_readable():
     assert per_prompt.size[0] <= 8 * 96 and per_prompt.size[1] <= 18 + 10 * (16 + 96 + 14), per_prompt.size
     flat = runlog.grid_image(images, [f"prompt {i} | 0.5" for i in range(200)])
     assert flat.size[0] == 4 * 192 and flat.size[1] <= 18 + 8 * (192 + 44), flat.size
+    # the 32 shown are spread over the set (a set in blocks, nano-compose's categories, shows each): the last among them
+    shades = torch.linspace(0, 1, 200)[:, None, None, None].expand(200, 3, 16, 16)
+    red = np.asarray(runlog.grid_image(shades.clone(), [f"prompt {i} | 0.5" for i in range(200)]))[..., 0]
+    tiles = [v for v, count in zip(*np.unique(red, return_counts=True)) if count >= 192 * 192]  # whole tiles' shades
+    assert max(v for v in tiles if v < 255) > 240, tiles  # image 199's (before: the first 32, up to image 31's 40)
 
 
 def test_the_eval_grid_captions_the_judge_the_claims_are_about(tmp_path, monkeypatch):
