@@ -147,6 +147,10 @@ class Engine:
             precision.cast_inputs_to_bf16([*model.blocks, net])
         # 3. Compile each block separately (small graphs, compiled once, reused by every block).
         if compile:
+            # One code object, several graphs: the rollout's (no grad) and the update's, the first block's input without
+            # grad and the others' with, a text mask or none, a new text length (then dynamic): 7 for the tiny recipe
+            # (TORCH_LOGS=recompiles), one short of dynamo's default limit, past which it runs the rest eager.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             for block in model.blocks:
                 block.compile()
         # 4–5. Shard each block, then the root (its remaining parameters: embeddings, norms, projections),

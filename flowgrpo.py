@@ -242,7 +242,7 @@ class Args:
     activation_checkpointing: bool = False
     """recompute each transformer block's activations in backward instead of storing them"""
     compile: bool = False
-    """torch.compile each transformer block"""
+    """torch.compile each transformer block (one graph per kind of call, reused by all; tiny: logp_gap 0 measured)"""
     shard_text_encoder: bool = False
     """shard the frozen text encoder with FSDP2 too (saves memory on every rank)"""
     sp: int = 1
