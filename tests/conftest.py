@@ -16,9 +16,22 @@ class OneFileToAWorker(LoadScopeScheduling):
     fixtures (shared runs) are built once; the vLLM-Omni tier, all its files, to one worker, so that its session's
     servers start once. (xdist's own `--dist loadgroup` marks do not reach its scheduler under pytest 9.2.)"""
 
+    # The longest scopes first (seconds of one core, measured 2026-12-04), so that no long file starts last and runs
+    # alone at the end: xdist's own order, by number of tests, had nano-compose's 9-minute run among the last.
+    LONGEST = ("tests/test_nano_compose.py", "tests/omni", "tests/test_variants.py", "tests/test_nano_edit.py",
+               "tests/test_bench.py", "tests/test_sp.py", "tests/test_engine.py", "tests/test_nano.py")
+
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
         return "tests/omni" if path.startswith("tests/omni/") else path
+
+    def _assign_work_unit(self, node) -> None:
+        if not getattr(self, "ordered", False):  # once, before the first unit is handed out
+            for scope in reversed(self.LONGEST):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            self.ordered = True
+        super()._assign_work_unit(node)
 
 
 def pytest_xdist_make_scheduler(config, log):
