@@ -280,9 +280,8 @@ def _altered(directory: str, rel: str, state: str) -> ValueError:
 
 def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=(), defaults=None) -> tuple[str, dict]:
     """(checkpoint directory, its meta.json) for `--resume PATH|auto`, checked before anything is built: its files
-    against its manifest, and its flags against this run's `flags` (those that decide the result), except the ones
-    named in `may_change`; a flag the checkpoint predates counts at its value in `defaults` (new flags default to
-    the behaviour before them)."""
+    against its manifest, its flags against this run's `flags` but `may_change`, one it predates at its `defaults`'
+    value (a new flag's default is the behaviour before it)."""
     if resume == "auto":
         if run_dir is None:
             raise ValueError("--resume auto needs --run-dir (the run whose newest checkpoint to continue)")
