@@ -1,6 +1,7 @@
 """bench_gpu.py: the public recipe on random weights at real width (images/s, MFU, peak memory), and the --sp rows.
     python bench_gpu.py --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
     python bench_gpu.py --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
+    python bench_gpu.py --device cuda --model qwen-image-2.1 --random-init  # z-image, flux.2-klein; tiny-<name>: CPU
     python bench_gpu.py --sp 2 [--device cuda --model qwen-image]        # the --sp 2 ÷ --sp 1 rows (CPU too)
     python bench_gpu.py --plain [--device cuda] [--layers N]             # the update ÷ plain PyTorch, real width
 Rows: median, min, max over repeats after a warm-up, as bench.py's. See BENCHMARKS.md."""
@@ -20,6 +21,7 @@ from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransf
 
 import algorithms
 import bench
+import bench_families
 import engine as eng
 import flowgrpo
 import memory
@@ -50,6 +52,10 @@ def random_model(kind: str, device: str, heads: int = 3, layers: int = 0, fp32: 
         torch.set_default_dtype(default)
     return RandomText(pipe, device, dtype if kind != "tiny" else torch.float32)
 
+def model_of(name: str, device: str):
+    """Qwen-Image's random_model, or a 2026 family's (bench_families.py)."""
+    return random_model(name, device) if name in ("tiny", "qwen-image") else bench_families.family_model(name, device)
+
 def pass_flops(c, s_img: int, s_txt: int, r: int) -> float:
     """FLOPs (multiply-add = 2) of one forward of Qwen-Image's MMDiT for one image; d = heads × head_dim, L blocks,
     S = s_img + s_txt tokens, each through its own stream's weights (tests/test_bench.py checks it: FlopCounterMode):
@@ -79,9 +85,10 @@ def end_to_end(o, a: flowgrpo.Args, model, engine, iterations: int):
     # An image: N rollout passes and W trained steps of forward + backward per CFG branch; LoRA's backward costs one
     # forward (activation gradients; the frozen weights need none); checkpointing's recompute is not counted (MFU).
     # --reuse-rollout-forward: the trained steps' forwards are rollout passes already, the backward alone is added.
-    flops = sum(pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), b.cond[k].shape[1],
-                           a.lora_rank) for k in ("embeds", "neg_embeds")[:1 + (a.cfg_scale > 1)])
     peak = torch.cuda.max_memory_allocated() if CUDA else vm_hwm(os.getpid())
+    flops = sum(pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), b.cond[k].shape[1],
+                           a.lora_rank) for k in ("embeds", "neg_embeds")[:1 + (a.cfg_scale > 1)]) \
+        if isinstance(model, RandomText) else bench_families.velocity_flops(model, a, texts[0])  # the others: counted
     return ticks, peak, flops * (a.num_steps + (1 if a.reuse_rollout_forward else 2) * len(steps))
 
 def reset_peak():
@@ -103,7 +110,9 @@ def forward_rows(t: list, o, a: flowgrpo.Args, model, label: str, sizes: list[in
         with torch.no_grad():
             seconds[b] = measure({0: lambda: model.velocity(x, s, c, 1.0, side, side)}, o.repeats + 1)[0]
         rank = 0 if label.startswith("diffusers") else a.lora_rank
-        flops = b * pass_flops(model.transformer.config, model.image_seq_len(side, side), c["embeds"].shape[1], rank)
+        flops = b * (pass_flops(model.transformer.config, model.image_seq_len(side, side), c["embeds"].shape[1], rank)
+                     if isinstance(model, RandomText) else bench_families.velocity_flops(
+                         model, dataclasses.replace(a, cfg_scale=1.0), texts[0]))
         row(t, f"transformer forward MFU, {label}, B = {b}", np.divide(flops / peak, seconds[b]), "of peak",
             "", f"one CFG branch, {side}², no gradient; {ms(seconds[b])}")
     return seconds
@@ -123,9 +132,9 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
         torch.cuda.set_per_process_memory_fraction(o.memory_limit * 2**30 / torch.cuda.mem_get_info()[1])
     texts, sizes = texts_of(a), sorted({4, len(texts_of(a))} if CUDA else {2})
     if "floor" in o.rows:
-        bare = forward_rows(t, o, a, random_model(a.model, o.device), "diffusers bare", sizes, peak)
+        bare = forward_rows(t, o, a, model_of(a.model, o.device), "diffusers bare", sizes, peak)
     reset_peak()
-    model = random_model(a.model, o.device)
+    model = model_of(a.model, o.device)
     engine, n = make_engine(a, model), len(texts)
     fitted = memory.fit(model, engine, a, n, [(p, {}) for p in texts], o.memory_limit)
     limit = f"within {o.memory_limit:g} GiB" if o.memory_limit else "the device's memory"
@@ -136,6 +145,8 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
         for b in sizes:
             row(t, f"transformer forward time, the loop ÷ diffusers bare, B = {b}", np.divide(loop[b], bare[b]), "×",
                 "≤ 1.1", f"LoRA r{a.lora_rank} on {len(a.lora_targets)} targets, bf16 compute, one rank")
+    how = "pass_flops" if isinstance(model, RandomText) else "FlopCounterMode, one call"
+    goal = "≥ 1.0 on an H200" if isinstance(model, RandomText) else ""  # Qwen-Image's goal; the others have none
     configs = {"fitted": dict(micro_batch=fitted), "recipe": {}, "reuse": dict(micro_batch=fitted,
                                                                                reuse_rollout_forward=True)}
     for i, key in enumerate([k for k in configs if k in o.rows]):  # the first one warms up (untimed) for all
@@ -145,10 +156,10 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
         what = f"{n} images {a.height}², {a.num_steps} steps, W {a.window}, CFG {a.cfg_scale:g}, r{a.lora_rank}, " \
                f"{a.reward}, micro-batch {c.micro_batch}" + (", --reuse-rollout-forward" if c.reuse_rollout_forward
                                                              else "") + (f", {limit}" if o.memory_limit else "")
-        row(t, f"images/s per device, end to end ({key})", np.divide(n, total), "images/s", "≥ 1.0 on an H200",
+        row(t, f"images/s per device, end to end ({key})", np.divide(n, total), "images/s", goal,
             f"{name}; {what}")
         row(t, f"MFU ({key})", np.divide(flops * n / peak, total), "of peak", "≥ 0.45", f"transformer FLOPs "
-            f"(pass_flops) {flops / 1e12:.4g} T/image; VAE, text encoder, reward not counted; peak {peak / 1e12:.4g} T/s")
+            f"({how}) {flops / 1e12:.4g} T/image; VAE, text encoder, reward not counted; peak {peak / 1e12:.4g} T/s")
         row(t, f"peak memory ({key})", [mem / 2**30], "GiB", "", "CUDA allocator peak" if CUDA else "process VmHWM")
         if key == "fitted":
             for i, phase in enumerate(("rollout", "reward wait", "training")):  # the reward scored during the rollout
@@ -160,7 +171,7 @@ def compiled_rows(t: list, o, a: flowgrpo.Args):
     graphs and breaks; alone, on a model of its own."""
     from torch._dynamo.utils import counters
     _, peak = peak_flops(o)
-    model = random_model(a.model, o.device)
+    model = model_of(a.model, o.device)
     make_engine(a, model)
     for block in model.blocks:  # as Engine(compile=True) on one rank (nothing sharded after it), on --compile-backend
         block.compile(backend=o.compile_backend)
@@ -183,7 +194,7 @@ def offload_rows(t: list, o, a: flowgrpo.Args):
     """Parameter offload (FSDP2's CPUOffloadPolicy) on one micro-batch of the recipe's size: its peak and speed."""
     a = dataclasses.replace(a, offload=True, group_size=a.micro_batch)
     reset_peak()
-    model = random_model(a.model, o.device)
+    model = model_of(a.model, o.device)
     ticks, mem, _ = end_to_end(o, a, model, make_engine(a, model), 1)
     row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
         f"{a.micro_batch} images: {a.micro_batch / ticks[0].sum():.3g} images/s, one iteration")
@@ -273,14 +284,17 @@ def sp_rows(t: list, o, n: int):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("tiny", "qwen-image"), default="tiny")
+    families = [f"{t}{n}" for n in bench_families.NAMES for t in ("", "tiny-")]  # tiny-<name>: its dry run on CPU
+    p.add_argument("--model", choices=("tiny", "qwen-image", *families), default="tiny", help="--random-init: the "
+                   "architecture and its recipe (recipes.py); --sp, --plain: Qwen-Image's only")
     p.add_argument("--device", default="cuda" if CUDA else "cpu")
     p.add_argument("--random-init", action="store_true", help="the public recipe end to end, random weights (GPU)")
     p.add_argument("--plain", action="store_true", help="the loop's update ÷ the plainest PyTorch's at the real width")
     p.add_argument("--layers", type=int, help="--plain: transformer blocks (default: CPU 1, CUDA 4)")
     p.add_argument("--quick", action="store_true", help="smallest sizes and one repeat (the smoke test)")
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1; --random-init 2)")
-    p.add_argument("--reward", help="--random-init's reward (default: the recipe's, ocr)")
+    p.add_argument("--reward", help="--random-init's reward (default: the recipe's, OCR; for PickScore, whose CLIP "
+                   "weights are a download, jpeg_compressibility)")
     p.add_argument("--rows", default="fitted,recipe,floor", help="--random-init's rows, comma-separated: fitted "
                    "(--micro-batch 0), recipe (its micro-batch), reuse (fitted, --reuse-rollout-forward: the update on "
                    "the rollout's kept forwards, every image in one optimizer step), floor (forwards, the loop ÷ "
@@ -301,6 +315,9 @@ def main(argv=None):
     if not (o.random_init or o.sp or o.sp_worker or o.plain):
         p.error("give --random-init (images/s, MFU, peak memory), --plain (the update ÷ plain PyTorch at the real "
                 "width) or --sp N (the --sp N ÷ --sp 1 rows); the CPU overhead table is `python bench.py`")
+    if (o.sp or o.sp_worker or o.plain) and o.model not in ("tiny", "qwen-image"):
+        p.error(f"--sp and --plain measure Qwen-Image (--model tiny or qwen-image), got --model {o.model}: give "
+                "--random-init for its recipe")
     o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
     if o.device == "cpu":
         torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
@@ -319,9 +336,11 @@ def main(argv=None):
         plain_rows(t, o, dataclasses.replace(flowgrpo.RECIPES["qwen-image"], prompts_per_iteration=1,
                                              mixed_precision=False, activation_checkpointing=False, **size))
     else:  # --random-init: the public recipe, one group per iteration; tiny: at the tiny model's sizes
-        toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model == "tiny" else {}
-        a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model=o.model, prompts_per_iteration=1,
-                                reward=o.reward or flowgrpo.RECIPES["qwen-image"].reward, **toy)
+        toy = dict(height=32, width=32, lora_rank=8, group_size=4 if quick else 8) if o.model.startswith("tiny") else {}
+        r = flowgrpo.RECIPES["qwen-image" if o.model in ("tiny", "qwen-image") else o.model.removeprefix("tiny-")]
+        # a reward that needs no weights: the recipe's OCR, or in place of PickScore (its CLIP weights a download)
+        reward = o.reward or (r.reward if r.reward == "ocr" else "jpeg_compressibility")
+        a = dataclasses.replace(r, model=o.model, prompts_per_iteration=1, reward=reward, **toy)
         o.rows = o.rows.split(",")
         {"offload": offload_rows, "compiled": compiled_rows}.get(",".join(o.rows), gpu_rows)(t, o, a)
     if o.markdown:

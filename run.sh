@@ -80,7 +80,8 @@ case $recipe in
   # The GPU check on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves the pinned packages
   # such a machine's PyTorch image lacks, for its Python 3.12, unpacked into one archive, .whl/site.tar.xz (40 MB: with
   # the working tree within the 64 MiB such a machine can be sent; the wheels themselves are 58 MB); `gpu-check OUT`
-  # there unpacks it and runs every GPU step into OUT (bench_check.py), `bench-gpu` one bench_gpu.py call.
+  # there unpacks it and runs every GPU step into OUT (bench_check.py; `gpu-check OUT --more`: its second command),
+  # `bench-gpu` one bench_gpu.py call.
   gpu-wheels)      rm -rf .whl/wheels .whl/site && mkdir -p .whl/site && python3 -m pip download -q --no-deps \
                      --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
                      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/wheels \
@@ -88,7 +89,7 @@ case $recipe in
                    for w in .whl/wheels/*.whl; do python3 -m zipfile -e "$w" .whl/site; done
                    tar -C .whl/site -cf - . | xz -9 -T0 > .whl/site.tar.xz && rm -rf .whl/wheels .whl/site ;;
   gpu-check)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
-                   PYTHONPATH=/tmp/site python3 bench_check.py "${1:?give the output folder: bash run.sh gpu-check OUT}" ;;
+                   PYTHONPATH=/tmp/site python3 bench_check.py "${1:?give the output folder: bash run.sh gpu-check OUT}" "${@:2}" ;;
   bench-gpu)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
                    PYTHONPATH=/tmp/site python3 bench_gpu.py --device cuda --model qwen-image --random-init "$@" ;;
   *)               usage "$recipe" ;;

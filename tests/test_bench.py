@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import bench_check
+import bench_families
 import bench_gpu
 import engine as eng
 import flowgrpo
@@ -66,6 +67,10 @@ def test_cpu_table_smallest(tmp_path):
     assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows
 
 
+FITTED = ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
+          "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
+          "training share of the iteration"]
+OWN = ["images/s per device, end to end (recipe)", "MFU (recipe)", "peak memory (recipe)"]  # at the recipe's micro-batch
 ROWS = {"recipe": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
                    "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
                    "training share of the iteration", "images/s per device, end to end (recipe)", "MFU (recipe)",
@@ -73,46 +78,51 @@ ROWS = {"recipe": ["micro-batch fitted (--micro-batch 0)", "images/s per device,
                    "peak memory (reuse)", "transformer forward MFU, diffusers bare, B = 2",
                    "transformer forward MFU, the loop, B = 2",
                    "transformer forward time, the loop ÷ diffusers bare, B = 2"],
+        "qwen21": FITTED,
         "sp": ["SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"],
-        "plain": ["real width, 1 of 60 blocks, 32², CFG 4: training ÷ plain PyTorch update"],
-        "limit60": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
-                    "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
-                    "training share of the iteration"],
-        "offload": ["peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"],
+        "limit60": FITTED,
         "compiled": ["--compile: first call (tracing and compiling)", "transformer forward MFU, the loop, --compile, "
                      "B = 2", "--compile: dynamo graphs"]}
+MORE_ROWS = {"z-image": FITTED + OWN, "flux2-klein": FITTED + OWN, "qwen21-recipe": FITTED[:1] + OWN,
+             "plain": ["real width, 1 of 60 blocks, 32², CFG 4: training ÷ plain PyTorch update"],
+             "offload": ["peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"]}
 
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
-    """`bench_check.py OUT --dry-run`: every step of the GPU check at toy size on the CPU, through its CLI."""
+    """`bench_check.py OUT --dry-run`: every step of the GPU check at toy size on the CPU, through its CLI; then its
+    second command's (`--more`) into OUT/more."""
     out = tmp_path_factory.mktemp("check")
     run_bench(str(out), "--dry-run", script="bench_check.py", timeout=1800)
+    run_bench(str(out / "more"), "--dry-run", "--more", script="bench_check.py", timeout=1800)
     return out
 
 
 def test_the_gpu_checks_dry_run_passes_every_step_and_writes_as_it_goes(check):
     """OUT/summary.md: the header (revision, machine, versions), each step's verdict, the closing count; a log per
     step."""
-    summary = (check / os.path.basename(bench_check.SUMMARY)).read_text()
-    assert summary.startswith("# GPU check, ") and "torch 2." in summary and "diffusers 0.42" in summary, summary[:500]
-    steps = [s[0] for s in bench_check.STEPS]
-    for name in steps:
-        assert f"## {name}: passed in " in summary and (check / f"{name}.log").exists(), (name, summary[-3000:])
-    assert summary.rstrip().endswith(f"- {steps[-1]}: passed") and f"## {len(steps)} of {len(steps)} steps passed" \
-        in summary
-    assert "1 passed" in summary  # the tests step's pytest outcome line
+    for folder, table, title in ((check, bench_check.STEPS, "# GPU check, "),
+                                 (check / "more", bench_check.MORE, "# GPU check (--more), ")):
+        summary = (folder / os.path.basename(bench_check.SUMMARY)).read_text()
+        assert summary.startswith(title) and "torch 2." in summary and "diffusers 0.42" in summary, summary[:500]
+        steps = [s[0] for s in table]
+        for name in steps:
+            assert f"## {name}: passed in " in summary and (folder / f"{name}.log").exists(), (name, summary[-3000:])
+        assert summary.rstrip().endswith(f"- {steps[-1]}: passed") and \
+            f"## {len(steps)} of {len(steps)} steps passed" in summary
+    assert "1 passed" in (check / os.path.basename(bench_check.SUMMARY)).read_text()  # the tests step's outcome line
+    assert sum(s[4] for s in bench_check.STEPS) == 540  # the one command: 9 minutes of a lent machine
 
 
-@pytest.mark.parametrize("step", ROWS)
+@pytest.mark.parametrize("step", [*ROWS, *(f"more/{k}" for k in MORE_ROWS)])
 def test_the_gpu_checks_dry_run_rows(check, step):
     """The GPU benchmark's paths (random-weight model, text encoder bypassed) at toy size: the recipe at the fitted
     micro-batch (a CPU: the largest up to 8 of [1, 2, 4]), at its own, on the rollout's kept forwards, against the bare
     forward; --sp 2 on 2 gloo ranks; the update against plain PyTorch at the real width (which must first land on the
     same LoRA: bench.plain_rows asserts it); the 60 GiB cap; parameter offload; --compile's forwards, without a graph
-    break."""
+    break; Qwen-Image 2.1, Z-Image and FLUX.2 [klein] (bench_families.py: the tiny twins here) on their recipes."""
     rows = table_rows((check / f"{step}.log").read_text())
-    assert sorted(rows) == sorted(ROWS[step]), list(rows)
+    assert sorted(rows) == sorted(ROWS.get(step) or MORE_ROWS[step.removeprefix("more/")]), list(rows)
     if "rollout share of the iteration" in rows:
         shares = [rows[f"{p} share of the iteration"][0] for p in ("rollout", "reward wait", "training")]
         assert 0.9 < sum(shares) < 1.1  # medians of shares that sum to 1 per iteration (one repeat: exactly)
@@ -159,6 +169,29 @@ def test_flop_formula_matches_torch_flop_counter():
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         net(hidden_states=x, timestep=t, encoder_hidden_states=embeds, img_shapes=[[(1, 32, 32)]], return_dict=False)
     assert bench_gpu.pass_flops(net.config, 1024, 30, 64) == counter.get_total_flops()  # 15.6 TFLOP
+
+
+def test_counted_flops_equal_the_formula():
+    """bench_families.velocity_flops, the other families' MFU numerator (torch's counter on one velocity call), gives
+    on Qwen-Image what its checked formula gives: one image, both CFG branches, the LoRA, attention."""
+    a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", height=32, width=48, lora_rank=8,
+                            mixed_precision=False)
+    model = bench_gpu.random_model("tiny", "cpu")
+    bench.make_engine(a, model)
+    prompt = 'a mug with "A LONGER TEXT" on it'
+    c = model.conditioning([prompt], a.negative_prompt, 4.0)
+    formula = sum(bench_gpu.pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), c[k].shape[1],
+                                       8) for k in ("embeds", "neg_embeds"))
+    counted = bench_families.velocity_flops(model, a, prompt)
+    assert counted == formula, (counted, formula)
+
+
+def test_sp_and_plain_refuse_another_family(capsys):
+    """--sp and --plain build Qwen-Image's model: another family's name is refused in one line, not measured as it."""
+    with pytest.raises(SystemExit):
+        bench_gpu.main(["--sp", "2", "--model", "z-image"])
+    assert "--sp and --plain measure Qwen-Image (--model tiny or qwen-image), got --model z-image" in \
+        capsys.readouterr().err
 
 
 def test_soak_smallest():

@@ -85,6 +85,9 @@ BUDGETS = {
     "bench_overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
     "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
     "bench_gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows
+    # the 2026 families' real architectures with random weights for bench_gpu.py (their transformers' and VAEs'
+    # configs, random text states at the real width) and the FLOPs of a call as torch counts them
+    "bench_families.py": 120,
     "bench_check.py": 200,  # the GPU tier in one command: every GPU step bounded, logged and summarised as it ends
     "bench_soak.py": 400,  # the reward server under load and attack
 }
