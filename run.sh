@@ -27,7 +27,7 @@ usage: bash run.sh NAME [flags]   (the flags are appended to NAME's command)
   zimage-8gpu      8 GPUs: Z-Image, Flow-Factory's recipe
   klein-8gpu       8 GPUs: FLUX.2 [klein] 9B, Flow-Factory's recipe
   gpu-wheels       here: pack the packages a GPU image lacks into .whl/site.tar.xz
-  gpu-check        on a lent GPU: every GPU row and test into OUT (bash run.sh gpu-check OUT)
+  gpu-check        on a lent GPU: the GPU rows and tests into OUT (gpu-check OUT; OUT --more: the other families)
   bench-gpu        on a lent GPU: one bench_gpu.py call (Qwen-Image's recipe, random weights)
 END
   [[ -z $1 ]] || echo "run.sh: no recipe named '$1'" >&2
