@@ -337,9 +337,8 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
     scores, info = reward_fn(images, [p for p, _ in mine], [m for _, m in mine])
     scores, images = engine.all_gather(scores), engine.all_gather(images)
     gathered = {k: engine.all_gather(v) for k, v in info.items()}  # (eval_images,) each, in evalset's order
-    judged = [{j: float(gathered[j][i]) for j in log.judges if j in gathered} for i in range(len(evalset))]
-    log.samples(it, images, [f"{p} | {s:.3f}" + "".join(f"\n{j} {v:.2f}" for j, v in judge.items())  # the claims' judge
-                             for (p, _), s, judge in zip(evalset, scores.tolist(), judged)], [m for _, m in evalset])
+    log.samples(it, images, [f"{p} | {s:.3f}" for (p, _), s in zip(evalset, scores.tolist())], [m for _, m in evalset],
+                gathered)
     parts = {f"eval/{k}/mean": v.mean().item() for k, v in gathered.items()}  # e.g. a weight-0 judge
     tags = [m.get("tag") for _, m in evalset]  # GenEval-style categories, where the prompts carry them
     for tag in dict.fromkeys(t for t in tags if t):

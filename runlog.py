@@ -233,12 +233,15 @@ class RunLog:
         plot_curve(os.path.join(self.run_dir, "reward_curve.png"), self.rows, self.judges)
         self.drawing += time.time() - t0
 
-    def samples(self, iteration: int, images: torch.Tensor, captions: list[str], metadata: list[dict] | None = None):
+    def samples(self, iteration: int, images: torch.Tensor, captions: list[str], metadata: list[dict] | None = None,
+                parts: dict | None = None):
         """Images (N, 3, H, W) as eval_<it>.png; videos (N, F, 3, H, W) as eval_<it>.gif, their first frames as the
         .png grid. Each image's prompt `metadata` names its source image where it has one (an edit model's): each
-        result is then drawn beside it."""
+        result is then drawn beside it. `parts`, the reward's terms per image: a line under each caption per judge."""
         if not self.enabled:
             return
+        judged = [j for j in self.judges if j in (parts or {})]  # the score the laptop tasks' claims are about
+        captions = [c + "".join(f"\n{j} {float(parts[j][i]):.2f}" for j in judged) for i, c in enumerate(captions)]
         path = os.path.join(self.run_dir, "samples", f"eval_{iteration:05d}")
         video, sources = images.ndim == 5, [m.get("image") for m in metadata or ()]
         if video:
