@@ -11,9 +11,6 @@ Public code (re-typed, not copied):
   Wan    zhtmike/flow_grpo @ def7b8403e9659aba03ba8d82bbd69a33fc58d00 (a mirror of yifan123/flow_grpo):
          flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py (sde_step_with_logprob: std_dev_t and the mean)
 """
-import json
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -22,8 +19,10 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 import algorithms
 import flowgrpo
 import models_wan
+import nano
 import regularisers as reg
 import scheduler as sch
+import startup
 from tiny_setup import main_here
 
 
@@ -162,6 +161,16 @@ def test_gardo_reset_rule_is_the_scripts():
     assert ours == theirs and len(theirs) >= 5
 
 
+def test_nanos_gardo_proxies_read_real_digits():
+    """nano's proxies (nano.proxies) on the held-out real digits: classifiers of the digit, as the reward is."""
+    _, x_test, _, y_test = nano.split()
+    images = nano.quantised(nano.render(x_test))
+    for name in ("digit_knn", "digit_bayes"):
+        p = nano.proxy(name)(images, [f"a handwritten digit {d}" for d in y_test], None)
+        print(f"\n{name}: mean p(true digit) {p.mean():.3f} on {len(y_test)} held-out digits")
+        assert p.mean() > 0.75, (name, p.mean())
+
+
 # ---- NormGuard ----------------------------------------------------------------------------------------------------
 
 def test_normguard_hinge_is_its_closed_form_and_acts_only_above_the_margin():
@@ -197,9 +206,14 @@ def test_both_regularisers_run_through_the_loop_and_log_the_velocity_norm_ratio(
         main_here("--run-dir", tmp_path / "y", "--normguard", 1, "--reuse-rollout-forward")
 
 
-def test_every_recipe_leaves_the_regularisers_off():
+def test_every_recipe_leaves_the_regularisers_off_and_gardos_passes_its_checks(tmp_path, monkeypatch):
     for name, a in flowgrpo.RECIPES.items():
         assert a.normguard == 0 and (a.algorithm == "gardo") == name.endswith("-gardo-ocr"), name
+    (tmp_path / "head.pth").write_bytes(b"")  # its aesthetic proxy's head: a file is named, as a run must
+    monkeypatch.setenv("FLOWGRPO_AESTHETIC_HEAD", str(tmp_path / "head.pth"))
+    startup.check_args(flowgrpo.RECIPES["sd3.5-medium-gardo-ocr"])
+    a = flowgrpo.RECIPES["sd3.5-medium-gardo-ocr"]
+    assert sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0) == list(range(8))  # int(10·0.89) = 8
 
 
 # ---- the Wan2.1 recipe's KL against the public Wan script's (docs/algorithm.md §8, item 17) --------------------------
