@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 import algorithms_forward as fwd
 import algorithms_preference as pref
+import regularisers as reg
 import rollout
 import scheduler as sch
 
@@ -37,6 +38,8 @@ class Algorithm:
     watch: str  # the statistic the progress bar shows
     check: Callable  # a -> None, or a ValueError naming the flag
     whole_groups: bool = False  # a micro-batch holds whole groups: the loop assigns groups, not images, to steps
+    advantages: Callable | None = None  # (r_all, a, engine, batch, info, assignment) -> (A (N,) by id, zero-std
+    # fraction); None: the group-relative ones (group_advantages)
 
 
 def need(ok: bool, msg: str) -> None:
@@ -78,6 +81,13 @@ def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: fl
         adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4)
         zero += int(r[idx].std(unbiased=False) == 0)
     return adv.clamp(-clip, clip).float(), zero / len(group.unique())
+
+
+def advantages(algo: Algorithm, r_all: torch.Tensor, a, **iteration) -> tuple[torch.Tensor, float]:
+    """The iteration's advantages (N,) by image id and the fraction of zero-std groups, as the row computes them."""
+    if algo.advantages is None:
+        return group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std, clip=a.adv_clip)
+    return algo.advantages(r_all, a, **iteration)
 
 
 def keep_zero_advantage(adv: torch.Tensor, assignment: torch.Tensor, optimizer_steps: int) -> torch.Tensor:
@@ -162,11 +172,39 @@ def transition(model, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, torch
     return logp, mean, std
 
 
-def policy_loss(model, engine, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, dict]:
+def base_model(engine):
+    """Flow-GRPO's KL reference: the network with the adapter off."""
+    return engine.reference()
+
+
+def old_policy(engine):
+    """GARDO's: the old policy (engine.OldPolicy), reset to the trained weights now and then."""
+    return engine.old_weights()
+
+
+def weighted_kl(kl, mb: rollout.Batch, w) -> torch.Tensor:
+    """Flow-GRPO's KL term of a micro-batch: each image's KL weighted as its policy loss (w), averaged over the images."""
+    return (w * kl).mean()
+
+
+def gated_kl(kl, mb: rollout.Batch, w, *, gate: torch.Tensor) -> torch.Tensor:
+    """GARDO's: the mean over the images its gate (N,) by id chose and the zero-advantage rule kept, or 0."""
+    return reg.gated_kl(kl, gate[mb.ids.cpu()].to(kl.device) & (w > 0))
+
+
+def policy_loss(model, engine, mb: rollout.Batch, j: int, a, *, reference=base_model, kl_mean=weighted_kl
+                ) -> tuple[torch.Tensor, dict]:
     """PPO's loss (and optional KL) of trained transition j for a micro-batch of b images, under the trust region
     --trust-region names, image i weighted by mb.weights[i] (none: 1; --zero-advantage drop gives A = 0 images weight
-    0) and, with --stale-correction decoupled, transition (i, j) by its importance weight mb.is_weights[i, j]."""
+    0) and, with --stale-correction decoupled, transition (i, j) by its importance weight mb.is_weights[i, j]. The KL's
+    reference: `reference(engine)`'s weights, its mean over the images `kl_mean` (logged: `kl_term`)."""
     sigma, sigma_next = mb.sigmas[j], mb.sigmas[j + 1]
+    if a.kl_beta > 0:  # the reference first: an old policy is swapped into the weights, never between forward and backward
+        x = mb.latents[:, j]
+        with torch.no_grad(), reference(engine):
+            v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
+            _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, sigma_max=mb.sigma_max,
+                                         noise_level=a.noise_level, sde_type=a.sde_type, x_next=mb.latents[:, j + 1])
     logp, mean, std = transition(model, mb, j, a)  # logp: (b,)
     delta = logp - mb.log_probs[:, j]
     log_r = LOG_RATIOS[a.guard](logp, mean, std, mb, j, a)
@@ -181,14 +219,10 @@ def policy_loss(model, engine, mb: rollout.Batch, j: int, a) -> tuple[torch.Tens
              "approx_kl": 0.5 * (delta.detach() ** 2).mean(), "policy_loss": loss.detach(), "kl": torch.zeros(()),
              "log_ratio": log_r.detach()}
     if a.kl_beta > 0:
-        x = mb.latents[:, j]
-        with torch.no_grad(), engine.reference():
-            v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
-            _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, sigma_max=mb.sigma_max,
-                                         noise_level=a.noise_level, sde_type=a.sde_type, x_next=mb.latents[:, j + 1])
         kl = KL_FORMS[a.kl_form](mean, mean_ref, std, sigma_next - sigma, a.sde_type)  # (b,)
-        loss = loss + a.kl_beta * (w * kl).mean()
-        stats["kl"] = kl.mean().detach()
+        term = kl_mean(kl, mb, w)
+        loss = loss + a.kl_beta * term
+        stats |= {"kl": kl.mean().detach(), "kl_term": term.detach()}
     return loss, stats
 
 
@@ -234,10 +268,13 @@ def decoupled(model, batch: rollout.Batch, a) -> dict:
 STALE_CORRECTIONS = {"bypass": bypass, "decoupled": decoupled}  # --stale-correction
 
 
-def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool) -> dict:
+def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool, *, loss_of=policy_loss,
+             step_kls: list | None = None) -> dict:
     """PPO-clip updates over this rank's images: `optimizer_steps` steps, each accumulating gradients over
     its micro-batches × trained steps. Micro-batches are the rollout's chunks, in order (the images were
-    shuffled when they were assigned), so the first one is exactly what the rollout computed."""
+    shuffled when they were assigned), so the first one is exactly what the rollout computed. `loss_of`: the loss
+    of one transition (GARDO's: its reference and gate); `step_kls` receives each optimizer step's mean KL term."""
+    model = reg.Watched(model, engine, a)  # --normguard: the velocity-norm hinge on every trained forward
     n_micro, per_step = arith["micro_batches_per_rank"], arith["micro_batches_per_optimizer_step"]
     W = len(batch.sigmas) - 1  # trained steps per image
     corrected = STALE_CORRECTIONS[a.stale_correction](model, batch, a)  # decoupled: the proximal pass, its metrics
@@ -247,8 +284,8 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
         for m in range(k * per_step, (k + 1) * per_step):
             mb = batch.chunk(m * a.micro_batch, (m + 1) * a.micro_batch)
             for j in range(W):
-                loss, stats = policy_loss(model, engine, mb, j, a)
-                (loss / (W * per_step)).backward()  # mean over trained steps and micro-batches
+                loss, stats = loss_of(model, engine, mb, j, a)
+                (model.added(loss) / (W * per_step)).backward()  # mean over trained steps and micro-batches
                 log_ratio = stats.pop("log_ratio")  # (b,): under the update's starting weights while k == 0
                 first += [log_ratio] if k == 0 else []
                 logs.append(stats)
@@ -256,6 +293,8 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
             gap = float(sum(s["gap"] for s in logs[-W:]) / W) if gap is None else gap  # first micro-batch: on-policy
         # the rollout's kept forwards belong to this first step's micro-batches: none may outlive the weights it moves
         assert not batch.graphs, f"{len(batch.graphs)} kept rollout forwards were not used by the first optimizer step"
+        if step_kls is not None:
+            step_kls.append(float(np.mean([float(s["kl_term"]) for s in logs[-per_step * W:]])))
         grad_norm, skipped = engine.step()
         logs[-1] |= {"grad_norm": grad_norm, "skipped_fraction": float(skipped)}
     bar.close()
@@ -266,7 +305,53 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
         return float(np.mean([float(s[key]) for s in logs if key in s]))
     return {"train/logp_gap": gap, "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
             "train/policy_loss": mean("policy_loss"), "train/kl": mean("kl"), "train/grad_norm": mean("grad_norm"),
-            "train/skipped_fraction": mean("skipped_fraction"), "train/skipped_steps": engine.skipped_steps} | corrected
+            "train/skipped_fraction": mean("skipped_fraction"), "train/skipped_steps": engine.skipped_steps} | corrected | \
+        model.stats()
+
+
+# ---- GARDO: Flow-GRPO with gated, adaptive KL and diversity-aware advantages (regularisers.py; §17) ---------------
+
+def by_id(values, engine, assignment: torch.Tensor) -> torch.Tensor:
+    """This rank's per-image values (B, ...) gathered from every rank into image-id order (N, ...)."""
+    gathered = engine.all_gather(values)
+    return torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)
+
+
+def gardo_advantages(r_all, a, *, engine, batch, info, assignment) -> tuple[torch.Tensor, float]:
+    """GARDO's advantages over the whole iteration (the trained reward, no std, each above-mean image scaled by its
+    diversity in its group), clipped to ±--adv-clip as its loss clips them; and the gate of the iteration's images
+    (the proxies of --gardo-proxies against the trained reward), kept in the run's GARDO state for the update."""
+    group = torch.arange(len(r_all)) // a.group_size
+    features = by_id(reg.FEATURES[a.gardo_features](batch.images.detach()), engine, assignment)
+    adv = reg.gardo_advantages(r_all, group, features).clamp(-a.adv_clip, a.adv_clip).float()
+    u = reg.uncertainty(r_all, [by_id(info[p], engine, assignment) for p in a.gardo_proxies])
+    reg.state(engine).gate = reg.gate(u, reg.state(engine).compensator)
+    return adv, group_advantages(r_all, group, std=a.std, clip=a.adv_clip)[1]
+
+
+def gardo_update(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool) -> dict:
+    """Flow-GRPO's update with GARDO's KL: against the old policy, reset to the trained weights first where the
+    script's rule says so (regularisers.should_reset), on the gated images only; an optimizer step whose mean KL term
+    (over the ranks) exceeds --gardo-kl-threshold asks for the next reset."""
+    s, kls = reg.state(engine), []
+    if a.kl_beta > 0 and reg.should_reset(s, batch.iteration, a.gardo_reset_every):
+        engine.old.blend(0.0)
+        s.reset, s.last_reset = False, batch.iteration
+    loss = functools.partial(policy_loss, reference=old_policy, kl_mean=functools.partial(gated_kl, gate=s.gate))
+    stats = train_on(model, engine, batch, a, arith, progress, loss_of=loss, step_kls=kls if a.kl_beta > 0 else None)
+    if kls:
+        means = engine.mean_over_ranks({str(k): v for k, v in enumerate(kls)})
+        s.reset = s.reset or max(means.values()) > a.gardo_kl_threshold
+    return stats | {"train/gardo_gated_fraction": s.gate.float().mean().item(), "train/gardo_beta": s.compensator.beta,
+                    "train/gardo_last_reset": float(s.last_reset)}
+
+
+def check_gardo(a) -> None:
+    """Flow-GRPO's checks, and at least one proxy for GARDO's gate (startup.py checks each is a reward of --reward)."""
+    check_sde(a)
+    need(a.gardo_proxies, "--gardo-proxies: GARDO's gate ranks each image under proxy rewards: name one or more, each "
+         "a reward of --reward at weight 0 (the script trains on its main reward alone), e.g. --reward "
+         "ocr=1,aesthetic=0,imagereward=0 --gardo-proxies aesthetic imagereward")
 
 
 # ---- start-up checks: each algorithm's, and the flags that mean nothing for it -----------------------
@@ -288,7 +373,8 @@ def check_sde(a) -> None:
 # far around the public values (--nft-beta 0.1 to 1, --old-kl 1, --kl-beta 1e-4 to 0.04, --adv-clip 5, --clip-range
 # 2e-6 to 2e-3). Beyond, every optimizer step is skipped (the gradient norm not finite), the loss is NaN, or it is 0.
 FLAG_RANGES = {"nft_beta": (1e-6, 1e6), "old_kl": (0.0, 1e6), "kl_beta": (0.0, 1e6), "adv_clip": (1e-6, 1e4),
-               "clip_range": (0.0, 1e6), "dppo_threshold": (0.0, 1e6), "dgpo_beta": (0.0, 1e6), "dpo_beta": (0.0, 1e6)}
+               "clip_range": (0.0, 1e6), "dppo_threshold": (0.0, 1e6), "dgpo_beta": (0.0, 1e6), "dpo_beta": (0.0, 1e6),
+               "normguard": (0.0, 1e6), "normguard_margin": (0.0, 1e3), "gardo_kl_threshold": (0.0, 1e6)}
 
 
 def check_flags(a, recipe) -> None:
@@ -312,6 +398,7 @@ SDE_FLAGS = frozenset({"sde_type", "noise_level", "window", "window_range", "win
                        "branch", "guard", "cps_density", "clip_range", "zero_advantage", "kl_form", "trust_region",
                        "dppo_threshold", "stale_correction", "is_cap", "reject_band", "reuse_rollout_forward"})
 FORWARD_FLAGS = frozenset({"old_decay", "old_every", "train_timesteps", "train_timestep_range"})
+GARDO_FLAGS = frozenset({"gardo_proxies", "gardo_features", "gardo_kl_threshold", "gardo_reset_every"})
 
 
 ALGORITHMS = {  # --algorithm: Flow-GRPO and AWM sample with the trained weights (AWM's old policy is a regulariser),
@@ -319,6 +406,9 @@ ALGORITHMS = {  # --algorithm: Flow-GRPO and AWM sample with the trained weights
     # DPO with its reference (the old policy, a copy every --old-every iterations) on Flow-GRPO's full-mode SDE
     "grpo": Algorithm(SDE_FLAGS, sde_steps, current_weights, as_advantages, train_on, keeps_old=False,
                       watch="train/logp_gap", check=check_sde),
+    # GARDO (regularisers.py): Flow-GRPO's row with its advantages, its gated KL to an old policy that it resets
+    "gardo": Algorithm(SDE_FLAGS | GARDO_FLAGS, sde_steps, current_weights, as_advantages, gardo_update,
+                       keeps_old=True, watch="train/logp_gap", check=check_gardo, advantages=gardo_advantages),
     "nft": Algorithm(FORWARD_FLAGS | {"nft_beta"}, no_steps, old_weights, fwd.nft_weights,
                      functools.partial(fwd.train_forward, loss=fwd.nft_loss, timesteps=fwd.nft_timesteps),
                      keeps_old=True, watch="train/policy_loss", check=fwd.check_distinct),

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import regularisers as reg
 import rollout
 import scheduler as sch
 
@@ -185,6 +186,7 @@ def train_forward(model, engine, batch: rollout.Batch, a, arith: dict, progress:
     image (one backward per timestep, as train_on per trained step), then the old policy's `move`. `draw`: how a
     micro-batch's timesteps and noises are drawn (`draws`: each image its own) from the σ `schedule` gives."""
     per_step, T = arith["micro_batches_per_optimizer_step"], a.train_timesteps
+    model = reg.Watched(model, engine, a)  # --normguard: the velocity-norm hinge on every trained forward
     schedule = schedule(model, a)
     logs = []
     bar = tqdm(total=arith["micro_batches_per_rank"] * T, desc="train", unit="step", disable=not progress, leave=False)
@@ -194,7 +196,7 @@ def train_forward(model, engine, batch: rollout.Batch, a, arith: dict, progress:
             sigmas, noise = draw(mb, a, schedule, timesteps)  # (b, T), (b, T, *L)
             for j in range(T):
                 value, stats = loss(model, engine, mb, sigmas[:, j], noise[:, j], a)
-                (value / (T * per_step)).backward()  # the mean over timesteps and micro-batches
+                (model.added(value) / (T * per_step)).backward()  # the mean over timesteps and micro-batches
                 logs.append(stats)
                 bar.update()
         grad_norm, skipped = engine.step()
@@ -203,7 +205,7 @@ def train_forward(model, engine, batch: rollout.Batch, a, arith: dict, progress:
     move(engine, a, batch.iteration)
     keys = dict.fromkeys(k for s in logs for k in s)  # every statistic some loss reported, in order
     means = {k: float(np.mean([float(s[k]) for s in logs if k in s])) for k in keys}
-    return {f"train/{k}": v for k, v in means.items()} | {"train/skipped_steps": engine.skipped_steps}
+    return {f"train/{k}": v for k, v in means.items()} | {"train/skipped_steps": engine.skipped_steps} | model.stats()
 
 
 def check_forward(a) -> None:

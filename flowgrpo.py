@@ -72,6 +72,7 @@ import models
 import offpolicy
 import prompts as prompt_sets
 import recipes
+import regularisers
 import reward_http
 import rewards
 import rollout
@@ -149,9 +150,9 @@ class Args:
     """FLUX's distilled guidance embedding, one pass per step (unset: the pipeline's 3.5; only for FLUX)"""
     negative_prompt: str = " "
     """negative prompt for two-pass CFG"""
-    algorithm: Literal["grpo", "nft", "awm", "dgpo", "dpo"] = "grpo"
-    """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs, or DiffusionNFT, AWM, DGPO on ODE
-    images, or online Diffusion-DPO on SDE ones"""
+    algorithm: Literal["grpo", "gardo", "nft", "awm", "dgpo", "dpo"] = "grpo"
+    """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs (GARDO: with its advantages and gated
+    KL, §17), or DiffusionNFT, AWM, DGPO on ODE images, or online Diffusion-DPO on SDE ones"""
     sde_type: Literal["sde", "cps", "dance"] = "sde"
     """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
     noise_level: float = 0.7
@@ -201,6 +202,18 @@ class Args:
     """β of the KL to the reference model (adapter disabled); 0 skips the reference pass"""
     kl_form: Literal["public", "exact"] = "public"
     """the KL: Flow-GRPO's mean((μ − μ_ref)²)/(2·s_t²), or the exact Gaussian KL (sde: 1/|dt| times larger)"""
+    normguard: float = 0.0
+    """NormGuard's λ (any --algorithm; 0 = off): λ·mean(max(0, ‖v_θ‖/‖v_ref‖ − 1 − margin)) on every trained forward"""
+    normguard_margin: float = 0.0
+    """NormGuard's margin m: the relative velocity-norm excess over the reference that goes unpenalised"""
+    gardo_proxies: tuple[str, ...] = ()
+    """gardo: the rewards of --reward (weight 0) whose ranks against the trained reward's gate the KL (public: two)"""
+    gardo_features: Literal["pixels"] = "pixels"
+    """gardo: what an image's diversity in its group is measured on (public: DINOv3 features, not shipped)"""
+    gardo_kl_threshold: float = 3e-4
+    """gardo: an optimizer step's mean KL term above this resets the KL's reference to the trained weights"""
+    gardo_reset_every: int = 15
+    """gardo: the reference is reset at the latest when more than this many iterations have passed since the last"""
     nft_beta: float = 1.0
     """DiffusionNFT's β: the implicit policies β·v + (1 − β)·v_old and (1 + β)·v_old − β·v (> 0)"""
     old_decay: Literal["nft0", "nft1", "nft2", "nft2-iterations", "awm", "dgpo"] = "nft1"
@@ -346,7 +359,10 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
         parts |= {f"eval/{k}/{tag}/mean": v[mask].mean().item() for k, v in gathered.items()}
     groups = [[i for i, (p, _) in enumerate(evalset) if p == q] for q in dict(evalset)]  # each eval prompt's images
     spread = [images[g].std(0).mean().item() for g in groups if len(g) > 1]  # pixel std across a prompt's images
-    return {"eval/reward_mean": scores.mean().item(), **parts} | ({"eval/diversity": np.mean(spread)} if spread else {})
+    ratio = regularisers.velocity_norm_ratio(model, engine, a, [p for p, _ in mine], [m for _, m in mine],
+                                             engine.dp_rank * share)  # every run, regularised or not
+    return {"eval/reward_mean": scores.mean().item(), **parts, **ratio} | \
+        ({"eval/diversity": np.mean(spread)} if spread else {})
 
 
 # ---- the loop --------------------------------------------------------------------------------------
@@ -439,8 +455,8 @@ def main(a: Args) -> list[dict]:
             rewards.check_iteration(r_all, a.reward)  # a finite mean and spread, or the run stops naming the reward
 
             # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
-            adv, zero_std = algorithms.group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std,
-                                                        clip=a.adv_clip)
+            adv, zero_std = algorithms.advantages(algo, r_all, a, engine=engine, batch=batch, info=info,
+                                                  assignment=assignment)
             batch.advantages = algo.weights(adv[mine], r_all[mine], a).to(engine.device)  # grpo: A; nft: r ∈ [0, 1]; dpo: ±1
             weights = algorithms.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)  # (P·G,) by id
             batch.weights = weights[mine].to(engine.device)

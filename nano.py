@@ -130,7 +130,27 @@ def digit_judge():
     return lambda images, prompts, metadata: judge_scores(images, [target_digit(p) for p in prompts])
 
 
-REWARDS = {"digit": (digit, target_digit), "digit_judge": (digit_judge, target_digit)}  # rewards.py's registry reads it
+@functools.lru_cache(maxsize=1)
+def proxies() -> dict:
+    """GARDO's proxy rewards on nano (--gardo-proxies): a 5-nearest-neighbour vote and Gaussian naive Bayes, fitted on
+    the reward's 8×8 averages (they share its blind spots, as proxies do; the judge reads other features)."""
+    from sklearn.naive_bayes import GaussianNB
+    from sklearn.neighbors import KNeighborsClassifier
+    x_train, _, y_train, _ = split()
+    x = gray(quantised(render(x_train)), 8)
+    return {"digit_knn": KNeighborsClassifier(5).fit(x, y_train), "digit_bayes": GaussianNB().fit(x, y_train)}
+
+
+def proxy(name: str):
+    """`--reward digit_knn` / `digit_bayes`: p(the prompted digit) under that proxy classifier."""
+    def score(images, prompts, metadata):
+        p = proxies()[name].predict_proba(gray(images, 8))
+        return p[np.arange(len(p)), [target_digit(q) for q in prompts]]
+    return score
+
+
+REWARDS = {"digit": (digit, target_digit), "digit_judge": (digit_judge, target_digit),  # rewards.py's registry reads it
+           **{name: (functools.partial(proxy, name), target_digit) for name in ("digit_knn", "digit_bayes")}}
 
 
 def held_out_accuracy() -> dict:

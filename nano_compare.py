@@ -66,7 +66,13 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
     # its public configs' ref_update_step (10,000,000): the reference, which samples, stays the base model
     "DPO, reference never copied": ("--algorithm", "dpo", "--dpo-beta", "100", "--train-timesteps", "9", "--old-every",
                                     "10000000"),
+    # the regularisers against reward hacking (docs/algorithm.md §17): NormGuard's hinge at its chosen λ 1, margin 0;
+    # GARDO with the public KL β 0.04 and threshold 3e-4, nano's proxies (two classifiers on the reward's features)
+    "Flow-GRPO + NormGuard": ("--normguard", "1"),
+    "GARDO": ("--algorithm", "gardo", "--reward", "digit=1,digit_judge=0,digit_knn=0,digit_bayes=0", "--gardo-proxies",
+              "digit_knn", "digit_bayes", "--kl-beta", "0.04"),
 }
+METHODS["DiffusionNFT + NormGuard"] = (*METHODS["DiffusionNFT"], "--normguard", "1")
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
@@ -150,9 +156,56 @@ def curve(task, run_dir: str) -> dict:
     at = [i for i, r in enumerate(rows) if f"eval/{task.JUDGE}/mean" in r]
     judged = {c: np.array([rows[i][f"eval/{task.JUDGE}/{c}/mean"] for i in at]) for c in task.CATEGORIES}
     overall = np.mean(list(judged.values()), 0) if judged else np.array([rows[i][f"eval/{task.JUDGE}/mean"] for i in at])
+    read = {k: np.array([rows[i].get(f"eval/{k}", np.nan) for i in at])  # the reward on the eval images, and the rest
+            for k in ("reward_mean", "diversity", "velocity_norm_ratio")}
     return {k: np.cumsum(v)[at] for k, v in spent.items()} | {
         "judge": overall, "categories": judged,  # with categories, their mean (GenEval's overall)
+        "iterations": np.array([rows[i]["iteration"] for i in at]), **read,
         "per_iteration": {k: float(np.mean(v)) for k, v in spent.items()}}
+
+
+def hacking_table(runs: dict) -> list[str]:
+    """Reward hacking, read from each run's evaluations: where the reward (on the eval images) peaks, the judge and the
+    diversity there and at the end, the judge's own peak, and the velocity-norm ratio at the end; mean ± std over
+    seeds. A judge that falls from its peak while the reward holds or rises is hacking."""
+    lines = ["| method | runs | reward peak (iteration) | judge @ reward peak | judge peak | final reward | final judge | "
+             "judge: final − peak | diversity @ reward peak | final diversity | final ‖v_θ‖/‖v_ref‖ |", "|---" * 11 + "|"]
+    for name, cs in runs.items():
+        peak = [int(np.argmax(c["reward_mean"])) for c in cs]
+
+        def at(key, where):
+            return [c[key][i] for c, i in zip(cs, where)]
+        last = [-1] * len(cs)
+        drop = [c["judge"][-1] - c["judge"].max() for c in cs]
+        lines.append(f"| {name} | {len(cs)} | {pm(at('reward_mean', peak), '{:.3f}')} "
+                     f"({', '.join(str(c['iterations'][i]) for c, i in zip(cs, peak))}) | {pm(at('judge', peak))} | "
+                     f"{pm([c['judge'].max() for c in cs])} | {pm(at('reward_mean', last), '{:.3f}')} | "
+                     f"{pm(at('judge', last))} | {pm(drop)} | {pm(at('diversity', peak), '{:.4f}')} | "
+                     f"{pm(at('diversity', last), '{:.4f}')} | {pm(at('velocity_norm_ratio', last), '{:.3f}')} |")
+    return lines
+
+
+def plot_hacking(path: str, runs: dict) -> None:
+    """The reward, the judge, the diversity and the velocity-norm ratio on the eval images against transformer passes,
+    one line per method (the mean over seeds on a common grid, ± one std shaded)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = {"reward_mean": "reward (eval images)", "judge": "held-out judge", "diversity": "diversity (pixel std)",
+            "velocity_norm_ratio": "‖v_θ‖ / ‖v_ref‖"}
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4), dpi=100)
+    for ax, (key, label) in zip(axes, keys.items()):
+        for i, (name, cs) in enumerate(runs.items()):
+            grid_x = np.linspace(max(c["passes"][0] for c in cs), min(c["passes"][-1] for c in cs), 50)
+            ys = np.array([np.interp(grid_x, c["passes"], c[key]) for c in cs])
+            ax.plot(grid_x, ys.mean(0), color=f"C{i}", lw=1.6, label=f"{name} ({len(cs)})")
+            ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=f"C{i}", alpha=0.1)
+        ax.set(xlabel=AXES["passes"], title=label)
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def pm(values, fmt="{:.1%}") -> str:
@@ -285,6 +338,7 @@ def main(argv=None) -> None:
     ap.add_argument("--per-prompt", type=int, default=50, help="held-out images per prompt of each final evaluation")
     ap.add_argument("--markdown", help="also write the table, with the command, date and machine, to this file")
     ap.add_argument("--plot", help="the curves' PNG (default: assets/<task>/compare.png)")
+    ap.add_argument("--hacking", help="also write the reward-hacking table (beside --markdown's) and its curves here")
     a = ap.parse_args(argv)
     task, out = TASKS[a.task], a.out or os.path.join("runs", f"{a.task}-compare")
     a.seeds = getattr(task, "SEEDS", 5) if a.seeds is None else a.seeds  # the defaults: BENCHMARKS.md's tables
@@ -300,7 +354,7 @@ def main(argv=None) -> None:
     try:
         if os.path.exists(out) and not os.path.isdir(out):
             raise ValueError(f"--out {out} is not a directory")
-        for flag, path in (("--plot", plot_path), ("--markdown", a.markdown)):  # written after every run: checked now
+        for flag, path in (("--plot", plot_path), ("--markdown", a.markdown), ("--hacking", a.hacking)):  # written after every run: checked now
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{flag} {path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist")
         for m in a.methods:  # what flowgrpo.py would refuse, refused before the first run
@@ -316,6 +370,9 @@ def main(argv=None) -> None:
     plot(plot_path, measured)
     if task.CATEGORIES:
         plot_categories(plot_path.removesuffix(".png") + "_categories.png", task, measured)
+    if a.hacking:  # reward, judge, diversity and velocity-norm ratio over the runs' evaluations (docs/algorithm.md §17)
+        plot_hacking(a.hacking, measured["runs"])
+        lines += ["", *hacking_table(measured["runs"])]
     with own_file(os.path.join(out, "measured.json")) as f:  # every run's curve and final evaluation
         json.dump(measured, f, indent=1, default=lambda v: v.tolist())
     task.grid(run_path(out, a.methods[0], 0), os.path.join(os.path.dirname(plot_path), "before_after.png"))

@@ -116,6 +116,17 @@ RECIPES: dict[str, dict] = {
                                std="group", lr=1e-4, lora_rank=32, lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"],
                                mixed_precision=True, ema_decay=0.9, ema_every=8, ema_repeat=4, checkpoint_every=30,
                                eval_every=30),
+    # GARDO's public config general_ocr_sd3 (config/grpo_gardo.py) and scripts/train_sd3_gardo.py: the SD3 OCR run with
+    # 8 of 10 steps trained (timestep_fraction 0.89), the KL β 0.04 to its reset old policy on the gated images, reset
+    # above 3e-4 or every 15 iterations, M = 8 micro-batches an optimizer step. Departures (docs/algorithm.md §17): its
+    # proxies aesthetic and ImageReward (here PickScore), its DINOv3 features (here pixels), steps 8-9 ODE here
+    "sd3.5-medium-gardo-ocr": dict(model="sd3.5-medium", algorithm="gardo", iterations=300, prompts="ocr",
+                                   reward="ocr=1,aesthetic=0,pickscore=0", gardo_proxies=("aesthetic", "pickscore"),
+                                   group_size=24, prompts_per_iteration=48, micro_batch=9, height=512, width=512,
+                                   num_steps=10, eval_steps=40, cfg_scale=4.5, negative_prompt="", window=8,
+                                   window_range=(0, 8), clip_range=1e-4, kl_beta=0.04, lr=3e-4, lora_rank=32,
+                                   lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True,
+                                   ema_decay=0.9, ema_every=8, ema_repeat=8, checkpoint_every=60, eval_every=60),
     # Flow-DPPO as UniRL's public recipe examples/diffusion/sd3/sd3_flowdppo.yaml trains SD3.5-M (its FlowDPPO/
     # config.yaml annotates it): Flow-GRPO's rollout and advantages, the clip replaced by the KL-and-advantage mask,
     # 3 trained steps in the first half, 2 optimizer steps a batch; every sample trained (its loss has no zero-advantage

@@ -127,6 +127,10 @@ def check_args(a) -> tuple[str, dict] | None:
         need(a.lora_targets, "--lora-targets must name at least one module of the transformer (or --full-finetune)")
         models.check_lora_targets(a.model, a.model_path, a.lora_targets)
     rewards.check_reward_spec(a.reward, video=a.num_frames > 1)
+    unknown = [p for p in a.gardo_proxies if p not in rewards.weights(a.reward)]
+    need(not unknown, f"--gardo-proxies {unknown}: not rewards of --reward {a.reward!r} (add them at weight 0)")
+    need(not a.normguard or (not a.full_finetune and not a.reuse_rollout_forward), "--normguard compares with the "
+         "reference (the adapter off, so it needs a LoRA) on every trained forward (not with --reuse-rollout-forward)")
     prompts = prompt_sets.load_prompts(a.prompts, (a.height, a.width))  # source images too: readable, the run's ratio
     edits, missing = models.SPECS[a.model].edits, sum("image" not in m for _, m in prompts.train + prompts.eval)
     need(not edits or not missing, f"--prompts {a.prompts}: --model {a.model} edits a source image, and {missing} of "

@@ -13,8 +13,10 @@ BUDGETS = {
     # the loop: Args (every flag, documented), batch arithmetic, evaluation, an iteration's phases; 450 -> 500 for the
     # rollout phase as a function of its own (`draw`, which --off-policy 1 runs a step ahead in a thread) and its flags,
     # -> 510 for --reuse-rollout-forward (its flag, its departure, the rollout told what to keep), -> 515 for
-    # --micro-batch 0 (the micro-batch sized once the model is built, the batch arithmetic redone)
-    "flowgrpo.py": 515,
+    # --micro-batch 0 (the micro-batch sized once the model is built, the batch arithmetic redone), -> 530 for the
+    # regularisers (issue 45): NormGuard's and GARDO's flags, each documented, the row's advantages, the velocity-norm
+    # ratio measured at every evaluation
+    "flowgrpo.py": 530,
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
     # what a run checks before anything expensive starts; raised from 150: a parse error (tyro's box of 9 to 16 lines)
@@ -25,7 +27,8 @@ BUDGETS = {
     "recipes.py": 225,
     "algorithms.py": 450,  # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables
     "algorithms_forward.py": 450,  # the forward-process family: DiffusionNFT, AWM, their update and old policy
-    "algorithms_preference.py": 450,  # the preference family: DGPO and online DPO, on the forward-process update
+    "algorithms_preference.py": 450,
+    "regularisers.py": 200,  # against reward hacking: NormGuard's velocity-norm hinge, GARDO's gate, advantages, state  # the preference family: DGPO and online DPO, on the forward-process update
     "scheduler.py": 350,  # the sampling step with log-prob, sigma schedules, ODE solvers, windows
     # the registry of --model names, their start-up checks, loading; raised from 250 for the table's rows (a line per
     # --model name: 23 of them with the 2026 families) and the step-distilled models' --cfg-scale refusal
@@ -71,7 +74,7 @@ BUDGETS = {
     "rundir.py": 240,
     # the digits task and what the laptop tasks share (data, pretraining, held-out sampling); raised from 450 for what
     # their CLIs share: the numbers bounded in one line, a run's LoRA checked against its model before it loads
-    "nano.py": 475,
+    "nano.py": 490,  # -> 490: GARDO's two proxy rewards (issue 45), classifiers on the reward's features
     # the GenEval-shaped task; raised from 450: seven categories, each with its template, layout and condition, read by
     # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
     # alone, the transformer)

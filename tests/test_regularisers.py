@@ -1,0 +1,250 @@
+"""The regularisers against reward hacking (regularisers.py, docs/algorithm.md §17): GARDO's pieces against its public
+script, re-typed below as oracles on the same tensors; NormGuard's hinge against its closed form; both options through
+the real loop; and the scale of the Wan2.1 recipe's KL against the public Wan script's on the same velocity gap.
+
+Public code (re-typed, not copied):
+  GARDO  yifan123/flow_grpo @ 94e23ee5405ab7241fc1f75d30cac8147e2b1f53: scripts/train_sd3_gardo.py (RiskCompensator;
+         the uncertainty gate after `stat_tracker.update(..., type='gardo')`; the reset of the "old" adapter before each
+         epoch's training and `if info["kl_loss"] > thres: reset=True` after each optimizer step; the loss block's
+         `kl_loss` over `idx = sample["reward_std"] > 0`), flow_grpo/stat_tracking.py (PerPromptStatTracker.update,
+         type 'gardo'), config/grpo_gardo.py (general_ocr_sd3)
+  Wan    zhtmike/flow_grpo @ def7b8403e9659aba03ba8d82bbd69a33fc58d00 (a mirror of yifan123/flow_grpo):
+         flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py (sde_step_with_logprob: std_dev_t and the mean)
+"""
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+import algorithms
+import flowgrpo
+import models_wan
+import nano
+import regularisers as reg
+import scheduler as sch
+import startup
+from tiny_setup import main_here
+
+
+# ---- GARDO's advantages: flow_grpo/stat_tracking.py, type 'gardo' -------------------------------------------------
+
+def tracker_gardo(prompts, rewards, dists):
+    """PerPromptStatTracker(global_std=True).update(prompts, rewards, dists, type='gardo'), re-typed; rewards (N, T)."""
+    prompts, rewards = np.array(prompts), np.array(rewards, dtype=np.float64)
+    dists = np.array(dists)
+    dists = dists / np.linalg.norm(dists, ord=2, axis=1, keepdims=True)
+    advantages = np.empty_like(rewards) * 0.0
+    for prompt in np.unique(prompts):
+        prompt_rewards = rewards[prompts == prompt]
+        mean = np.mean(prompt_rewards, axis=0, keepdims=True)
+        d = dists[prompts == prompt]
+        distance = 1 - np.dot(d, d.T).clip(-1, 1)
+        nearest = np.array([np.min(distance[i, np.arange(len(d)) != i]) for i in range(len(d))])
+        nearest = np.repeat(nearest[:, None], prompt_rewards.shape[-1], axis=1)
+        nearest = np.where((prompt_rewards - mean) < 0, np.ones_like(nearest), nearest / np.mean(nearest))
+        advantages[prompts == prompt] = (prompt_rewards - mean) * nearest
+    return advantages
+
+
+def test_gardo_advantages_equal_the_public_stat_tracker():
+    g = torch.Generator().manual_seed(0)
+    G, P = 6, 4
+    r = torch.rand(G * P, generator=g)
+    features = torch.randn(G * P, 32, generator=g)  # the script's DINOv3 embeddings (float32)
+    prompts = [f"p{i // G}" for i in range(G * P)]
+    theirs = tracker_gardo(prompts, r.numpy()[:, None].repeat(8, 1), features.numpy())  # (N, T): T timesteps alike
+    ours = reg.gardo_advantages(r, torch.arange(G * P) // G, features)
+    diff = np.abs(ours.numpy() - theirs[:, 0]).max()
+    print(f"\nGARDO advantages: max |ours − theirs| {diff:.2g} (|A| up to {np.abs(theirs).max():.3f})")
+    assert diff < 1e-6, diff
+    assert (theirs == theirs[:, :1]).all()  # the script's per-timestep copies are one advantage
+
+
+# ---- GARDO's gate: scripts/train_sd3_gardo.py ----------------------------------------------------------------------
+
+class RiskCompensatorPublic:
+    """train_sd3_gardo.py's RiskCompensator, re-typed."""
+    def __init__(self, base=0.1, beta=0.1):
+        self.risk_buffer, self.base, self.alpha, self.beta, self.beta_min, self.beta_max = [], base, 0.1, beta, 0.02, 0.2
+
+    def update(self, pad_scores):
+        if len(self.risk_buffer) == 0:
+            self.beta = self.base
+        elif np.mean(pad_scores) > max(self.risk_buffer):
+            self.beta = self.beta * (1 + self.alpha)
+        elif np.mean(pad_scores) < min(self.risk_buffer):
+            self.beta = self.beta * (1 - self.alpha)
+        self.beta = np.clip(self.beta, self.beta_min, self.beta_max)
+        self.risk_buffer.append(np.mean(pad_scores))
+        if len(self.risk_buffer) > 20:
+            self.risk_buffer = self.risk_buffer[-20:]
+
+
+def gate_public(rewards: dict, main: str, controller) -> torch.Tensor:
+    """The script's uncertainty block: ranks of 'aesthetic', 'imagereward' and the main reward, their gap, the
+    controller's update and the percentile threshold; `reward_std > threshold`."""
+    ranks_all = []
+    for item in ["aesthetic", "imagereward", main]:
+        _, indices = torch.sort(torch.tensor(rewards[item]), descending=True)
+        ranks = torch.empty_like(torch.tensor(rewards[item])).long()
+        ranks[indices] = torch.arange(1, len(rewards[item]) + 1)
+        ranks_all.append(ranks.float())
+    u = ranks_all[-1] - (ranks_all[0] + ranks_all[1]) / 2
+    controller.update(np.array([p for p in u.cpu().numpy() if p >= 0]))
+    threshold = np.percentile(np.array([p for p in u.cpu().numpy() if p >= 0]), 100 - controller.beta * 100)
+    return u > threshold
+
+
+def test_gardo_gate_and_its_controller_equal_the_script_over_30_iterations():
+    """30 iterations of 48 images whose mean uncertainty drifts up, then down (so the controller raises β, then lowers
+    it): each iteration's gate and β as the script's."""
+    g = torch.Generator().manual_seed(1)
+    theirs, ours = RiskCompensatorPublic(), reg.RiskCompensator()
+    betas = []
+    for it in range(30):
+        main = torch.rand(48, generator=g)
+        drift = (it if it < 15 else 30 - it) / 15  # the proxies disagree with the main reward more, then less
+        rewards = {"ocr": main.numpy(), "aesthetic": (main * (1 - drift) + drift * torch.rand(48, generator=g)).numpy(),
+                   "imagereward": torch.rand(48, generator=g).numpy()}
+        want = gate_public(rewards, "ocr", theirs)
+        got = reg.gate(reg.uncertainty(main, [torch.tensor(rewards["aesthetic"]), torch.tensor(rewards["imagereward"])]),
+                       ours)
+        assert torch.equal(got, want), f"iteration {it}: {int((got != want).sum())} images gated differently"
+        assert ours.beta == pytest.approx(float(theirs.beta), rel=1e-12), (it, ours.beta, theirs.beta)
+        betas.append(ours.beta)
+    print(f"\nβ over the iterations: {[round(b, 3) for b in betas]}")
+    assert max(betas) > 0.1 and min(betas) < 0.1  # both branches of the controller were exercised
+
+
+def test_gardo_kl_term_is_the_scripts_over_the_gated_images():
+    """The loss block's `torch.mean(square(μ[idx] − μ_ref[idx]) / (2·std_dev_t[idx]²))` (0 when no image is gated) on
+    Flow-GRPO's SD3 step, against algorithms.gated_kl of the public KL form; the images the zero-advantage rule
+    dropped are not in the script's batch, so the gate never reaches them here."""
+    g = torch.Generator().manual_seed(2)
+    b = 6
+    x, v, v_ref, x_next = (torch.randn(b, 16, 8, generator=g) for _ in range(4))
+    sigma, sigma_next = torch.tensor(0.8), torch.tensor(0.7)
+    kw = dict(sigma_max=0.95, noise_level=0.7, sde_type="sde", x_next=x_next)
+    _, _, mean, std = sch.step(v, x, sigma, sigma_next, **kw)
+    _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, **kw)
+    std_dev_t = std / torch.sqrt(sigma - sigma_next)  # the script's std_dev_t, (b, 1, 1) here
+    gate = torch.tensor([True, False, True, False, False, True, True, False])  # by image id; ids 1..6 in this batch
+    mb = type("MB", (), {"ids": torch.arange(1, 7)})()
+    w = torch.tensor([1.0, 1, 1, 1, 1, 0])  # image id 6 dropped (A = 0): gated, but not in the script's batch
+    idx = gate[1:7] & (w > 0)
+    theirs = torch.mean(torch.square(mean[idx] - mean_ref[idx]) / (2 * std_dev_t.expand(b, 1, 1)[idx] ** 2))
+    kl = sch.kl_public(mean, mean_ref, std, sigma_next - sigma, "sde")
+    ours = algorithms.gated_kl(kl, mb, w, gate=gate)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6), (ours.item(), theirs.item())
+    none = algorithms.gated_kl(kl, mb, w, gate=torch.zeros(8, dtype=torch.bool))
+    assert none.item() == 0.0  # the script's `loss = torch.mean(policy_loss)` when no image is gated
+
+
+def test_gardo_reset_rule_is_the_scripts():
+    """The script's reset of the old adapter: before epoch e's training, if `(e != 0 and reset) or e − prev > 15`; an
+    optimizer step whose KL exceeds the threshold sets `reset`. Replayed over 60 epochs of random KLs."""
+    rng = np.random.default_rng(0)
+    kls = rng.uniform(0, 4e-4, size=(60, 2)) * (rng.uniform(size=(60, 1)) < 0.3)  # some epochs far below 3e-4
+    prev, reset, theirs = 0, False, []
+    for epoch in range(60):
+        if (epoch != 0 and reset) or (epoch - prev) > 15:
+            reset, prev = False, epoch
+            theirs.append(epoch)
+        reset = reset or bool((kls[epoch] > 3e-4).any())
+    s, ours = reg.GardoState(), []
+    for epoch in range(60):
+        if reg.should_reset(s, epoch, 15):
+            s.reset, s.last_reset = False, epoch
+            ours.append(epoch)
+        s.reset = s.reset or max(kls[epoch]) > 3e-4
+    print(f"\nresets at {theirs}")
+    assert ours == theirs and len(theirs) >= 5
+
+
+def test_nanos_gardo_proxies_read_real_digits():
+    """nano's proxies (nano.proxies) on the held-out real digits: classifiers of the digit, as the reward is."""
+    _, x_test, _, y_test = nano.split()
+    images = nano.quantised(nano.render(x_test))
+    for name in ("digit_knn", "digit_bayes"):
+        p = nano.proxy(name)(images, [f"a handwritten digit {d}" for d in y_test], None)
+        print(f"\n{name}: mean p(true digit) {p.mean():.3f} on {len(y_test)} held-out digits")
+        assert p.mean() > 0.75, (name, p.mean())
+
+
+# ---- NormGuard ----------------------------------------------------------------------------------------------------
+
+def test_normguard_hinge_is_its_closed_form_and_acts_only_above_the_margin():
+    g = torch.Generator().manual_seed(3)
+    v_ref = torch.randn(4, 8, 8, generator=g)
+    scale = torch.tensor([0.9, 1.0, 1.05, 1.2]).view(4, 1, 1)
+    v = (v_ref * scale).requires_grad_()
+    penalty, ratio = reg.norm_hinge(v, v_ref, weight=2.0, margin=0.1)
+    assert torch.allclose(ratio, scale.flatten(), rtol=1e-6)
+    assert penalty.item() == pytest.approx(2.0 * (1.2 - 1.1) / 4, rel=1e-5)
+    (grad,) = torch.autograd.grad(penalty, v)
+    assert grad[:3].abs().max() == 0 and (grad[3] * v[3]).sum() > 0  # only the inflated image is pushed, inwards
+
+
+def test_both_regularisers_run_through_the_loop_and_log_the_velocity_norm_ratio(tmp_path):
+    """GARDO (tiny: proxies two cheap image rewards at weight 0) and NormGuard on DiffusionNFT through flowgrpo.main;
+    the plain recipe logs the ratio at every evaluation too, regularised or not."""
+    gardo = main_here("--iterations", 3, "--run-dir", tmp_path / "gardo", "--algorithm", "gardo", "--reward",
+                      "brightness=1,jpeg_compressibility=0,jpeg_incompressibility=0", "--gardo-proxies",
+                      "jpeg_compressibility", "jpeg_incompressibility", "--kl-beta", "0.04", "--eval-every", 0)
+    assert all(0 < r["train/gardo_gated_fraction"] <= 0.25 and r["train/kl"] >= 0 for r in gardo)
+    nft = main_here("--iterations", 2, "--run-dir", tmp_path / "nft", "--algorithm", "nft", "--normguard", 1,
+                    "--eval-every", 1, "--eval-images", 8)
+    plain = main_here("--iterations", 2, "--run-dir", tmp_path / "plain", "--eval-every", 1, "--eval-images", 8)
+    for rows in (nft, plain):
+        ratios = [r["eval/velocity_norm_ratio"] for r in rows]
+        print(f"\neval velocity-norm ratios: {ratios}")
+        assert all(0.5 < x < 2 and x != 1.0 for x in ratios)
+    assert "train/velocity_norm_ratio" in nft[0] and "train/velocity_norm_ratio" not in plain[0]
+    with pytest.raises(ValueError, match="--gardo-proxies"):
+        main_here("--run-dir", tmp_path / "x", "--algorithm", "gardo", "--gardo-proxies", "aesthetic")
+    with pytest.raises(ValueError, match="--normguard"):
+        main_here("--run-dir", tmp_path / "y", "--normguard", 1, "--reuse-rollout-forward")
+
+
+def test_every_recipe_leaves_the_regularisers_off_and_gardos_passes_its_checks(tmp_path, monkeypatch):
+    for name, a in flowgrpo.RECIPES.items():
+        assert a.normguard == 0 and (a.algorithm == "gardo") == name.endswith("-gardo-ocr"), name
+    (tmp_path / "head.pth").write_bytes(b"")  # its aesthetic proxy's head: a file is named, as a run must
+    monkeypatch.setenv("FLOWGRPO_AESTHETIC_HEAD", str(tmp_path / "head.pth"))
+    startup.check_args(flowgrpo.RECIPES["sd3.5-medium-gardo-ocr"])
+    a = flowgrpo.RECIPES["sd3.5-medium-gardo-ocr"]
+    assert sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0) == list(range(8))  # int(10·0.89) = 8
+
+
+# ---- the Wan2.1 recipe's KL against the public Wan script's (docs/algorithm.md §8, item 17) --------------------------
+
+def test_wan_recipes_kl_against_the_public_wan_steps_on_the_same_velocity_gap():
+    """The recipe's KL (DanceGRPO's step, η 0.3, over the transition variance) against train_wan2_1.py's on its own
+    step (std_dev_t = σ_min + (σ_max − σ_min)·σ, the Flow-GRPO drift), for the same velocity gap at every trained step
+    of the recipe's σ table: the ratio the departure states, measured."""
+    a = flowgrpo.RECIPES["wan2.1-t2v-1.3b"]
+    sigmas = sch.sigma_schedule(FlowMatchEulerDiscreteScheduler(**models_wan.WAN_SCHEDULER), a.num_steps, 1024)
+    g = torch.Generator().manual_seed(0)
+    x, v = (torch.randn(2, 4, 3, 4, 4, generator=g) for _ in range(2))
+    gap = 0.01 * torch.randn(2, 4, 3, 4, 4, generator=g)
+    s_max, s_min = float(sigmas[1]), float(sigmas[-1])
+    ours_all, theirs_all = [], []
+    for i in range(a.num_steps - 1):
+        s, s_next = sigmas[i], sigmas[i + 1]
+        kw = dict(sigma_max=s_max, noise_level=a.noise_level, sde_type=a.sde_type)
+        _, _, mean, std = sch.step(v, x, s, s_next, **kw)
+        _, _, mean_ref, _ = sch.step(v + gap, x, s, s_next, **kw)
+        ours_all.append(algorithms.KL_FORMS[a.kl_form](mean, mean_ref, std, s_next - s, a.sde_type).mean().item())
+        dt, std_dev_t = s_next - s, s_min + (s_max - s_min) * s
+
+        def public_mean(velocity):
+            return x * (1 + std_dev_t**2 / (2 * s) * dt) + velocity * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
+        theirs = ((public_mean(v) - public_mean(v + gap)) ** 2).mean() / (2 * (std_dev_t * torch.sqrt(-dt)) ** 2)
+        theirs_all.append(theirs.item())
+    ratios = np.array(ours_all) / np.array(theirs_all)
+    print(f"\nrecipe KL / public Wan KL per trained step: {[round(float(r), 2) for r in ratios]}; mean "
+          f"{ratios.mean():.2f}, ratio of the sums {sum(ours_all) / sum(theirs_all):.3f}")
+    # the loss averages the KL over the trained steps: with one gap at every step, the recipe's mean is the public's
+    assert sum(ours_all) / sum(theirs_all) == pytest.approx(1.04, abs=0.01)
+    assert ratios[0] == pytest.approx(10.71, abs=0.01) and ratios[-1] == pytest.approx(0.336, abs=0.002)
+    assert ratios.mean() == pytest.approx(5.51, abs=0.01)
