@@ -359,10 +359,9 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
         parts |= {f"eval/{k}/{tag}/mean": v[mask].mean().item() for k, v in gathered.items()}
     groups = [[i for i, (p, _) in enumerate(evalset) if p == q] for q in dict(evalset)]  # each eval prompt's images
     spread = [images[g].std(0).mean().item() for g in groups if len(g) > 1]  # pixel std across a prompt's images
-    ratio = regularisers.velocity_norm_ratio(model, engine, a, [p for p, _ in mine], [m for _, m in mine],
-                                             engine.dp_rank * share)  # every run, regularised or not
-    return {"eval/reward_mean": scores.mean().item(), **parts, **ratio} | \
-        ({"eval/diversity": np.mean(spread)} if spread else {})
+    parts |= regularisers.velocity_norm_ratio(model, engine, a, [p for p, _ in mine], [m for _, m in mine],
+                                              engine.dp_rank * share)  # every run, regularised or not
+    return {"eval/reward_mean": scores.mean().item(), **parts} | ({"eval/diversity": np.mean(spread)} if spread else {})
 
 
 # ---- the loop --------------------------------------------------------------------------------------

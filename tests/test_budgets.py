@@ -20,8 +20,9 @@ BUDGETS = {
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
     # what a run checks before anything expensive starts; raised from 150: a parse error (tyro's box of 9 to 16 lines)
-    # said in one line like every other refusal; --micro-batch 0's check
-    "startup.py": 185,
+    # said in one line like every other refusal; --micro-batch 0's check; -> 190: --prefix-kv-cache's refusal and
+    # GARDO's proxies checked against --reward, NormGuard's needs
+    "startup.py": 190,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
     # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
     "recipes.py": 225,
