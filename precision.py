@@ -49,12 +49,12 @@ def _working_copy_linear(self, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, _Bf16Copy.apply(self.weight, copy) if torch.is_grad_enabled() else copy, self.bias)
 
 
-def _refresh(factors) -> None:
+def _refresh(net, args) -> None:  # a forward pre-hook of the root
     """Each factor's working copy made again, in place, where its float32 weight changed since (an optimizer step, an
     EMA swap or a checkpoint load bump its version or replace its storage): a rollout casts nothing. Runs before each
-    transformer call (the root's pre-hook), outside any compiled block."""
+    transformer call, outside any compiled block; reads the factors from the module (a deep copy refreshes its own)."""
     with torch.no_grad():
-        for m in factors:
+        for m in net.working_factors:
             w = m.weight
             if m.working_key != (w.data_ptr(), w._version):
                 m.working_copy.copy_(w)
@@ -79,4 +79,5 @@ def bf16_working_copies(net: torch.nn.Module) -> None:
         m.register_buffer("working_copy", torch.empty_like(m.weight, dtype=torch.bfloat16), persistent=False)
         m.working_key = None
         m.forward = types.MethodType(_working_copy_linear, m)
-    net.register_forward_pre_hook(lambda module, args: _refresh(factors))
+    net.working_factors = factors
+    net.register_forward_pre_hook(_refresh)
