@@ -160,7 +160,7 @@ def curve(task, run_dir: str) -> dict:
             for k in ("reward_mean", "diversity", "velocity_norm_ratio")}
     return {k: np.cumsum(v)[at] for k, v in spent.items()} | {
         "judge": overall, "categories": judged,  # with categories, their mean (GenEval's overall)
-        "iterations": np.array([rows[i]["iteration"] for i in at]), **read,
+        "iterations": np.array([rows[i].get("iteration", i) for i in at]), **read,  # (a row made by hand: its index)
         "per_iteration": {k: float(np.mean(v)) for k, v in spent.items()}}
 
 

@@ -98,7 +98,8 @@ def grid_image(images: torch.Tensor, captions: list[str], sources: list[str | No
               (", each as source | result" if pairs else ""), fill="black", font=font)
     for line in lines:
         if per_prompt:
-            draw.text((2, y + 2), wrap(prompts[line[0]], font, cols * step - 4, max_lines=1)[0], fill="black", font=font)
+            title = wrap(prompts[line[0]], font, cols * step - 4, max_lines=1)[0]
+            draw.text((2, y + 2), title, fill="black", font=font)
         for k, i in enumerate(line):
             pil = Image.fromarray((images[i].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
             halves = [pil.crop((0, 0, w // 2, h)), pil.crop((w // 2, 0, w, h))] if pairs else [pil]
@@ -240,7 +241,7 @@ class RunLog:
         result is then drawn beside it. `parts`, the reward's terms per image: a line under each caption per judge."""
         if not self.enabled:
             return
-        judged = [j for j in self.judges if j in (parts or {})]  # the score the laptop tasks' claims are about
+        judged = [j for j in self.judges if j in parts] if parts else []  # the score the laptop tasks' claims are about
         captions = [c + "".join(f"\n{j} {float(parts[j][i]):.2f}" for j in judged) for i, c in enumerate(captions)]
         path = os.path.join(self.run_dir, "samples", f"eval_{iteration:05d}")
         video, sources = images.ndim == 5, [m.get("image") for m in metadata or ()]

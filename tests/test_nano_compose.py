@@ -179,13 +179,14 @@ def test_the_vae_trains_on_the_decoder_before_its_clamp():
 
 def test_the_comparison_rows_cover_every_algorithm():
     """The comparison's rows (nano_compose.COMPARED, chosen to fit its budget) exist and include every --algorithm: a
-    later algorithm is a row of nano_compare.METHODS and belongs here too."""
+    later algorithm is a row of nano_compare.METHODS and belongs here too. But GARDO: its KL's gate needs proxy rewards
+    that training may see, and nano-compose has none but its judge (nano's row uses two classifiers of its own)."""
     import algorithms
     import nano_compare
     assert set(nc.COMPARED) <= set(nano_compare.METHODS) and nano_compare.TASKS["nano-compose"] is nc
     flags = [nano_compare.METHODS[m] for m in nc.COMPARED]
     named = {f[f.index("--algorithm") + 1] if "--algorithm" in f else "grpo" for f in flags}
-    assert named == set(algorithms.ALGORITHMS), named
+    assert named == set(algorithms.ALGORITHMS) - {"gardo"}, named
 
 
 
