@@ -22,15 +22,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from harness import OmniServer, http, set_lora_b, train_here
-from test_omni_families import GAP_TOL, TOL, trainer_logp_gap
+from harness import OmniServer, set_lora_b, train_here
+from test_omni_families import GAP_TOL, TOL, served_sigmas_equal_the_trainers, trainer_logp_gap
 
 import engine as eng
 import models
 import rollout
-import scheduler as sch
 
 H = W = 32
 KW = dict(num_steps=4, height=H, width=W, noise_level=0.7, seed=0, iteration=3, chunk=8)
@@ -89,20 +87,7 @@ def test_served_trajectories_equal_the_local_backend(family, tmp_path):
 
 def test_served_sigmas_equal_the_trainers_to_the_bit(family, tmp_path):
     """Over step counts and sizes (FLUX.2's shift depends on both, Z-Image's on neither)."""
-    model = family.model
-    sampler = dict(cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0, iteration=0, lora=None)
-    for num_steps, height, width in [(2, 32, 32), (10, 64, 32), (28, 64, 64)]:
-        [(_, body)] = rollout.build_requests(model, ["a blue ball"], [0], steps=list(range(num_steps - 1)),
-                                             num_steps=num_steps, height=height, width=width,
-                                             prefix=str(tmp_path / f"s{num_steps}"), **sampler)
-        del body["lora"]  # the base model
-        status, resp = http("POST", family.server.url + "/v1/images/generations", body)
-        assert status == 200, resp
-        served = load_file(body["extra_params"]["flowgrpo"]["trajectory"])
-        sigmas = sch.sigma_schedule(model.scheduler, num_steps, model.image_seq_len(height, width))
-        diff = (served["sigmas"] - sigmas[:num_steps]).abs().max().item()
-        assert torch.equal(served["sigmas"], sigmas[:num_steps]), (num_steps, height, width, diff)
-        assert served["sigma_max"].item() == float(sigmas[1]), (served["sigma_max"].item(), float(sigmas[1]))
+    served_sigmas_equal_the_trainers(family, tmp_path)
 
 
 def test_a_short_run_of_the_recipe_serves_each_iteration_a_new_adapter(family, tmp_path):

@@ -119,6 +119,11 @@ def test_fused_requests_of_several_images_equal_the_local_backend(family, tmp_pa
 
 def test_served_sigmas_equal_the_trainers_to_the_bit(family, tmp_path):
     """FLUX's shift depends on the image's token count, SD3's does not: both over step counts and sizes."""
+    served_sigmas_equal_the_trainers(family, tmp_path)
+
+
+def served_sigmas_equal_the_trainers(family, tmp_path):  # (test_omni_2026.py's families too)
+    """The σ a served trajectory records, over step counts and sizes, equal to the trainer's schedule to the bit."""
     model = family.model
     sampler = dict(cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0, iteration=0, lora=None)
     for num_steps, height, width in [(2, 32, 32), (10, 64, 32), (28, 64, 64)]:
