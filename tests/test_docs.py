@@ -181,3 +181,11 @@ def test_the_test_counts_the_readme_and_the_manual_give_are_the_suites():
     assert said in readme and f"the {gpu} CUDA tests" in readme, (total, omni, gpu)
     assert f"{total} tests:" in running and f"({omni} tests against real vLLM" in running and f"its {gpu} CUDA cases" \
         in running and f"{total - omni - gpu} pass and those {omni + gpu} are skipped" in running, (total, omni, gpu)
+
+
+def test_no_merge_conflict_markers_are_left():
+    """Every tracked text file free of git's conflict markers (a merge once left docs/running.md with both sides)."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    marked = [f for f in files if f.endswith((".py", ".md", ".sh", ".txt", ".ini", ".toml", ".jsonl")) and re.search(
+        r"^(<{7}|>{7}) |^={7}$", open(os.path.join(ROOT, f), encoding="utf-8", errors="replace").read(), re.M)]
+    assert not marked, marked
