@@ -75,28 +75,33 @@ def trainer_logp_gap(model, batch, steps, cfg, sde_type) -> float:
 
 
 def test_served_trajectories_equal_the_local_backend(family, tmp_path):
-    model, engine = family.model, family.engine
-    backend = rollout.OmniBackend(family.server.url, str(tmp_path), engine)
-    group = torch.tensor([0, 1, 0, 1, 0])
+    backend = rollout.OmniBackend(family.server.url, str(tmp_path), family.engine)
     for steps, cfg, sde_type in CASES[family.name]:
-        kw = dict(KW, steps=steps, cfg_scale=cfg, sde_type=sde_type)
-        set_lora_b(model, None)
-        base = rollout.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)  # the policy before training
-        set_lora_b(model, 1)
-        backend.sync(engine, len(steps))
-        served = backend.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)
-        local = rollout.sample(model, PROMPTS, [{}] * 5, group, range(5), **kw)
-        diffs = {k: (getattr(served, k) - getattr(local, k)).abs().max().item()
-                 for k in ("latents", "log_probs", "images")}
-        gap = trainer_logp_gap(model, served, steps, cfg, sde_type)
-        lora_effect = (local.images - base.images).abs().max().item()
-        print(f"\n{family.name} steps {steps}, cfg {cfg}, {sde_type}: served - local max|diff| {diffs}; trainer-vs-"
-              f"server log-prob gap max {gap:.2e}; the LoRA moves the images by {lora_effect:.2e}")
-        assert torch.equal(served.sigmas, local.sigmas) and served.sigma_max == local.sigma_max
-        assert served.latents.shape == local.latents.shape and served.images.shape == local.images.shape
-        assert max(diffs.values()) < TOL and gap < GAP_TOL, (diffs, gap)
-        assert lora_effect > 100 * TOL  # the server applied the adapter on every target: it matters
+        served_equals_local(family, backend, PROMPTS, dict(KW, steps=steps, cfg_scale=cfg, sde_type=sde_type))
     backend.close()
+
+
+def served_equals_local(family, backend, prompts, kw):  # (test_omni_2026.py's families too)
+    """One case of 5 prompts (`kw`: the sampler's): the served trajectories, the LoRA applied, against the local
+    backend's within TOL, the trainer's log-prob of them within GAP_TOL; -> the served batch."""
+    model, group = family.model, torch.tensor([0, 1, 0, 1, 0])
+    steps, cfg, sde_type = kw["steps"], kw["cfg_scale"], kw["sde_type"]
+    set_lora_b(model, None)
+    base = rollout.sample(model, prompts, [{}] * 5, group, range(5), **kw)  # the policy before training
+    set_lora_b(model, 1)
+    backend.sync(family.engine, len(steps))
+    served = backend.sample(model, prompts, [{}] * 5, group, range(5), **kw)
+    local = rollout.sample(model, prompts, [{}] * 5, group, range(5), **kw)
+    diffs = {k: (getattr(served, k) - getattr(local, k)).abs().max().item() for k in ("latents", "log_probs", "images")}
+    gap = trainer_logp_gap(model, served, steps, cfg, sde_type)
+    lora_effect = (local.images - base.images).abs().max().item()
+    print(f"\n{family.name} steps {steps}, cfg {cfg}, {sde_type}: served - local max|diff| {diffs}; trainer-vs-"
+          f"server log-prob gap max {gap:.2e}; the LoRA moves the images by {lora_effect:.2e}")
+    assert torch.equal(served.sigmas, local.sigmas) and served.sigma_max == local.sigma_max
+    assert served.latents.shape == local.latents.shape and served.images.shape == local.images.shape
+    assert max(diffs.values()) < TOL and gap < GAP_TOL, (diffs, gap)
+    assert lora_effect > 100 * TOL  # the server applied the adapter on every target: it matters
+    return served
 
 
 def test_fused_requests_of_several_images_equal_the_local_backend(family, tmp_path):
