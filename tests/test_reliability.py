@@ -26,7 +26,7 @@ import flowgrpo
 import rewards
 import runlog
 import startup
-from tiny_setup import main_here, stop, tiny_setup
+from tiny_setup import main_here, raised_within, stop, tiny_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")} | {
@@ -46,24 +46,6 @@ def cli(*flags, wait=True, launcher=(sys.executable,), env=None):
 def here(*flags) -> list[dict]:
     """`cli(*flags)` in this process (tiny_setup.main_here), raising what the CLI would say in a line; its rows."""
     return main_here(*TINY, *flags)
-
-
-def refusal(call, *args, seconds=120) -> Exception | None:
-    """What call(*args) raised (None if nothing), run in a thread that may take `seconds`: a hang (a FIFO opened for
-    reading blocks) fails the test instead of stopping the suite."""
-    raised = []
-
-    def run():
-        try:
-            call(*args)
-            raised.append(None)
-        except Exception as e:
-            raised.append(e)
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert raised, f"{call.__name__} still running after {seconds} s: it hangs"
-    return raised[0]
 
 
 def iterations(run) -> list[int]:
@@ -149,7 +131,8 @@ def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(traine
             out = cli(*flags)  # 600 s: a hang fails
             assert out.returncode == 1 and f"{bad}/{needle}" in out.stderr.splitlines()[-1], out.stderr[-2000:]
             assert "Traceback" not in out.stderr
-        error = refusal(startup.check_args, startup.parse_args(flowgrpo.Args, [*TINY, *map(str, flags)]))
+        error = raised_within(startup.check_args, startup.parse_args(flowgrpo.Args, [*TINY, *map(str, flags)]),
+                              seconds=120)
         assert isinstance(error, ValueError) and f"{bad}/{needle}" in str(error), error
 
 

@@ -10,7 +10,6 @@ import re
 import struct
 import subprocess
 import sys
-import threading
 import zlib
 
 import numpy as np
@@ -27,32 +26,14 @@ import source_images
 import startup
 from test_edit import edit_prompts, write_png
 from test_engine import ENV, ROOT
-from tiny_setup import main_here
+from tiny_setup import main_here, raised_within
 
 KONTEXT = flowgrpo.RECIPES["tiny-flux-kontext"]
 
 
-def within(call, *args, seconds: float = 60):
-    """What call(*args) raised (None if nothing), run in a thread given `seconds`: a read that blocks (a FIFO opened
-    by Pillow waits for a writer for good) fails the test instead of stopping the suite."""
-    raised = []
-
-    def run():
-        try:
-            call(*args)
-            raised.append(None)
-        except Exception as e:
-            raised.append(e)
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert raised, f"{getattr(call, '__name__', call)} still ran after {seconds} s (blocked on a read?)"
-    return raised[0]
-
-
 def start(prompts: str, **change):
     """startup.check_args for tiny-flux-kontext on `prompts` (the CLI's first check); what it refused, or None."""
-    refused = within(startup.check_args, dataclasses.replace(KONTEXT, prompts=prompts, **change))
+    refused = raised_within(startup.check_args, dataclasses.replace(KONTEXT, prompts=prompts, **change))
     assert refused is None or (isinstance(refused, ValueError) and "\n" not in str(refused)), refused
     return refused and str(refused)
 
@@ -145,7 +126,7 @@ def test_every_reader_of_a_source_is_bounded_where_it_reads(tmp_path):
     for path, needle in [(fifo, "is not a regular file"), (bombs[13000], "is 13000×13000, more than"),
                          (bombs[20000], "has more than 16777216 pixels"), (text, "cannot be read as an image")]:
         for read in readers:
-            refused = within(read, str(path))
+            refused = raised_within(read, str(path))
             assert isinstance(refused, ValueError) and "\n" not in str(refused), refused
             assert re.search(f"source image {re.escape(str(path))} {needle}.*changed since", str(refused)), refused
     assert np.asarray(source_images.read(write_png(tmp_path / "ok.png", 8, 8, 1))).shape == (8, 8, 3)

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from unittest import mock
 
@@ -172,3 +173,21 @@ def check_pretrained(model: str, out, prompt: str, side: int) -> None:
     images = rollout.sample_ode(adapter, [prompt] * 2, num_steps=4, height=side, width=side, cfg_scale=1.0,
                                 negative_prompt=" ", seed=0, chunk=2)
     assert images.shape == (2, 3, side, side) and bool(torch.isfinite(images).all())
+
+
+def raised_within(call, *args, seconds: float = 60):
+    """What call(*args) raised (None if nothing), run in a thread given `seconds`: a call that blocks (a FIFO opened
+    for reading waits for a writer for good) fails the test instead of stopping the suite."""
+    raised = []
+
+    def run():
+        try:
+            call(*args)
+            raised.append(None)
+        except Exception as e:
+            raised.append(e)
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert raised, f"{getattr(call, '__name__', call)} still ran after {seconds} s (blocked on a read?)"
+    return raised[0]
