@@ -47,13 +47,14 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def deep_narrow_model() -> models_qwen.QwenImage:
-    """The tiny pipeline with a 60-block, 2 × 16-wide Qwen-Image transformer in bf16 (as the real one is loaded)."""
+def deep_narrow_model(blocks: int = BLOCKS) -> models_qwen.QwenImage:
+    """The tiny pipeline with a `blocks`-deep (Qwen-Image's 60), 2 × 16-wide Qwen-Image transformer in bf16 (as the
+    real one is loaded)."""
     pipe = models_qwen.build_tiny_qwen_pipeline(0, 2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         pipe.transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=16, out_channels=4, num_layers=BLOCKS, attention_head_dim=16,
+            patch_size=2, in_channels=16, out_channels=4, num_layers=blocks, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
     pipe.transformer.to(torch.bfloat16)
     return models_qwen.QwenImage(pipe, "cpu", torch.bfloat16)

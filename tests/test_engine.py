@@ -483,23 +483,17 @@ def test_compile_traces_one_graph_for_every_block(monkeypatch):
     block into pieces and recompiled per weight shape until dynamo's limit); after an optimizer step the compiled
     blocks read the new weights (their working copies are inputs, not constants): equal to the same engine in eager.
     (dynamo with aot_eager: its graphs and breaks are inductor's, without the C++ build, minutes on CPU.)"""
-    from diffusers import QwenImageTransformer2DModel
     from torch._dynamo.utils import counters
 
     from bench import make_engine
+    from bench_host import deep_narrow_model
 
     compile_ = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager"))
     a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", lora_rank=4)
 
     def graphs(blocks: int, compile: bool):
-        pipe = models_qwen.build_tiny_qwen_pipeline(0, 2)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            pipe.transformer = QwenImageTransformer2DModel(
-                patch_size=2, in_channels=16, out_channels=4, num_layers=blocks, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
-        model = models_qwen.QwenImage(pipe.to(torch.bfloat16), "cpu", torch.bfloat16)
+        model = deep_narrow_model(blocks)
         engine = make_engine(a, model, compile=compile)
         x = model.noise([torch.Generator().manual_seed(i) for i in range(2)], 32, 32)
         s, cond = torch.full((2,), 0.5), model.conditioning(["a sign that says hello"] * 2, " ", 1.0)
