@@ -157,7 +157,7 @@ class Engine:
         #      so a block's parameters are gathered just before it runs and freed right after. Only where sharding
         #      does something (`shard` None: several ranks, CPU offload, --sp, or all weights trained in bf16): over a
         #      world of one FSDP2 shards nothing, yet its hooks, copies and casts nearly double the host's work per
-        #      block (bench.py, "host ops per block"), so the module stays plain and a LoRA computes in bf16 from
+        #      block (bench/overhead.py, "host ops per block"), so the module stays plain and a LoRA computes in bf16 from
         #      working copies (precision.py: FSDP2's mixed precision without FSDP2).
         self.sharded = (self.world_size > 1 or offload or sp > 1 or (mixed_precision and full_finetune)) \
             if shard is None else shard
@@ -185,7 +185,7 @@ class Engine:
         self.old = OldPolicy(named) if old_policy else None  # DiffusionNFT's and AWM's v_old, likewise
         if not self.params:
             raise ValueError(f"--lora-targets {list(lora_targets)} matched no module of the transformer")
-        # foreach: batched over parameters (on CPU the default per-tensor loop cost ~4× more per step, bench.py);
+        # foreach: batched over parameters (on CPU the default per-tensor loop cost ~4× more per step, bench/overhead.py);
         # `fused` was faster still but moved 1-vs-2-rank results apart by more than float32 rounding.
         self.hyper = dict(lr=lr, weight_decay=weight_decay)  # --allow-change may change them on --resume
         self.optimizer = torch.optim.AdamW(self.params, **self.hyper, foreach=True)

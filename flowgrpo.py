@@ -113,7 +113,7 @@ class Args:
     """images per transformer call, in rollout and in training; 0: the largest that fits the device's memory, measured
     once the model is built (memory.py; a CPU: 8 or fewer)"""
     rollout: Literal["local", "vllm-omni"] = "local"
-    """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni_pipeline.py"""
+    """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni/pipeline.py"""
     rollout_url: str | None = None
     """vLLM-Omni server URLs for `--rollout vllm-omni`, comma-separated (http://HOST:PORT,...)"""
     rollout_ranks: int = 0

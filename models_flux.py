@@ -39,7 +39,7 @@ class Flux(Adapter):
     S = (H/16)·(W/16), in float32 (cast to the model dtype at the transformer's input)."""
     pipeline_class = "FluxPipeline"
     default_path = "black-forest-labs/FLUX.1-dev"
-    omni_pipeline_class = "omni_pipeline.FlowGRPOFluxPipeline"
+    omni_pipeline_class = "omni.pipeline.FlowGRPOFluxPipeline"
     # Flow-GRPO's FLUX LoRA targets (scripts/train_flux.py): attention projections of both streams (the single
     # blocks' to_q/k/v too) and the double blocks' MLPs.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",

@@ -74,7 +74,7 @@ class Flux2Klein(Adapter):
     S = (H/16)·(W/16), float32, cast to the model dtype at the transformer's input."""
     pipeline_class = "Flux2KleinPipeline"
     default_path = "black-forest-labs/FLUX.2-klein-base-9B"
-    omni_pipeline_class = "omni_pipeline_2026.FlowGRPOFlux2KleinPipeline"
+    omni_pipeline_class = "omni.pipeline_2026.FlowGRPOFlux2KleinPipeline"
     step_distilled = False  # the distilled checkpoints take no CFG (models.check_model_args refuses --cfg-scale > 1)
     # Flow-Factory's FLUX.2 klein LoRA targets (models/flux/flux2_klein.py): both streams' attention and MLPs, and the
     # single-stream blocks' fused qkv+MLP input and output projections
@@ -145,7 +145,7 @@ class Flux2Klein(Adapter):
 
     def omni_request(self, cfg_scale: float, negative_prompt: str) -> dict:
         """The vLLM-Omni request fields that guide as `velocity` does: two-pass CFG when guidance_scale > 1, with the
-        request's negative prompt (omni_pipeline_2026.py encodes it; 0.30.0's own pipeline encodes "")."""
+        request's negative prompt (omni/pipeline_2026.py encodes it; 0.30.0's own pipeline encodes "")."""
         return {"guidance_scale": cfg_scale, **({"negative_prompt": negative_prompt} if cfg_scale > 1 else {})}
 
     def pipeline_kwargs(self, cond: dict, cfg_scale: float) -> dict:

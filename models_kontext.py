@@ -34,7 +34,7 @@ class FluxKontext(EditAdapter, Flux):
     output to 1024² pixels) for a source of the output's aspect ratio, which prompts.py checks at start-up."""
     pipeline_class = "FluxKontextPipeline"
     default_path = "black-forest-labs/FLUX.1-Kontext-dev"
-    omni_pipeline_class = "omni_pipeline_edit.FlowGRPOFluxKontextPipeline"
+    omni_pipeline_class = "omni.pipeline_edit.FlowGRPOFluxKontextPipeline"
     build_tiny = staticmethod(build_tiny_kontext_pipeline)
 
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,

@@ -1,4 +1,4 @@
-"""The laptop tasks' models (nano.py): Qwen-Image's classes at toy size with the tiny model's frozen text encoder,
+"""The laptop tasks' models (tasks/nano.py): Qwen-Image's classes at toy size with the tiny model's frozen text encoder,
 tokenizer and scheduler, their VAE and transformer pretrained here and shipped in assets/ (diffusers' format,
 float16). `--model nano` asks for one handwritten digit at 16×16."""
 import os
@@ -10,11 +10,11 @@ import source_images
 from models_qwen import QwenImage, build_tiny_qwen_pipeline
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-NANO_DIR = os.path.join(ASSETS, "nano")  # `python nano.py pretrain` writes it
+NANO_DIR = os.path.join(ASSETS, "nano")  # `python -m tasks.nano pretrain` writes it
 
 
 def build_nano_pipeline(path: str | None = NANO_DIR, vae=None, transformer=None):
-    """The nano model (nano.py): the tiny pipeline's frozen text encoder, tokenizer and scheduler (seed 0, always: the
+    """The nano model (tasks/nano.py): the tiny pipeline's frozen text encoder, tokenizer and scheduler (seed 0, always: the
     condition it was pretrained on), with the VAE and transformer trained on handwritten digits, read from `path`
     (vae/, transformer/), or the modules given (pretraining)."""
     from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
@@ -28,11 +28,11 @@ def build_nano_pipeline(path: str | None = NANO_DIR, vae=None, transformer=None)
 
 
 class NanoQwenImage(QwenImage):
-    """`nano`: Qwen-Image's classes at toy size, pretrained on real handwritten digits (nano.py, docs/algorithm.md
+    """`nano`: Qwen-Image's classes at toy size, pretrained on real handwritten digits (tasks/nano.py, docs/algorithm.md
     §15); --model-path is a directory of its trained parts (default: the shipped assets/nano)."""
     default_path = NANO_DIR
     trained_classes = {"vae": "AutoencoderKLQwenImage", "transformer": "QwenImageTransformer2DModel"}  # what it loads
-    pretrained_by = "nano.py"  # the script whose `pretrain` writes its directory
+    pretrained_by = "tasks.nano"  # the module whose `pretrain` writes its directory
 
     @classmethod
     def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> QwenImage:
@@ -40,11 +40,11 @@ class NanoQwenImage(QwenImage):
 
 
 class NanoComposeQwenImage(NanoQwenImage):
-    """`nano-compose`: GenEval's questions at 32×32 (nano_compose.py, docs/tasks.md): the same classes, a VAE 4× down
+    """`nano-compose`: GenEval's questions at 32×32 (tasks/nano_compose.py, docs/tasks.md): the same classes, a VAE 4× down
     to 8 channels and a transformer of 16 tokens, pretrained on rendered compositions; only 32×32, what its judge
     reads."""
     default_path = os.path.join(ASSETS, "nano-compose")
-    pretrained_by = "nano_compose.py"
+    pretrained_by = "tasks.nano_compose"
     side = 32
 
     @classmethod
@@ -55,7 +55,7 @@ class NanoComposeQwenImage(NanoQwenImage):
 
 
 class NanoEdit(NanoQwenImage):
-    """`nano-edit`: edit a handwritten digit as an instruction says (nano_edit.py, docs/tasks.md), nano's classes with
+    """`nano-edit`: edit a handwritten digit as an instruction says (tasks/nano_edit.py, docs/tasks.md), nano's classes with
     the transformer call of diffusers' QwenImageEditPlusPipeline: the source's VAE latents (the posterior's mode,
     normalised, packed: `cond["source"]` (B, S, C·4)) join the sequence after the S noisy tokens, `img_shapes` lists
     both images (the source's rotary positions are its grid at frame index 1), and the velocity is the first S output
@@ -63,7 +63,7 @@ class NanoEdit(NanoQwenImage):
     image), as this toy's frozen random text encoder has no trained vision; the image reaches the model only as latents.
     The source arrives as a path in the prompt's metadata (`"image"`, prompts.py), each distinct one encoded once."""
     default_path = os.path.join(ASSETS, "nano-edit")
-    pretrained_by = "nano_edit.py"
+    pretrained_by = "tasks.nano_edit"
 
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
                      metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:

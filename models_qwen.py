@@ -64,7 +64,7 @@ class QwenImage(Adapter):
     """
     pipeline_class = "QwenImagePipeline"
     default_path = "Qwen/Qwen-Image"
-    omni_pipeline_class = "omni_pipeline.FlowGRPOQwenImagePipeline"
+    omni_pipeline_class = "omni.pipeline.FlowGRPOQwenImagePipeline"
     max_sequence_length = 1024  # QwenImagePipeline.encode_prompt's default (it pads to the longest prompt)
     # Attention projections of both streams plus the image and text MLPs. `to_out.0` and `to_add_out` are
     # left out: vLLM-Omni's Qwen-Image has a single `to_out` layer (no `.0`) and rejects `to_out.0`; both

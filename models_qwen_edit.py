@@ -71,7 +71,7 @@ class QwenImageEdit(EditAdapter, QwenImage):
     columns) of patches; `embeds`/`mask` (and `neg_embeds`/`neg_mask`) are the prompt encoded with the source."""
     pipeline_class = "QwenImageEditPlusPipeline"
     default_path = "Qwen/Qwen-Image-Edit-2511"
-    omni_pipeline_class = "omni_pipeline_edit.FlowGRPOQwenImageEditPlusPipeline"
+    omni_pipeline_class = "omni.pipeline_edit.FlowGRPOQwenImageEditPlusPipeline"
     build_tiny = staticmethod(build_tiny_qwen_edit_pipeline)
 
     @classmethod
@@ -143,7 +143,7 @@ class QwenImageEdit(EditAdapter, QwenImage):
 
     def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
         """`source`: the prompt's source image as it is (RGB, a base64 PNG: the same pixels), and `source_areas`: the
-        server resizes it as `encode_source` does (omni_pipeline_edit.py)."""
+        server resizes it as `encode_source` does (omni/pipeline_edit.py)."""
         png = io.BytesIO()
         source_images.read(metadata["image"]).save(png, format="PNG")
         return {"source": base64.b64encode(png.getvalue()).decode("ascii"), "source_areas": self.source_areas()}

@@ -36,7 +36,7 @@ class SD3(Adapter):
     here in float32 (cast to the model dtype at the transformer's input); standard CFG in one batched call."""
     pipeline_class = "StableDiffusion3Pipeline"
     default_path = "stabilityai/stable-diffusion-3.5-medium"
-    omni_pipeline_class = "omni_pipeline.FlowGRPOSD3Pipeline"
+    omni_pipeline_class = "omni.pipeline.FlowGRPOSD3Pipeline"
     # Flow-GRPO's SD3 LoRA targets (scripts/train_sd3.py): the joint attention's projections, both streams.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")

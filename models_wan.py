@@ -82,7 +82,7 @@ class Wan(Adapter):
     dtype at the transformer's input); decoded samples are videos (B, F, 3, H, W) in [0, 1] (docs/algorithm.md §13)."""
     pipeline_class = "WanPipeline"
     default_path = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-    omni_pipeline_class = "omni_pipeline.FlowGRPOWanPipeline"
+    omni_pipeline_class = "omni.pipeline.FlowGRPOWanPipeline"
     # Flow-GRPO's Wan LoRA targets (scripts/train_wan2_1.py) that a text-to-video Wan has (add_k_proj, add_v_proj exist
     # only in image-to-video Wan; add_q_proj, to_add_out in neither): the q/k/v projections of its self- and
     # cross-attention. `to_out.0` is left out, as for Qwen-Image: vLLM-Omni's Wan has one `to_out` layer and refuses it.

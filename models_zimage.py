@@ -66,7 +66,7 @@ class ZImage(Adapter):
     again per image before the transformer, which takes each prompt at its own length as the pipeline gives it."""
     pipeline_class = "ZImagePipeline"
     default_path = "Tongyi-MAI/Z-Image"
-    omni_pipeline_class = "omni_pipeline_2026.FlowGRPOZImagePipeline"
+    omni_pipeline_class = "omni.pipeline_2026.FlowGRPOZImagePipeline"
     max_sequence_length = MAX_SEQUENCE_LENGTH
     # Flow-Factory's Z-Image LoRA targets (models/z_image/z_image.py): attention and the SwiGLU MLP of every block
     lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",

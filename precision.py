@@ -2,7 +2,7 @@
 reduce_dtype=fp32) computes, on a world of one that has nothing to shard.
 
 On one rank FSDP2 gathers nothing, yet its hooks, buffer copies and per-forward casts nearly double the host's work
-per transformer block (bench.py's "host" rows), which on a GPU is time the GPU waits. Here the same arithmetic comes
+per transformer block (bench/overhead.py's "host" rows), which on a GPU is time the GPU waits. Here the same arithmetic comes
 from plain modules: the frozen weights in bf16 once (the policy casts them at every forward, to the same values),
 each LoRA factor through a bf16 copy of its float32 master weight that is made again only when the weight changes,
 the gradient handed to the master in float32, and every block's inputs cast to bf16 as the policy casts them.

@@ -86,7 +86,7 @@ def _hold_out(pairs, every: int) -> PromptSet:
     """Every `every`-th pair (the every-th, 2*every-th, ...) for eval, the rest for training."""
     return PromptSet([x for i, x in enumerate(pairs) if i % every != every - 1], pairs[every - 1::every])
 
-_DIGITS = [(f"a handwritten digit {d}", {}) for d in range(10)]  # nano.py: digit d at index d
+_DIGITS = [(f"a handwritten digit {d}", {}) for d in range(10)]  # tasks/nano.py: digit d at index d
 MAX_PROMPTS, MAX_FILE_BYTES = 10**6, 2**30  # a prompt file's lines and bytes
 _COMPOSE = Path(__file__).parent / "assets" / "nano-compose" / "prompts.jsonl"
 BUILTIN = {
@@ -94,7 +94,7 @@ BUILTIN = {
                              [(s.format(p), {}) for s in _SCENES[::4] for p in _EVAL_PHRASES]),
     "general": lambda: _hold_out([(p, {}) for p in _GENERAL], 6),
     "digits": lambda: PromptSet(list(_DIGITS), list(_DIGITS)),
-    # nano_compose.py's GenEval-shaped set, as `python nano_compose.py prompts` wrote it: its own held-out split and
+    # tasks/nano_compose.py's GenEval-shaped set, as `python -m tasks.nano_compose prompts` wrote it: its own held-out split and
     # each prompt's category ("tag": the evaluation's per-category means)
     "compose": lambda: _by_split(read_prompt_file(_COMPOSE), "compose"),
 }

@@ -49,18 +49,18 @@ RECIPES: dict[str, dict] = {
     # 1e-2) and 8 videos 3.7, 1.7 (seeds 0, 1) (docs/algorithm.md §13)
     "tiny-wan": dict(model="tiny-wan", num_frames=9, reward="motion", group_size=16, noise_level=1.0, lr=5e-2,
                      clip_range=2e-4, lora_targets=LORA_TARGETS["tiny-wan"]),
-    # the nano task (nano.py): tiny Qwen-Image pretrained here on digits; values measured in docs/algorithm.md §15
+    # the nano task (tasks/nano.py): tiny Qwen-Image pretrained here on digits; values measured in docs/algorithm.md §15
     "nano": dict(model="nano", iterations=60, prompts="digits", reward="digit=1,digit_judge=0", height=16, width=16,
                  num_steps=10, eval_steps=10, window_range=(0, 5), micro_batch=16, lr=1e-3, clip_range=2e-3,
                  lora_rank=32, lora_alpha=64, eval_every=10, eval_images=200),
-    # the nano-compose task (nano_compose.py): the same classes at 32×32, GenEval's questions. nano's values but 16
+    # the nano-compose task (tasks/nano_compose.py): the same classes at 32×32, GenEval's questions. nano's values but 16
     # prompts an iteration for 80 iterations: on an experimental base +16.9 ± 2.6 points in 13.5 min, where 8 prompts
     # gained 7.4 ± 2.1 in 40 and nano's 4 none in 30 (docs/tasks.md: the gradient's noise, not the step, held it back)
     "nano-compose": dict(model="nano-compose", iterations=80, prompts="compose", reward="compose=1,compose_judge=0",
                          height=32, width=32, num_steps=10, eval_steps=10, window_range=(0, 5), prompts_per_iteration=16,
                          micro_batch=32, lr=1e-3, clip_range=2e-3, lora_rank=32, lora_alpha=64, eval_every=10,
                          eval_images=130),
-    # the nano-edit task (nano_edit.py): nano's classes editing a source digit, its shipped prompt set (held-out
+    # the nano-edit task (tasks/nano_edit.py): nano's classes editing a source digit, its shipped prompt set (held-out
     # glyphs for evaluation, each once). nano-compose's values but 64 prompts an iteration: held-out judge +14.1 ± 1.9
     # points in 16 CPU-min at seed 0, where 16 prompts gained +2.0 in 80 and 240 iterations, 32 +7.0 (docs/tasks.md)
     "nano-edit": dict(model="nano-edit", iterations=80, reward="edit=1,edit_judge=0",

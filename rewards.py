@@ -31,12 +31,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-import nano
-import nano_compose
-import nano_edit
 import reward_http
 import reward_judge
 import reward_server
+from tasks import nano, nano_compose, nano_edit
 
 # ---------------------------------------------------------------- rewards without models (as ddpo-pytorch)
 def _encode(img, fmt, **kw) -> bytes:
@@ -439,7 +437,7 @@ class AsyncRewards:
         self.workers.close()
 
 # ---------------------------------------------------------------- the registry: one line per reward
-# The laptop tasks' readers (nano.py, …): each task file's reward and judge, name -> (factory, prompt check)
+# The laptop tasks' readers (tasks/nano.py, …): each task file's reward and judge, name -> (factory, prompt check)
 TASK_REWARDS = nano.REWARDS | nano_compose.REWARDS | nano_edit.REWARDS
 REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility, brightness, ocr, pickscore, clipscore,
                                     aesthetic, preserve, remote, judge, temporal_consistency, motion)} | {

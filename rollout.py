@@ -4,7 +4,7 @@ docs/algorithm.md §9).
 Backend `local`: the trainer's own transformer samples under `no_grad`, so each iteration's first update
 sees exactly the weights, shapes and kernels that produced the data (ratio == 1). Each image draws its
 noise from its own generator, seeded by (seed, iteration, global image index): images do not depend on
-chunking or ranks. Backend `vllm-omni`: vLLM-Omni servers running `omni_pipeline.py` (the same
+chunking or ranks. Backend `vllm-omni`: vLLM-Omni servers running `omni/pipeline.py` (the same
 `scheduler.step` inside vLLM-Omni's pipeline) sample; `OmniBackend`, their HTTP client, returns the same
 `Batch`. This module never imports vllm_omni.
 """
@@ -171,10 +171,10 @@ def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width:
                   seed=seed, iteration=-1, chunk=chunk).images
 
 
-# ---- backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni_pipeline.py)
+# ---- backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni/pipeline.py)
 
 BACKENDS = ("local", "vllm-omni")
-KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v2"  # as in omni_pipeline.py (not imported: it needs vllm_omni)
+KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v2"  # as in omni/pipeline.py (not imported: it needs vllm_omni)
 MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
 # FLOWGRPO_ROLLOUT_<NAME>: (default, lowest, highest), checked at start-up; and FLOWGRPO_ROLLOUT_DIR (a path)
 OMNI_KNOBS = dict(timeout=(600.0, 1e-3, 86400.0), retries=(3, 0, 20), backoff=(2.0, 0.0, 3600.0),
@@ -194,7 +194,7 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
         raise ValueError("--rollout-url is only used with --rollout vllm-omni")
     if kind == "vllm-omni" and not given:
         raise ValueError("--rollout vllm-omni needs --rollout-url http://HOST:PORT[,http://HOST:PORT...]: vLLM-Omni "
-                         "servers running the model's pipeline of omni_pipeline.py with a trajectory_root "
+                         "servers running the model's pipeline of omni/pipeline.py with a trajectory_root "
                          "(docs/vllm-omni.md)")
     for i, url in enumerate(given):
         p = urllib.parse.urlsplit(url)
@@ -265,7 +265,7 @@ def build_requests(model, prompts, image_ids, *, steps, num_steps, height, width
 
 def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_max: float, latent_shape,
                     image_shape, pipeline: str, root: str | None = None) -> dict:
-    """The tensors of a trajectory file written by omni_pipeline.py, checked against the request and against the
+    """The tensors of a trajectory file written by omni/pipeline.py, checked against the request and against the
     trainer's σ, `sigmas` (W+1,) and `sigma_max`: the server's come from the same scheduler config and formula, so
     they must be equal to the bit (tests/omni: they are); else it serves another model, or is not to be trusted.
     No symbolic link is followed beneath `root` (the run's exchange directory)."""

@@ -28,7 +28,7 @@ usage: bash run.sh NAME [flags]   (the flags are appended to NAME's command)
   klein-8gpu       8 GPUs: FLUX.2 [klein] 9B, Flow-Factory's recipe
   gpu-wheels       here: pack the packages a GPU image lacks into .whl/site.tar.xz
   gpu-check        on a lent GPU: the GPU rows and tests into OUT (gpu-check OUT; OUT --more: the other families)
-  bench-gpu        on a lent GPU: one bench_gpu.py call (Qwen-Image's recipe, random weights)
+  bench-gpu        on a lent GPU: one bench/gpu.py call (Qwen-Image's recipe, random weights)
 END
   [[ -z $1 ]] || echo "run.sh: no recipe named '$1'" >&2
   exit 2
@@ -60,7 +60,7 @@ case $recipe in
   tiny-flux)       python flowgrpo.py --model tiny-flux "$@" ;;                             # CPU: FLUX.1's classes, toy size
   tiny-wan)        python flowgrpo.py --model tiny-wan "$@" ;;                              # CPU: Wan2.1's classes, 9 frames
   nano)            python flowgrpo.py --model nano "$@" ;;                                  # CPU: real digits, the judge rises
-  nano-compare)    OMP_NUM_THREADS=1 nice -n 10 python nano_compare.py --markdown nano_compare.md "$@" ;;  # BENCHMARKS.md
+  nano-compare)    OMP_NUM_THREADS=1 nice -n 10 python -m tasks.nano_compare --markdown nano_compare.md "$@" ;;  # BENCHMARKS.md
   sd3-ocr-8gpu)    torchrun --standalone --nproc_per_node=8 flowgrpo.py --model sd3.5-medium "$@" ;;  # Flow-GRPO's OCR
   flux-pick-8gpu)  torchrun --standalone --nproc_per_node=8 flowgrpo.py --model flux.1-dev "$@" ;;    # recipes (docs)
   wan-8gpu)        torchrun --standalone --nproc_per_node=8 flowgrpo.py --model wan2.1-t2v-1.3b \
@@ -80,8 +80,8 @@ case $recipe in
   # The GPU check on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves the pinned packages
   # such a machine's PyTorch image lacks, for its Python 3.12, unpacked into one archive, .whl/site.tar.xz (40 MB: with
   # the working tree within the 64 MiB such a machine can be sent; the wheels themselves are 58 MB); `gpu-check OUT`
-  # there unpacks it and runs every GPU step into OUT (bench_check.py; `gpu-check OUT --more`: its second command),
-  # `bench-gpu` one bench_gpu.py call.
+  # there unpacks it and runs every GPU step into OUT (bench/check.py; `gpu-check OUT --more`: its second command),
+  # `bench-gpu` one bench/gpu.py call.
   gpu-wheels)      rm -rf .whl/wheels .whl/site && mkdir -p .whl/site && python3 -m pip download -q --no-deps \
                      --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
                      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/wheels \
@@ -89,8 +89,8 @@ case $recipe in
                    for w in .whl/wheels/*.whl; do python3 -m zipfile -e "$w" .whl/site; done
                    tar -C .whl/site -cf - . | xz -9 -T0 > .whl/site.tar.xz && rm -rf .whl/wheels .whl/site ;;
   gpu-check)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
-                   PYTHONPATH=/tmp/site python3 bench_check.py "${1:?give the output folder: bash run.sh gpu-check OUT}" "${@:2}" ;;
+                   PYTHONPATH=/tmp/site python3 -m bench.check "${1:?give the output folder: bash run.sh gpu-check OUT}" "${@:2}" ;;
   bench-gpu)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
-                   PYTHONPATH=/tmp/site python3 bench_gpu.py --device cuda --model qwen-image --random-init "$@" ;;
+                   PYTHONPATH=/tmp/site python3 -m bench.gpu --device cuda --model qwen-image --random-init "$@" ;;
   *)               usage "$recipe" ;;
 esac

@@ -1,6 +1,6 @@
 """A run directory belongs to one run: claimed on rank 0 before anything is built, locked (flock) for the life of the
 process that claimed it, refused to a new run when it holds another, continued by a resumed one, and removed again if
-a start fails before anything was written. The project's other tools (nano_compare.py) honour the same lock. A run
+a start fails before anything was written. The project's other tools (tasks/nano_compare.py) honour the same lock. A run
 stopped by Ctrl-C or SIGTERM keeps its last trained iteration there (Stop) and says what it left (interrupted)."""
 import contextlib
 import fcntl

@@ -13,7 +13,7 @@ import stat
 
 from PIL import Image, PngImagePlugin
 
-SOURCE_PIXELS = 4096 * 4096  # the largest source image read (omni_pipeline_edit.py's servers take no larger)
+SOURCE_PIXELS = 4096 * 4096  # the largest source image read (omni/pipeline_edit.py's servers take no larger)
 MAX_BYTES = 2**27  # 128 MiB: a 4096² RGBA PNG stored without compression is 64 MiB
 TEXT_BYTES = 2**16  # a PNG's text chunks and ICC profile, stored and inflated: as the reward server's PNG_TEXT
 TEXT_CHUNKS = (b"tEXt", b"zTXt", b"iTXt", b"iCCP")

@@ -5,7 +5,7 @@
 
 `build` is `python models.py save-tiny DIR --model M` (the weights of `--model M --seed S`; M: tiny, tiny-sd3,
 tiny-flux, tiny-wan, tiny-z-image, tiny-flux.2-klein, …); `serve` runs vLLM-Omni from its own venv (omni/setup_env.sh)
-with this project's pipeline class for the directory's family (its adapter's `omni_pipeline_class`, omni_pipeline*.py)
+with this project's pipeline class for the directory's family (its adapter's `omni_pipeline_class`, omni/pipeline*.py)
 on PYTHONPATH.
 """
 import argparse
@@ -72,7 +72,7 @@ def main() -> None:
     s.add_argument("dir")
     s.add_argument("--port", type=int, default=8091)
     s.add_argument("--venv", default=DEFAULT_VENV)
-    s.add_argument("--stock-pipeline", action="store_true", help="vLLM-Omni's own pipeline, not omni_pipeline.py")
+    s.add_argument("--stock-pipeline", action="store_true", help="vLLM-Omni's own pipeline, not omni/pipeline.py")
     s.add_argument("--trajectory-root", help="the directory beneath which the pipeline may write trajectories (the "
                    "trainer's FLOWGRPO_ROLLOUT_DIR or run directory must lie beneath it); without it, it writes none")
     args, extra = ap.parse_known_args()

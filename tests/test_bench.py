@@ -1,5 +1,5 @@
-"""bench.py, bench_check.py's dry run (bench_gpu.py's rows at toy size) and bench_soak.py at their smallest sizes,
-bench_host.py's rows, and bench_gpu.py's FLOP formula against torch's counter. No timing thresholds: these check that
+"""bench/overhead.py, bench/check.py's dry run (bench/gpu.py's rows at toy size) and bench/soak.py at their smallest sizes,
+bench/host.py's rows, and bench/gpu.py's FLOP formula against torch's counter. No timing thresholds: these check that
 every row is produced and every figure is a finite positive number, not how fast anything is. Each runs as a script."""
 import dataclasses
 import math
@@ -13,19 +13,19 @@ from peft import LoraConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import bench
-import bench_check
-import bench_families
-import bench_gpu
 import engine as eng
 import flowgrpo
 import rollout
+from bench import overhead
+from bench import check as bench_check
+from bench import families as bench_families
+from bench import gpu as bench_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_bench(*flags: str, timeout: int = 900, script: str = "bench.py") -> str:  # 43 s idle: room for a loaded CI
-    out = subprocess.run([sys.executable, script, *flags], cwd=ROOT, capture_output=True, text=True,
+def run_bench(*flags: str, timeout: int = 900, module: str = "bench.overhead") -> str:  # 43 s idle: room for a loaded CI
+    out = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -64,7 +64,7 @@ def test_cpu_table_smallest(tmp_path):
                  "rollout + update, --reuse-rollout-forward ÷ recomputed"):
         assert name in rows, (name, list(rows))
     written = md.read_text()
-    assert written.startswith("`python bench.py --quick --markdown") and table_rows(written) == rows
+    assert written.startswith("`python -m bench.overhead --quick --markdown") and table_rows(written) == rows
 
 
 FITTED = ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
@@ -90,11 +90,11 @@ MORE_ROWS = {"z-image": FITTED + OWN, "flux2-klein": FITTED + OWN, "qwen21-recip
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
-    """`bench_check.py OUT --dry-run`: every step of the GPU check at toy size on the CPU, through its CLI; then its
+    """`python -m bench.check OUT --dry-run`: every step of the GPU check at toy size on the CPU, through its CLI; then its
     second command's (`--more`) into OUT/more."""
     out = tmp_path_factory.mktemp("check")
-    run_bench(str(out), "--dry-run", script="bench_check.py", timeout=1800)
-    run_bench(str(out / "more"), "--dry-run", "--more", script="bench_check.py", timeout=1800)
+    run_bench(str(out), "--dry-run", module="bench.check", timeout=1800)
+    run_bench(str(out / "more"), "--dry-run", "--more", module="bench.check", timeout=1800)
     return out
 
 
@@ -120,7 +120,7 @@ def test_the_gpu_checks_dry_run_rows(check, step):
     micro-batch (a CPU: the largest up to 8 of [1, 2, 4]), at its own, on the rollout's kept forwards, against the bare
     forward; --sp 2 on 2 gloo ranks; the update against plain PyTorch at the real width (which must first land on the
     same LoRA: bench.plain_rows asserts it); the 60 GiB cap; parameter offload; --compile's forwards, without a graph
-    break; Qwen-Image 2.1, Z-Image and FLUX.2 [klein] (bench_families.py: the tiny twins here) on their recipes."""
+    break; Qwen-Image 2.1, Z-Image and FLUX.2 [klein] (bench/families.py: the tiny twins here) on their recipes."""
     rows = table_rows((check / f"{step}.log").read_text())
     assert sorted(rows) == sorted(ROWS.get(step) or MORE_ROWS[step.removeprefix("more/")]), list(rows)
     if "rollout share of the iteration" in rows:
@@ -130,10 +130,10 @@ def test_the_gpu_checks_dry_run_rows(check, step):
 
 
 def test_host_rows_and_the_ops_they_count():
-    """bench_host.py at its smallest: its rows; and, since aten operations and bytes are counted, not timed, bounds that
+    """bench/host.py at its smallest: its rows; and, since aten operations and bytes are counted, not timed, bounds that
     fails the day the host's work per block comes back (FSDP2's hooks and copies on one rank made it 2.4× diffusers'
     forward, 443 against 182 per block; peft's LoRA alone, 10 layers a block, 1.55×)."""
-    rows = table_rows(run_bench("--quick", script="bench_host.py"))
+    rows = table_rows(run_bench("--quick", module="bench.host"))
     assert list(rows) == ["host: time per forward, loop ÷ bare diffusers", "host: aten ops per block, loop ÷ bare "
                           "diffusers", "host: time per forward + backward, loop ÷ plain LoRA step",
                           "host: aten ops per forward + backward, loop ÷ plain LoRA step", "rollout: bytes gathered "
@@ -151,7 +151,7 @@ def test_flop_formula_matches_torch_flop_counter():
     a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", height=32, width=48, lora_rank=8,
                             group_size=2, prompts_per_iteration=1, micro_batch=2, mixed_precision=False)
     model = bench_gpu.random_model("tiny", "cpu")
-    bench.make_engine(a, model)
+    overhead.make_engine(a, model)
     c = model.conditioning(['a sign that says "HI"', 'a mug with "A LONGER TEXT" on it'], " ", 4.0)
     x = model.noise(rollout.image_generators(0, 0, range(2)), a.height, a.width)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
@@ -177,7 +177,7 @@ def test_counted_flops_equal_the_formula():
     a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", height=32, width=48, lora_rank=8,
                             mixed_precision=False)
     model = bench_gpu.random_model("tiny", "cpu")
-    bench.make_engine(a, model)
+    overhead.make_engine(a, model)
     prompt = 'a mug with "A LONGER TEXT" on it'
     c = model.conditioning([prompt], a.negative_prompt, 4.0)
     formula = sum(bench_gpu.pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), c[k].shape[1],
@@ -195,9 +195,9 @@ def test_sp_and_plain_refuse_another_family(capsys):
 
 
 def test_soak_smallest():
-    """`python bench_soak.py` at its smallest, every request followed by a hostile one: it exits 0 only if every valid
+    """`python -m bench.soak` at its smallest, every request followed by a hostile one: it exits 0 only if every valid
     request was answered once, correctly, none turned away, and the server's threads and memory came back
     (BENCHMARKS.md: the full one)."""
-    rows = table_rows(run_bench("--clients", "2", "--requests", "5", "--hostile", "1", script="bench_soak.py"))
+    rows = table_rows(run_bench("--clients", "2", "--requests", "5", "--hostile", "1", module="bench.soak"))
     assert rows["valid: answered, correct"][0] == 10 and "server threads, start → end" in rows, list(rows)
     assert any(k.startswith("hostile, ") for k in rows) and not any("lost" in k or "retried" in k for k in rows), rows

@@ -56,11 +56,14 @@ BUDGETS = {
     # forwards kept with their graphs for the first update (--reuse-rollout-forward), -> 461 for the family's rollout
     # cache (--prefix-kv-cache) handed to a group's shared-prefix calls
     "rollout.py": 461,
-    "omni_pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
-    "omni_pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
+    "omni/pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
+    "omni/pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
     # the 2026 families' pipelines inside vLLM-Omni servers (Z-Image, FLUX.2 [klein]): each parent's preparation and
     # decode around the shared loop, with their 0.30.0 fixes; 160 lines for two, 200 leaves room for one more family
-    "omni_pipeline_2026.py": 200,
+    "omni/pipeline_2026.py": 200,
+    "omni/__init__.py": 10, "tasks/__init__.py": 10, "bench/__init__.py": 10,  # what each folder holds, and how to run it
+    "omni/serve_tiny.py": 150,  # a tiny random-weight pipeline written to a directory and served by vLLM-Omni (tests)
+    "omni/tiny_vl.py": 150,  # a tiny vision-language judge served by vLLM for the tests
     "rewards.py": 500,  # rewards by name, weighted sums, async scoring, the remote reward, the judge's registration
     "reward_judge.py": 250,  # the vision-language judge: its tasks, their scores, its client; an edit's source image
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies
@@ -75,32 +78,39 @@ BUDGETS = {
     "rundir.py": 240,
     # the digits task and what the laptop tasks share (data, pretraining, held-out sampling); raised from 450 for what
     # their CLIs share: the numbers bounded in one line, a run's LoRA checked against its model before it loads
-    "nano.py": 490,  # -> 490: GARDO's two proxy rewards (issue 45), classifiers on the reward's features
+    "tasks/nano.py": 490,  # -> 490: GARDO's two proxy rewards (issue 45), classifiers on the reward's features
     # the GenEval-shaped task; raised from 450: seven categories, each with its template, layout and condition, read by
     # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
     # alone, the transformer)
-    "nano_compose.py": 630,
-    "nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, evaluation, grid
-    "nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
-    "nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
-    "bench.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
+    "tasks/nano_compose.py": 630,
+    "tasks/nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, evaluation, grid
+    "tasks/nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
+    "tasks/nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
+    "bench/overhead.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
     # the host's work per transformer call, loop against bare diffusers, at real depth (CPU); the bytes a rollout gathers
-    "bench_host.py": 200,
-    "bench_overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
-    "bench_plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
-    "bench_gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows
-    # the 2026 families' real architectures with random weights for bench_gpu.py (their transformers' and VAEs'
+    "bench/host.py": 200,
+    "bench/overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
+    "bench/plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
+    "bench/gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows
+    # the 2026 families' real architectures with random weights for bench/gpu.py (their transformers' and VAEs'
     # configs, random text states at the real width) and the FLOPs of a call as torch counts them
-    "bench_families.py": 120,
-    "bench_check.py": 200,  # the GPU tier in one command: every GPU step bounded, logged and summarised as it ends
-    "bench_soak.py": 400,  # the reward server under load and attack
+    "bench/families.py": 120,
+    "bench/check.py": 200,  # the GPU tier in one command: every GPU step bounded, logged and summarised as it ends
+    "bench/soak.py": 400,  # the reward server under load and attack
 }
+
+
+FOLDERS = ("", "tasks", "bench", "omni")  # the core at the root; beside it, what was built with it
+
+
+def python_files() -> list[str]:
+    return [os.path.join(d, f) for d in FOLDERS for f in sorted(os.listdir(os.path.join(ROOT, d))) if f.endswith(".py")]
 
 
 def test_every_file_is_within_its_budget():
     counts = {f: sum(1 for _ in open(os.path.join(ROOT, f))) for f in BUDGETS if os.path.exists(os.path.join(ROOT, f))}
-    print("\n" + "\n".join(f"{f:18s} {n:4d} / {BUDGETS[f]}" for f, n in counts.items()))
-    unlisted = {f for f in os.listdir(ROOT) if f.endswith(".py")} - BUDGETS.keys()
+    print("\n" + "\n".join(f"{f:26s} {n:4d} / {BUDGETS[f]}" for f, n in counts.items()))
+    unlisted = set(python_files()) - BUDGETS.keys()
     assert not unlisted, f"files missing from the table: {unlisted} (a new file says its concept and budget here)"
     over = {f: f"{n} > {BUDGETS[f]}" for f, n in counts.items() if n > BUDGETS[f]}
     assert not over, over
@@ -125,7 +135,7 @@ def test_the_repository_refers_to_nothing_outside_itself():
         text = open(os.path.join(ROOT, f), errors="replace").read()
         for n, line in enumerate(text.splitlines(), 1):
             written = "--markdown" in line or "tmp_path" in line  # a file a command or a test writes, not a citation
-            # (OUT/x.md: a file bench_check.py writes into the folder its command line names)
+            # (OUT/x.md: a file bench/check.py writes into the folder its command line names)
             documents = [d for d in re.findall(r"(?<!OUT/)(?<![\w.-])([\w.-]+\.md)\b", line)
                          if d not in names and not written]
             climbs = [p for p in re.findall(r"(?<![\w.])((?:\.\./)+\w[\w.-]*)", line)
@@ -138,33 +148,41 @@ def test_the_repository_refers_to_nothing_outside_itself():
 
 
 def imported_names(node: ast.AST) -> set[str]:
-    """The top-level module names one node of a file's syntax tree imports: `import x`, `from x import y`, and the
-    dynamic forms, `importlib.import_module("x")` / `__import__("x")` with a literal name and a "x:Name" string (a
-    table of such strings resolved by import_module is an import all the same)."""
+    """The module names one node of a file's syntax tree may import: `import x.y`, `from x import y` (x, and x.y if y is
+    a module), and the dynamic forms, `importlib.import_module("x")` / `__import__("x")` with a literal name and a
+    "x:Name" string (a table of such strings resolved by import_module is an import all the same)."""
     if isinstance(node, ast.Import):
-        return {a.name.split(".")[0] for a in node.names}
+        return {a.name for a in node.names}
     if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        return {node.module.split(".")[0]}
+        return {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
         called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
         if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-            return {node.args[0].value.split(".")[0]}
-    if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"\w+:\w+", node.value):
+            return {node.args[0].value}
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"[\w.]+:\w+", node.value):
         return {node.value.split(":")[0]}
     return set()
 
 
+def import_graph() -> dict[str, set[str]]:
+    """{module: the project's modules it imports}, over the root's files and the folders beside them (`tasks.nano`)."""
+    modules = {f[:-3].replace(os.sep, "."): f for f in python_files()}
+    graph = {}
+    for m, f in modules.items():
+        names = set().union(*map(imported_names, ast.walk(ast.parse(open(os.path.join(ROOT, f)).read()))))
+        graph[m] = names & modules.keys() - {m, m.rpartition(".")[0]}  # (a folder's __init__ is no module of ours)
+    return graph
+
+
 def test_imports_run_one_way():
-    """No import circle between the top-level files, counting imports inside functions (a lazy import of another
+    """No import circle between the project's files, counting imports inside functions (a lazy import of another
     project file to dodge a circle is one too) and dynamic imports by name. Before: rewards.py -> reward_http.py ->
     rewards.py; models.py -> models_flux.py -> models.py (models.py resolved "models_flux:Flux" by import_module)."""
-    files = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
-    graph = {}
-    for m in files:
-        names = set().union(*map(imported_names, ast.walk(ast.parse(open(os.path.join(ROOT, m + ".py")).read()))))
-        graph[m] = names & files - {m}
-    probe = ast.parse('importlib.import_module("a.b")\n__import__("c")\nTABLE = {"x": "d:Cls", "y": "no import"}')
-    assert set().union(*map(imported_names, ast.walk(probe))) == {"a", "c", "d"}  # the dynamic forms are seen
+    graph = import_graph()
+    probe = ast.parse('importlib.import_module("a.b")\n__import__("c")\nTABLE = {"x": "d:Cls", "y": "no import"}\n'
+                      'from tasks import nano')
+    assert set().union(*map(imported_names, ast.walk(probe))) == {"a.b", "c", "d", "tasks", "tasks.nano"}
+    assert {"tasks.nano", "models_nano"} <= graph["tasks.nano_compose"]  # the folders' imports are seen
 
     def reaches(start, goal, seen=()):  # a path start -> ... -> goal, as a list
         for d in sorted(graph[start]):
@@ -174,3 +192,15 @@ def test_imports_run_one_way():
                 return [start, *path]
     circles = [" -> ".join(reaches(m, m)) for m in sorted(graph) if reaches(m, m)]
     assert not circles, circles
+
+
+def test_the_core_stands_below_what_uses_it():
+    """The root's files (the core) import nothing from bench/ or omni/ (vLLM-Omni's servers import the pipelines; the
+    trainer never does), and from tasks/ only the registry of rewards by name (rewards.py: each laptop task's reward
+    and judge, as models.py registers the tasks' model family); tasks/ imports nothing from bench/."""
+    graph = import_graph()
+    upward = [f"{m} -> {d}" for m, ds in sorted(graph.items()) for d in sorted(ds)
+              if ("." not in m and d.startswith(("bench.", "omni.")))
+              or ("." not in m and d.startswith("tasks.") and m != "rewards")
+              or (m.startswith("tasks.") and d.startswith("bench."))]
+    assert not upward, upward

@@ -144,7 +144,7 @@ STALE = re.compile(r"not run yet|no figure yet|no GPU has run|prepared,? (?:but 
 
 def test_what_ran_where_denies_nothing_that_ran():
     """No page says a thing has not run when it has, and the front page's "What ran where" names the method comparison
-    of every laptop task whose comparison figure ships in assets/ (`nano_compare.py` writes assets/<task>/compare.png)."""
+    of every laptop task whose comparison figure ships in assets/ (`python -m tasks.nano_compare` writes assets/<task>/compare.png)."""
     stale = [f"{page}: {m.group(0)!r}" for page in pages() for m in STALE.finditer(open(os.path.join(ROOT, page)).read())]
     assert not stale, stale
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()

@@ -485,8 +485,8 @@ def test_compile_traces_one_graph_for_every_block(monkeypatch):
     (dynamo with aot_eager: its graphs and breaks are inductor's, without the C++ build, minutes on CPU.)"""
     from torch._dynamo.utils import counters
 
-    from bench import make_engine
-    from bench_host import deep_narrow_model
+    from bench.overhead import make_engine
+    from bench.host import deep_narrow_model
 
     compile_ = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager"))

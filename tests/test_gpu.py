@@ -87,19 +87,19 @@ def test_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device, shard, r
 
 @CUDA
 def test_bench_gpu_path_at_toy_size():
-    """bench_gpu.py's GPU benchmark, at the tiny model's sizes, on the GPU: every row finite and positive."""
+    """bench/gpu.py's GPU benchmark, at the tiny model's sizes, on the GPU: every row finite and positive."""
     rows = table_rows(run_bench("--model", "tiny", "--random-init", "--quick", "--device", "cuda",
-                                script="bench_gpu.py"))
+                                module="bench.gpu"))
     assert rows["peak memory (fitted)"][0] > 0 and 0 < rows["MFU (fitted)"][0] < 1
     assert rows["micro-batch fitted (--micro-batch 0)"][0] == 4  # all of the 4 images: a tiny model fits
 
 
 @CUDA
 def test_bench_sp_rows_at_toy_size():
-    """bench_gpu.py's --sp 2 ÷ --sp 1 rows on the GPU at toy size: with fewer than 2 GPUs its --sp 2 side is one process
+    """bench/gpu.py's --sp 2 ÷ --sp 1 rows on the GPU at toy size: with fewer than 2 GPUs its --sp 2 side is one process
     standing for rank 0 of 2 (a fake process group: memory exact, time without communication)."""
     rows = table_rows(run_bench("--sp", "2", "--model", "tiny", "--device", "cuda", "--sp-side", "256", "--repeats",
-                                "2", script="bench_gpu.py"))
+                                "2", module="bench.gpu"))
     assert 0 < rows["SP: activation memory per rank, --sp 2 ÷ --sp 1"][0] < 0.75
     assert 0 < rows["SP: peak CUDA memory of the step per rank, --sp 2 ÷ --sp 1"][0] < 1
 
@@ -198,7 +198,7 @@ def test_velocity_takes_sigma_from_the_cpu_to_the_models_device(model, tmp_path)
 
 class RandomTextWan(models_wan.Wan):
     """Wan with UMT5-XXL's output shape, 512 × 4096 random states per prompt, in place of its 5.7 B-parameter
-    encoder (as bench_gpu.py's RandomText for Qwen-Image): what the transformer sees, not what the text means."""
+    encoder (as bench/gpu.py's RandomText for Qwen-Image): what the transformer sees, not what the text means."""
 
     def encode(self, prompts: list[str]) -> dict:
         g = torch.Generator().manual_seed(len(prompts))

@@ -77,7 +77,7 @@ def test_a_damaged_nano_directory_is_one_line_naming_the_file(nano, case, file, 
         models.check_model_path("nano", str(nano))
     message = str(e.value)
     assert message.startswith(f"--model-path {nano}: {file} {problem}"), message
-    assert message.endswith(f"rerun `python nano.py pretrain --out {nano}`, or use the shipped assets/nano "
+    assert message.endswith(f"rerun `python -m tasks.nano pretrain --out {nano}`, or use the shipped assets/nano "
                             "(no --model-path)") and "\n" not in message, message
 
 

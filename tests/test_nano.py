@@ -1,4 +1,4 @@
-"""The nano task (nano.py): the data and its two classifiers, pretraining on a few steps, `--model nano`'s start-up
+"""The nano task (tasks/nano.py): the data and its two classifiers, pretraining on a few steps, `--model nano`'s start-up
 checks and evaluation seeds, and a short seeded RL run through the real CLI that raises the judge's accuracy on
 held-out seeds by far more than its noise."""
 import dataclasses
@@ -12,11 +12,11 @@ import pytest
 
 import flowgrpo
 import models
-import nano
 import rewards
 import rollout
 import startup
 import tiny_setup
+from tasks import nano
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NANO = flowgrpo.RECIPES["nano"]
@@ -59,7 +59,7 @@ def test_the_judge_sees_what_the_reward_averages_away():
 
 def test_pretraining_on_a_few_steps_lowers_its_losses_and_loads_as_nano(tmp_path):
     out = tmp_path / "nano"
-    run = subprocess.run([sys.executable, "nano.py", "pretrain", "--out", str(out), "--vae-steps", "30",
+    run = subprocess.run([sys.executable, "-m", "tasks.nano", "pretrain", "--out", str(out), "--vae-steps", "30",
                           "--transformer-steps", "20", "--per-digit", "2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The nano-compose task (nano_compose.py): its prompt sets, renders, the judge on constructed compositions with known
+"""The nano-compose task (tasks/nano_compose.py): its prompt sets, renders, the judge on constructed compositions with known
 answers (every category, both ways), the reward built differently from the judge, the reward's prompt check, the
 pretraining on a few steps, and a seeded RL run on the shipped base judged on held-out prompts."""
 import dataclasses
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import flowgrpo
-import nano
-import nano_compose as nc
 import rewards
 import startup
 import tiny_setup
+from tasks import nano
+from tasks import nano_compose as nc
 
 # One known composition per category, then prompts it satisfies (1) and prompts it does not (0): a wrong digit, a
 # wrong count, a wrong colour, the wrong side, swapped colours, the number's digits in another order.
@@ -41,7 +41,7 @@ def test_the_prompt_sets_hold_out_novel_combinations_and_the_shipped_file_is_the
     assert len(every) == 130 and len(novel) / len(every) >= 0.2, (len(novel), len(every))  # at least a fifth
     for category, prompts in nc.all_prompts().items():  # every prompt parses back to its own category
         assert {nc.parse(p)["category"] for p in prompts} == {category}
-    with open(nc.PROMPTS) as f:  # the shipped set is what `python nano_compose.py prompts` writes
+    with open(nc.PROMPTS) as f:  # the shipped set is what `python -m tasks.nano_compose prompts` writes
         assert [json.loads(line) for line in f] == nc.prompt_lines()
 
 
@@ -64,7 +64,7 @@ def test_the_judge_on_known_compositions_both_ways(category):
     images = np.concatenate([nc.render([drawn], held_out=True, seed=s) for s in range(RENDERS)])
     for prompt, want in answers.items():
         got = nc.judge_scores(images, [prompt] * RENDERS)
-        # the judge reads 97-99% of held-out renders right (nano_compose.py judge): allow one miss in ten, never more
+        # the judge reads 97-99% of held-out renders right (tasks/nano_compose.py judge): allow one miss in ten, never more
         assert (got == want).sum() >= RENDERS - 1, (drawn, prompt, want, got)
 
 
@@ -110,8 +110,8 @@ def test_the_compose_reward_through_the_registry_and_its_prompt_check():
 
 
 def pretrain(out, *flags: str) -> str:
-    """`python nano_compose.py pretrain` on a few steps and a small pool; its stdout."""
-    run = tiny_setup.run_cpu_bounded("nano_compose.py", "pretrain", "--out", out, "--pool-size", 140, "--vae-steps", 30,
+    """`python -m tasks.nano_compose pretrain` on a few steps and a small pool; its stdout."""
+    run = tiny_setup.run_cpu_bounded("tasks.nano_compose", "pretrain", "--out", out, "--pool-size", 140, "--vae-steps", 30,
                                      "--per-category", 1, *flags, cpu_seconds=3600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
@@ -150,7 +150,7 @@ def test_the_decoder_stage_leaves_the_encoder_and_so_the_latents_as_they_were(pr
 @pytest.mark.parametrize("change,needle", [
     (dict(height=16, width=16), "--model nano-compose draws 32×32 images .*: --height 32 --width 32, got 16×16"),
     (dict(prompts="digits"), "follows none of the task's templates"),
-    (dict(model_path="/no/such/compose"), "no vae/, transformer/ with a config.json; .*`python nano_compose.py "
+    (dict(model_path="/no/such/compose"), "no vae/, transformer/ with a config.json; .*`python -m tasks.nano_compose "
                                           "pretrain --out DIR`"),
 ])
 def test_nano_compose_start_up_checks_name_the_problem(pretrained, change, needle):
@@ -182,7 +182,7 @@ def test_the_comparison_rows_cover_every_algorithm():
     later algorithm is a row of nano_compare.METHODS and belongs here too. But GARDO: its KL's gate needs proxy rewards
     that training may see, and nano-compose has none but its judge (nano's row uses two classifiers of its own)."""
     import algorithms
-    import nano_compare
+    from tasks import nano_compare
     assert set(nc.COMPARED) <= set(nano_compare.METHODS) and nano_compare.TASKS["nano-compose"] is nc
     flags = [nano_compare.METHODS[m] for m in nc.COMPARED]
     named = {f[f.index("--algorithm") + 1] if "--algorithm" in f else "grpo" for f in flags}
@@ -193,7 +193,7 @@ def test_the_comparison_rows_cover_every_algorithm():
 def test_a_short_run_on_a_pretrained_base_gives_a_grid_and_a_per_category_curve(pretrained, tmp_path):
     """Two iterations of the recipe on the few-step base: the loop logs the judge per category (the prompts' tags),
     the comparison reads its overall as the mean of the categories (GenEval's), and the before/after grid is drawn."""
-    import nano_compare
+    from tasks import nano_compare
     base, _ = pretrained
     run = tmp_path / "run"
     rows = tiny_setup.main_here("--model", "nano-compose", "--model-path", str(base), "--run-dir", str(run),

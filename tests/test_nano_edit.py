@@ -1,4 +1,4 @@
-"""The nano-edit task (nano_edit.py): the judge and the reward on constructed answers with known verdicts (the exact
+"""The nano-edit task (tasks/nano_edit.py): the judge and the reward on constructed answers with known verdicts (the exact
 target, the unedited source, noise, the wrong edit; for `make it a d` a real glyph of d in the source's place or out of
 it), the shipped prompt set (held-out glyphs for evaluation) and its source paths reaching the reward, the NanoEdit
 adapter's transformer call (Qwen-Image-Edit's: the source's tokens after the noisy ones), the start-up refusals,
@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 import flowgrpo
 import models
-import nano
-import nano_edit as ne
 import prompts as prompt_sets
 import recipes
 import rewards
 import startup
 import tiny_setup
+from tasks import nano
+from tasks import nano_edit as ne
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PER_KIND = 40  # held-out (source, instruction) pairs of each kind in the constructed answers
@@ -172,10 +172,10 @@ def test_start_up_refuses_prompts_without_sources_and_takes_the_recipe():
 
 
 def test_pretraining_on_a_few_steps_writes_a_model_that_loads(tmp_path):
-    """`python nano_edit_pretrain.py` for 3 steps writes vae/ and transformer/ (float16) and a report with the VAE's
+    """`python -m tasks.nano_edit_pretrain` for 3 steps writes vae/ and transformer/ (float16) and a report with the VAE's
     ceiling per kind; `--model nano-edit --model-path` takes the directory."""
     out = tmp_path / "base"
-    run = subprocess.run([sys.executable, "nano_edit_pretrain.py", "--out", str(out), "--transformer-steps", "3",
+    run = subprocess.run([sys.executable, "-m", "tasks.nano_edit_pretrain", "--out", str(out), "--transformer-steps", "3",
                           "--per-kind", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -226,9 +226,9 @@ def test_a_short_seeded_rl_run_raises_the_held_out_judge(short_run, one_thread):
 
 
 def test_the_comparison_reads_the_task_per_kind_and_draws_its_grid(short_run, one_thread, tmp_path):
-    """nano_compare.py's task: its rows exist, a run's judge curve is the mean over the instruction kinds (each logged
+    """tasks/nano_compare.py's task: its rows exist, a run's judge curve is the mean over the instruction kinds (each logged
     by its tag), and the grid draws source | base | after RL per kind from a run's LoRA with the judge's verdicts."""
-    import nano_compare
+    from tasks import nano_compare
     assert nano_compare.TASKS["nano-edit"] is ne and set(ne.COMPARED) <= set(nano_compare.METHODS)
     row = {"perf/rollout_passes": 1, "perf/train_passes": 1, "perf/cpu_s": 1.0, "eval/edit_judge/mean": 0.9,
            **{f"eval/edit_judge/{k}/mean": i / 8 for i, k in enumerate(ne.INSTRUCTIONS)}}

@@ -2,7 +2,7 @@
 policy export, and the whole client against a loopback stand-in server (threads, retries, errors).
 
 The stand-in answers like vLLM-Omni's /v1/images/generations and writes trajectory files in the format of
-omni_pipeline.py, filled with tensors derived from each image's seed so that the test can check which row
+omni/pipeline.py, filled with tensors derived from each image's seed so that the test can check which row
 landed where, or leaves something broken or hostile at the trajectory path (`mode`). That the real server's
 files match the local backend is tests/omni/'s job.
 """
@@ -60,7 +60,7 @@ def trainer_sigmas(num_steps, seq_len):
 
 
 def write_fake_trajectory(body, seq_len, channels, mode):
-    """What omni_pipeline.py writes for this request, with seed-derived contents (or broken, by `mode`)."""
+    """What omni/pipeline.py writes for this request, with seed-derived contents (or broken, by `mode`)."""
     k, n = body["extra_params"]["flowgrpo"], body["n"]
     if mode in ("fifo", "directory"):  # what a broken or hostile server may leave at the path instead of a file
         return os.mkfifo(k["trajectory"]) if mode == "fifo" else os.mkdir(k["trajectory"])
@@ -221,10 +221,10 @@ def test_each_family_asks_for_its_own_guidance():
     assert wan(None, 1.0, "") == {"guidance_scale": 1.0} and wan(None, 4.5, "") == {"guidance_scale": 4.5,
                                                                                      "negative_prompt": ""}
     assert [models.adapter_class(m).omni_pipeline_class for m in models.TINY] == [
-        "omni_pipeline.FlowGRPOQwenImagePipeline", "omni_pipeline.FlowGRPOSD3Pipeline",
-        "omni_pipeline.FlowGRPOFluxPipeline", "omni_pipeline_edit.FlowGRPOFluxKontextPipeline",
-        "omni_pipeline_edit.FlowGRPOQwenImageEditPlusPipeline", "omni_pipeline.FlowGRPOWanPipeline",
-        "omni_pipeline_2026.FlowGRPOZImagePipeline", "omni_pipeline_2026.FlowGRPOFlux2KleinPipeline",
+        "omni.pipeline.FlowGRPOQwenImagePipeline", "omni.pipeline.FlowGRPOSD3Pipeline",
+        "omni.pipeline.FlowGRPOFluxPipeline", "omni.pipeline_edit.FlowGRPOFluxKontextPipeline",
+        "omni.pipeline_edit.FlowGRPOQwenImageEditPlusPipeline", "omni.pipeline.FlowGRPOWanPipeline",
+        "omni.pipeline_2026.FlowGRPOZImagePipeline", "omni.pipeline_2026.FlowGRPOFlux2KleinPipeline",
         None, None]  # tiny-qwen-image-2.1[-edit]: vLLM-Omni 0.30.0 has none; start-up refuses --rollout vllm-omni
     # Z-Image's CFG in its own form: guidance g = w − 1; FLUX.2 [klein]'s as SD3's (its negative prompt encoded)
     zimage = models.adapter_class("tiny-z-image").omni_request
@@ -243,11 +243,11 @@ def test_read_trajectory_checks_everything(tmp_path):
     schedule = trainer_sigmas(NUM_STEPS, 16)
     sigmas, sigma_max = schedule[:4], float(schedule[1])
     expected = {"seeds": [11, 12], "prompt": "p", "sigmas": sigmas, "sigma_max": sigma_max, "latent_shape": (16, 16),
-                "image_shape": (3, H, W), "pipeline": "omni_pipeline.P"}
+                "image_shape": (3, H, W), "pipeline": "omni.pipeline.P"}
 
     def read(**kw):  # the trajectory, checked against `expected` with `kw` changed
         return rollout.read_trajectory(str(tmp_path / "t.safetensors"), **(expected | kw))
-    with pytest.raises(FileNotFoundError, match="must run omni_pipeline.P .*shared filesystem"):
+    with pytest.raises(FileNotFoundError, match="must run omni.pipeline.P .*shared filesystem"):
         read()
     write_fake_trajectory(body, 16, 16, "ok")
     t = read()
@@ -354,7 +354,7 @@ def test_transient_503_is_retried(tmp_path, standin, model):
 
 @pytest.mark.parametrize("mode,needle", [
     ("error", "answered HTTP 500 to the request for prompt 'a cat', seeds \\[.*boom"),
-    ("no_file", "no trajectory file .*omni_pipeline.FlowGRPOQwenImagePipeline"),
+    ("no_file", "no trajectory file .*omni.pipeline.FlowGRPOQwenImagePipeline"),
     ("truncated", "malformed trajectory file"), ("wrong_seeds", "written for prompt"),
     ("other_sigmas", "sampled with sigmas"), ("sigma_max", "sigma_max 123.0"),
     ("directory", "not a regular file \\(mode d"),
@@ -481,4 +481,4 @@ def test_sample_needs_sync_first_and_takes_the_local_arguments(tmp_path, standin
 
 def test_the_main_modules_never_import_vllm_omni():
     import flowgrpo  # noqa: F401
-    assert "vllm_omni" not in sys.modules and "omni_pipeline" not in sys.modules
+    assert "vllm_omni" not in sys.modules and "omni.pipeline" not in sys.modules

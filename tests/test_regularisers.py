@@ -19,11 +19,11 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 import algorithms
 import flowgrpo
 import models_wan
-import nano
 import regularisers as reg
 import scheduler as sch
 import startup
 from tiny_setup import main_here
+from tasks import nano
 
 
 # ---- GARDO's advantages: flow_grpo/stat_tracking.py, type 'gardo' -------------------------------------------------

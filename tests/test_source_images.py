@@ -18,7 +18,6 @@ import torch
 from PIL import Image, ImageFile
 
 import flowgrpo
-import nano_edit
 import prompts as prompt_sets
 import rewards
 import runlog
@@ -27,6 +26,7 @@ import startup
 from test_edit import edit_prompts, write_png
 from test_engine import ENV, ROOT
 from tiny_setup import main_here, raised_within
+from tasks import nano_edit
 
 KONTEXT = flowgrpo.RECIPES["tiny-flux-kontext"]
 

@@ -18,12 +18,11 @@ from PIL import Image
 
 import engine as eng
 import flowgrpo
-import nano
-import nano_compare
 import rundir
 import runlog
 import startup
 from tiny_setup import main_here
+from tasks import nano, nano_compare
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -154,7 +153,7 @@ def test_a_run_whose_every_update_is_skipped_stops_naming_it(tmp_path, monkeypat
     eng.shutdown()
 
 
-# ---- the method comparison (nano_compare.py) honours run locks and flags ------------------------------------------
+# ---- the method comparison (tasks/nano_compare.py) honours run locks and flags ------------------------------------------
 
 def hold(path: Path) -> subprocess.Popen:
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -179,13 +178,13 @@ def test_a_second_comparison_into_the_same_out_is_refused_and_touches_nothing(tm
     (tmp_path / "window-2-seed0.log").write_text("the first comparison's log\n")
     holder = hold(tmp_path)
     try:
-        out = subprocess.run([sys.executable, "nano_compare.py", "--out", str(tmp_path), "--seeds", "1", "--methods",
+        out = subprocess.run([sys.executable, "-m", "tasks.nano_compare", "--out", str(tmp_path), "--seeds", "1", "--methods",
                               "window 2", "--iterations", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                              timeout=300)
     finally:
         holder.kill()
         holder.wait()
-    assert out.returncode == 2 and "nano_compare.py: error: --out" in out.stderr and "in use" in out.stderr, out.stderr
+    assert out.returncode == 2 and "python -m tasks.nano_compare: error: --out" in out.stderr and "in use" in out.stderr, out.stderr
     assert (tmp_path / "window-2-seed0.log").read_text() == "the first comparison's log\n"
 
 
@@ -219,12 +218,12 @@ def test_a_runs_final_evaluation_is_kept_and_read_back(tmp_path):
 
 def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path, capsys):
     """`grid` through the script, `evaluate` through its main in this process: exit 2 and one line."""
-    out = subprocess.run([sys.executable, "nano.py", "grid", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tasks.nano", "grid", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True,
                          text=True, timeout=300)
     with pytest.raises(SystemExit) as e:
         nano.main(["evaluate", str(tmp_path)])
     for code, err in ((out.returncode, out.stderr), (e.value.code, capsys.readouterr().err)):
-        assert code == 2 and err.strip().startswith("nano.py: error:") and len(err.strip().splitlines()) == 1 and \
+        assert code == 2 and err.strip().startswith("python -m tasks.nano: error:") and len(err.strip().splitlines()) == 1 and \
             "no exported LoRA" in err, err
 
 
@@ -235,36 +234,36 @@ def said(main, argv: list, capsys) -> str:
     bar's, no traceback)."""
     with pytest.raises(SystemExit) as stopped:
         main(argv)
-    rundir.release_run_dirs()  # (a process's end lets go of nano_compare.py's lock on --out)
+    rundir.release_run_dirs()  # (a process's end lets go of tasks/nano_compare.py's lock on --out)
     lines = [line for line in capsys.readouterr().err.split("\n") if line and not line.startswith("\r")]
     assert stopped.value.code == 2 and len(lines) == 1 and "Traceback" not in lines[0], lines
     return lines[0]
 
 
 def test_the_laptop_clis_refuse_what_could_not_finish_in_one_line(tmp_path, capsys):
-    """Sizes without an upper bound (`nano_compare.py --seeds 10⁹` held 3 GB after 79 s; `nano_edit.py evaluate
-    --seeds 10⁸`, `nano_compose.py evaluate --per-category 10⁸`) and a step count of -1 (`nano_edit_pretrain.py` wrote
+    """Sizes without an upper bound (`python -m tasks.nano_compare --seeds 10⁹` held 3 GB after 79 s; `python -m tasks.nano_edit evaluate
+    --seeds 10⁸`, `python -m tasks.nano_compose evaluate --per-category 10⁸`) and a step count of -1 (`tasks/nano_edit_pretrain.py` wrote
     an untrained base): each refused in one line, before anything starts."""
-    import nano_compose
-    import nano_edit
-    import nano_edit_pretrain
+    from tasks import nano_compose
+    from tasks import nano_edit
+    from tasks import nano_edit_pretrain
     for main, argv, line in [
-            (nano_compare.main, ["--seeds", "1000000000"], "nano_compare.py: error: --seeds must be in [1, 100]"),
-            (nano_compare.main, ["--jobs", "100000"], "nano_compare.py: error: --jobs must be in [1, 64]"),
-            (nano_edit.main, ["evaluate", "--seeds", "100000000"], "nano_edit.py: error: --seeds must be in [1, 100]"),
+            (nano_compare.main, ["--seeds", "1000000000"], "python -m tasks.nano_compare: error: --seeds must be in [1, 100]"),
+            (nano_compare.main, ["--jobs", "100000"], "python -m tasks.nano_compare: error: --jobs must be in [1, 64]"),
+            (nano_edit.main, ["evaluate", "--seeds", "100000000"], "python -m tasks.nano_edit: error: --seeds must be in [1, 100]"),
             (nano_compose.main, ["evaluate", "--per-category", "100000000"],
-             "nano_compose.py: error: --per-category must be in [1, 10000]"),
+             "python -m tasks.nano_compose: error: --per-category must be in [1, 10000]"),
             (nano_edit_pretrain.main, ["--transformer-steps", "-1", "--out", str(tmp_path / "base")],
-             "nano_edit_pretrain.py: error: --transformer-steps must be in [1, 1e7], got -1"),
+             "python -m tasks.nano_edit_pretrain: error: --transformer-steps must be in [1, 1e7], got -1"),
             (nano.main, ["pretrain", "--vae-lr", "nan", "--out", str(tmp_path / "base")],
-             "nano.py: error: --vae-lr must be in [0, 1e7], got nan")]:
+             "python -m tasks.nano: error: --vae-lr must be in [0, 1e7], got nan")]:
         assert said(main, argv, capsys).startswith(line)
     assert not (tmp_path / "base").exists()
 
 
 def test_nano_compose_prompts_writes_the_shipped_set(tmp_path):
-    """`python nano_compose.py prompts` (a documented command) failed every time: AttributeError, per_category."""
-    out = subprocess.run([sys.executable, "nano_compose.py", "prompts", "--out", str(tmp_path / "p.jsonl")], cwd=ROOT,
+    """`python -m tasks.nano_compose prompts` (a documented command) failed every time: AttributeError, per_category."""
+    out = subprocess.run([sys.executable, "-m", "tasks.nano_compose", "prompts", "--out", str(tmp_path / "p.jsonl")], cwd=ROOT,
                          env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "p.jsonl").read_text() == (ROOT / "assets" / "nano-compose" / "prompts.jsonl").read_text()
@@ -281,27 +280,27 @@ def test_nano_compare_refuses_a_bad_out_plot_or_run_directory_before_any_run(tmp
     assert said(nano_compare.main, ["--out", str(tmp_path / "file"), *one], capsys).endswith("is not a directory")
     for flag in ("--plot", "--markdown"):
         line = said(nano_compare.main, ["--out", str(tmp_path / "o"), flag, str(tmp_path / "no" / "x"), *one], capsys)
-        assert line == f"nano_compare.py: error: {flag} {tmp_path}/no/x: its folder {tmp_path}/no does not exist"
+        assert line == f"python -m tasks.nano_compare: error: {flag} {tmp_path}/no/x: its folder {tmp_path}/no does not exist"
     out = tmp_path / "links"
     out.mkdir()
     run = nano_compare.run_path(str(out), "Flow-GRPO, full mode", 0)
     os.symlink(tmp_path / "elsewhere", run)
     assert said(nano_compare.main, ["--out", str(out), *one], capsys).startswith(
-        f"nano_compare.py: error: {run} is not a directory of this comparison (a symbolic link, a file)")
+        f"python -m tasks.nano_compare: error: {run} is not a directory of this comparison (a symbolic link, a file)")
     os.unlink(run)
     os.symlink(victim, run + ".log")
     assert said(nano_compare.main, ["--out", str(out), *one], capsys).startswith(
-        f"nano_compare.py: error: {run}.log cannot be written (")
+        f"python -m tasks.nano_compare: error: {run}.log cannot be written (")
     assert victim.read_text() == "untouched" and not os.path.exists(run)
 
 
 def test_nano_grid_names_a_run_of_another_model(tmp_path, capsys):
-    """`nano.py grid` on a tiny run's LoRA: before, a "size mismatch" traceback; now the run's model, named."""
+    """`python -m tasks.nano grid` on a tiny run's LoRA: before, a "size mismatch" traceback; now the run's model, named."""
     run = tmp_path / "run"
     (run / "lora").mkdir(parents=True)
     (run / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
     (run / "args.json").write_text(json.dumps({"model": "tiny"}))
-    assert said(nano.main, ["grid", str(run)], capsys) == f"nano.py: error: {run} is a run of --model tiny, not nano: " \
+    assert said(nano.main, ["grid", str(run)], capsys) == f"python -m tasks.nano: error: {run} is a run of --model tiny, not nano: " \
                                                           "give a nano run"
 
 

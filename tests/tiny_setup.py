@@ -41,7 +41,7 @@ def main_here(*argv) -> list[dict]:
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# `python -c CPU_BOUND SECONDS SCRIPT ARGS...`: SCRIPT's __main__ with the process's CPU time bounded (RLIMIT_CPU).
+# `python -c CPU_BOUND SECONDS SCRIPT ARGS...`: SCRIPT's (a path, or a module's name) __main__ with the process's CPU time bounded (RLIMIT_CPU).
 CPU_BOUND = """
 import resource
 import runpy
@@ -49,7 +49,10 @@ import sys
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 10))
 sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if sys.argv[0].endswith(".py"):
+    runpy.run_path(sys.argv[0], run_name="__main__")
+else:  # a module, as `python -m` runs it
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 

@@ -107,7 +107,7 @@ class OmniServer:
 
     def __init__(self, model_dir: Path, log_path: Path, extra_args: list[str] = (), pipeline_args: dict | None = None):
         port = free_port()
-        # The project's pipeline class (omni_pipeline.py): it serves plain requests exactly as the stock one.
+        # The project's pipeline class (omni/pipeline.py): it serves plain requests exactly as the stock one.
         self._start(_load_serve_tiny().serve_command(str(model_dir), port, str(OMNI_VENV), list(extra_args),
                                                      pipeline_args), port, log_path)
 
@@ -117,7 +117,7 @@ class OmniServer:
         env = dict(os.environ,
                    # The model is a local directory; nothing may reach the network.
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                   # The custom pipeline class (omni_pipeline.py) is imported from the project root.
+                   # The custom pipeline class (omni/pipeline.py) is imported from the project root.
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env_extra)
         env.pop("VIRTUAL_ENV", None)
         self._log = open(log_path, "w")

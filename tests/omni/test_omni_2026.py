@@ -1,5 +1,5 @@
-"""Z-Image and FLUX.2 [klein] through the real vLLM-Omni 0.30.0 server: omni_pipeline_2026.FlowGRPOZImagePipeline
-serves tiny-z-image and omni_pipeline_2026.FlowGRPOFlux2KleinPipeline tiny-flux.2-klein (the base model's form: CFG
+"""Z-Image and FLUX.2 [klein] through the real vLLM-Omni 0.30.0 server: omni.pipeline_2026.FlowGRPOZImagePipeline
+serves tiny-z-image and omni.pipeline_2026.FlowGRPOFlux2KleinPipeline tiny-flux.2-klein (the base model's form: CFG
 applies), each family's pipeline directory from models.save_tiny_pipeline, one server per family reused by all of that
 family's tests (one request a pass: neither parent batches requests).
 

@@ -1,5 +1,5 @@
-"""The edit families through the real vLLM-Omni 0.30.0 server: omni_pipeline_edit.FlowGRPOFluxKontextPipeline serves
-tiny-flux-kontext and omni_pipeline_edit.FlowGRPOQwenImageEditPlusPipeline tiny-qwen-image-edit (their pipeline
+"""The edit families through the real vLLM-Omni 0.30.0 server: omni.pipeline_edit.FlowGRPOFluxKontextPipeline serves
+tiny-flux-kontext and omni.pipeline_edit.FlowGRPOQwenImageEditPlusPipeline tiny-qwen-image-edit (their pipeline
 directories from models.save_tiny_pipeline), the source image of each prompt sent in the request's knobs as a PNG
 (/v1/images/generations takes no image).
 

@@ -1,5 +1,5 @@
-"""SD3.5, FLUX.1 and Wan2.1 through the real vLLM-Omni 0.30.0 server: omni_pipeline.FlowGRPOSD3Pipeline serves
-tiny-sd3, omni_pipeline.FlowGRPOFluxPipeline tiny-flux, omni_pipeline.FlowGRPOWanPipeline tiny-wan (5-frame videos;
+"""SD3.5, FLUX.1 and Wan2.1 through the real vLLM-Omni 0.30.0 server: omni.pipeline.FlowGRPOSD3Pipeline serves
+tiny-sd3, omni.pipeline.FlowGRPOFluxPipeline tiny-flux, omni.pipeline.FlowGRPOWanPipeline tiny-wan (5-frame videos;
 the recipe's run: 9) (each family's pipeline directory from models.save_tiny_pipeline; one server per family,
 reused by all of that family's tests).
 
@@ -107,7 +107,7 @@ def served_equals_local(family, backend, prompts, kw):  # (test_omni_2026.py's f
 def test_fused_requests_of_several_images_equal_the_local_backend(family, tmp_path):
     """Four requests of n = 3 in flight at once, prompts of different lengths: the server fuses them into one
     forward (B = 4 prompts, 12 rows). vLLM-Omni 0.30.0's SD3 encodes each prompt once there, not n times
-    (measured without omni_pipeline's fix: HTTP 500, "The size of tensor a (12) must match ... (4)")."""
+    (measured without omni/pipeline.py's fix: HTTP 500, "The size of tensor a (12) must match ... (4)")."""
     model, engine = family.model, family.engine
     set_lora_b(model, 4)
     backend = rollout.OmniBackend(family.server.url, str(tmp_path), engine, concurrency=4)

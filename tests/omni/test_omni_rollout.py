@@ -1,4 +1,4 @@
-"""Rollout through the real vLLM-Omni 0.30.0 server running omni_pipeline.FlowGRPOQwenImagePipeline.
+"""Rollout through the real vLLM-Omni 0.30.0 server running omni.pipeline.FlowGRPOQwenImagePipeline.
 
 In-process: the served trajectories equal the local backend's (same seeds, same LoRA) and their σ equal the
 trainer's to the bit, every policy version is a new adapter that changes the images, the PNG response is the
@@ -142,7 +142,7 @@ def test_fused_requests_and_concurrent_samplers_share_a_server(omni_server, trai
     """Two clients at once, one adapter id, different noise levels, prompts of different lengths, n = 3:
     vLLM-Omni fuses waiting requests into one forward (--max-num-seqs 4), padding the prompts to one length.
     Each request must keep its own sampler and its own prompt mask (vLLM-Omni 0.30.0 interleaves the masks
-    of a fused batch with n > 1: omni_pipeline.encode_prompt; without that fix latents differ by ~1e-2)."""
+    of a fused batch with n > 1: omni.pipeline.encode_prompt; without that fix latents differ by ~1e-2)."""
     model, engine = trainer
     set_lora_b(model, 4)
     prompts = [("a cat " * (1 + i % 6)).strip() for i in range(18)]  # 6 requests of 3 images per client

@@ -1,7 +1,7 @@
-"""bench.py: Flow-GRPO's cost against the floor set by the model itself, as ratios measured side by side.
-    python bench.py [--quick] [--markdown FILE]                      # CPU, tiny model: the overhead table
+"""bench/overhead.py: Flow-GRPO's cost against the floor set by the model itself, as ratios measured side by side.
+    python -m bench.overhead [--quick] [--markdown FILE]                      # CPU, tiny model: the overhead table
 Rows: median, min, max over repeats after a warm-up, candidates alternating within a repeat. The GPU benchmark and the
---sp rows (random weights at real width) are bench_gpu.py's, the reward server's soak bench_soak.py's. See
+--sp rows (random weights at real width) are bench/gpu.py's, the reward server's soak bench/soak.py's. See
 BENCHMARKS.md."""
 import argparse
 import contextlib
@@ -20,7 +20,6 @@ import psutil
 import torch
 
 import algorithms
-import bench_plain
 import engine as eng
 import flowgrpo
 import models
@@ -29,8 +28,9 @@ import reward_judge
 import rewards
 import rollout
 import scheduler as sch
+from bench import plain as bench_plain
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA = torch.cuda.is_available()
 HEAD = ["| measurement | median | min | max | unit | target / expected | note |", "|---" * 7 + "|"]
 sync = torch.cuda.synchronize if CUDA else (lambda: None)
@@ -386,7 +386,7 @@ def main(argv=None):
     judge_rows(t, o)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
-        head = f"`python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}` at {rev.stdout.strip() or '?'}"
+        head = f"`python -m bench.overhead {' '.join(sys.argv[1:] if argv is None else argv)}` at {rev.stdout.strip() or '?'}"
         open(o.markdown, "w").write("\n".join([f"{head}, {time.ctime()}, load {os.getloadavg()[0]:.2f}\n", *t, ""]))
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 `scheduler.step`, each writing the trajectory the trainer needs (rollout.Batch's tensors) to the file a request names.
 
     PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
-        '{"pipeline_class": "omni_pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
+        '{"pipeline_class": "omni.pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
-FlowGRPOWanPipeline; the edit families' are omni_pipeline_edit.py's, Z-Image's and FLUX.2 [klein]'s
-omni_pipeline_2026.py's).
+FlowGRPOWanPipeline; the edit families' are omni/pipeline_edit.py's, Z-Image's and FLUX.2 [klein]'s
+omni/pipeline_2026.py's).
 Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
 
 A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
@@ -20,7 +20,7 @@ A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend
     max_sequence_length  the trainer's text length (its adapter's): T5 pads every prompt to it, so it shapes the
                   conditioning (the request API has no field for it)
     num_frames    frames per sample (a video model's; 1, the default, for images): the image API has no field for it
-    source        an edit model's source image, a base64 PNG (omni_pipeline_edit.py): /v1/images/generations
+    source        an edit model's source image, a base64 PNG (omni/pipeline_edit.py): /v1/images/generations
                   takes no image, and /v1/images/edits no extra_params
 A request without it (the server's start-up warm-up, a plain generation) runs vLLM-Omni's own sampler and
 writes nothing. Everything else (prompt encoding, latent packing, the transformer, CFG, the VAE decode) stays
@@ -175,7 +175,7 @@ class FlowGRPOSampler:
 
     def generate(self, req: DiffusionRequestBatch, **kwargs):
         """One pass with this request's knobs in `_run`: the parent's `forward`, whose `diffuse` is ours (a parent that
-        denoises inside its `forward`, omni_pipeline_2026.py's, replaces this)."""
+        denoises inside its `forward`, omni/pipeline_2026.py's, replaces this)."""
         return super().forward(req, **kwargs)
 
     def prepare_latents(self, *args, **kwargs):

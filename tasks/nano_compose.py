@@ -1,11 +1,11 @@
 """The nano-compose task: GenEval's questions at toy size, drawn with real handwritten digits in colour.
 
-    python nano_compose.py judge [--per-category 500]   # the judge and the reward on held-out renders, noise, wrong prompts
-    python nano_compose.py prompts [--out FILE]          # write the prompt set (train and held out, with categories)
-    python nano_compose.py pretrain [--out DIR]          # the base model: VAE, then transformer, with its gates' figures
-    python nano_compose.py evaluate [--model-path DIR]   # the judge per category on the held-out prompts and seeds
+    python -m tasks.nano_compose judge [--per-category 500]   # the judge and the reward on held-out renders, noise, wrong prompts
+    python -m tasks.nano_compose prompts [--out FILE]          # write the prompt set (train and held out, with categories)
+    python -m tasks.nano_compose pretrain [--out DIR]          # the base model: VAE, then transformer, with its gates' figures
+    python -m tasks.nano_compose evaluate [--model-path DIR]   # the judge per category on the held-out prompts and seeds
 
-A 32×32 image, black background, glyphs from scikit-learn's `load_digits` (nano.py's split: train 1,437, held out
+A 32×32 image, black background, glyphs from scikit-learn's `load_digits` (tasks/nano.py's split: train 1,437, held out
 360) in a palette of named colours (white where the prompt names none). Prompts follow TEMPLATES exactly:
 
     single       a 7                      exactly one digit, and it is 7
@@ -18,7 +18,7 @@ A 32×32 image, black background, glyphs from scikit-learn's `load_digits` (nano
 
 Why 32: the smallest side at which every category is drawn with glyphs that stay readable — "the number ddd" needs
 three 10–11 px glyphs side by side with 3 px between their ink (their ink is 7–10 px wide), "four ds" a 2×2 grid of
-16-px cells, the position words a few pixels between two centres on either axis; 16×16 holds one glyph (nano.py).
+16-px cells, the position words a few pixels between two centres on either axis; 16×16 holds one glyph (tasks/nano.py).
 
 The judge (`judge_scores`, never a reward) is a program in GenEval's manner: find the digits (connected ink, merged
 while their boxes nearly touch, specks and blobs dropped), read each (an RBF SVM on its crop stretched to 12×12), its
@@ -40,12 +40,12 @@ import numpy as np
 import torch
 
 import models_nano
-import nano
+from tasks import nano
 
 SIDE = 32  # image side in pixels
 SET_SEED = 0  # which combinations the held-out prompt set keeps for itself
-BASE_DIR = models_nano.NanoComposeQwenImage.default_path  # the base model's directory (`python nano_compose.py pretrain`)
-PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_compose.py prompts`)
+BASE_DIR = models_nano.NanoComposeQwenImage.default_path  # the base model's directory (`python -m tasks.nano_compose pretrain`)
+PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python -m tasks.nano_compose prompts`)
 PALETTE = {"white": (255, 255, 255), "red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255),
            "yellow": (255, 255, 0)}  # every entry has a channel at 255: the brightest channel is a glyph's ink
 COLOURS = ("red", "green", "blue", "yellow")  # the named colours; white is the colour of a digit named without one
@@ -64,7 +64,7 @@ NUMBER_SIZES = (10, 11)  # "the number ddd": three in a row, all of one of these
 GAP = 3  # empty pixels at least between the ink boxes of two glyphs of a render (the judge merges boxes ≤ 1 apart)
 OFFSET = 3  # the judge's position: centres more than this many pixels apart in the named direction
 ROW = 4  # the judge's "one row": the three centres within this many pixels vertically
-# What the method comparison (nano_compare.py) reads of a task: its --model, the judge's reward label, its categories.
+# What the method comparison (tasks/nano_compare.py) reads of a task: its --model, the judge's reward label, its categories.
 MODEL, JUDGE = "nano-compose", "compose_judge"
 COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "Flow-DPPO (mask 1e-5)", "DiffusionNFT", "AWM",
             "DGPO", "Online DPO")
@@ -398,7 +398,7 @@ def compose_judge():
 REWARDS = {"compose": (compose, parse), "compose_judge": (compose_judge, parse)}  # rewards.py's registry reads it
 
 
-# ---- the base model, pretrained here: `python nano_compose.py pretrain` writes assets/nano-compose ---
+# ---- the base model, pretrained here: `python -m tasks.nano_compose pretrain` writes assets/nano-compose ---
 
 # Qwen-Image's classes (docs/tasks.md): a VAE 4× down to 8×8×8 latents (1.83 M parameters), its decoder then trained
 # alone, and a transformer of 16 tokens (2×2 patches). 8 channels are the latents this transformer learns within the
@@ -442,7 +442,7 @@ def pretrain(out: str, per_cat: int = 50, *, seed: int, pool_size: int, vae_step
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    report = {"command": " ".join(["python nano_compose.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}
+    report = {"command": " ".join(["python -m tasks.nano_compose pretrain", *sys.argv[2:]]), "config": PRETRAIN}
 
     # 1. VAE on renders whose every glyph takes a random palette colour (so that no colour is rare), the error weighed
     #    1 + bright·ink (the canvas is mostly black: unweighted, black is the best first answer), the decoder read before
@@ -593,7 +593,7 @@ def measure(per_category: int = 500, seed: int = 1) -> dict:
 
 def main(argv=None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tasks.nano_compose", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pretrain", help="train the base model (defaults: the shipped budget) and write it to --out")
     p.add_argument("--out", default=BASE_DIR, help="directory for vae/, transformer/, pretrain.json")
@@ -609,7 +609,7 @@ def main(argv=None) -> None:
     w = sub.add_parser("prompts", help="write the prompt set: train and held out, each line with its category")
     w.add_argument("--out", default=PROMPTS)
     a = ap.parse_args(argv)  # at most 10⁴ images or renders of a category: minutes
-    nano.check_numbers(ap, "nano_compose.py", {"per_category": (getattr(a, "per_category", 1), 10**4)},
+    nano.check_numbers(ap, {"per_category": (getattr(a, "per_category", 1), 10**4)},
                        {k: getattr(a, k) for k in PRETRAIN} if a.cmd == "pretrain" else None)
     if a.cmd == "pretrain":
         pretrain(a.out, a.per_category, **{k: getattr(a, k) for k in PRETRAIN})

@@ -1,5 +1,5 @@
-"""bench_soak.py: the reward server under load and attack, in a table like bench.py's (main says what it sends).
-    python bench_soak.py [--clients C --requests R --hostile F --header-timeout S --markdown FILE]
+"""bench/soak.py: the reward server under load and attack, in a table like bench/overhead.py's (main says what it sends).
+    python -m bench.soak [--clients C --requests R --hostile F --header-timeout S --markdown FILE]
 See BENCHMARKS.md."""
 import argparse
 import base64
@@ -20,7 +20,7 @@ import torch
 import reward_http
 import reward_server
 import rewards
-from bench import HEAD, ROOT, row
+from bench.overhead import HEAD, ROOT, row
 
 def text_bomb() -> bytes:
     """A POST /score body of one 1×1 PNG carrying 64 zTXt chunks of 1 MiB of text each (64 kB on the wire)."""
@@ -33,13 +33,13 @@ def text_bomb() -> bytes:
     return json.dumps({"images": [base64.b64encode(png).decode()], "prompts": ["p"]}).encode()
 
 def main(argv=None) -> None:
-    """`python bench_soak.py`: C clients × R valid requests to `python rewards.py serve --reward brightness` on
+    """`python -m bench.soak`: C clients × R valid requests to `python rewards.py serve --reward brightness` on
     127.0.0.1 (4 images of 64², each answer checked against the local reward, 503s retried with backoff), and after
     each a hostile request with probability --hostile (an idle socket, a Content-Length of 10¹² and no body, "{not
     json", a PNG of 64 MiB of zTXt text, a Content-Length of '²'). Reports what was served, errors by kind, latency,
     the server's memory and threads; fails if a valid request is lost or answered wrongly, or refused while the
     clients are no more than the server's working slots, or if memory or threads stay."""
-    p = argparse.ArgumentParser(prog="bench_soak.py", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=main.__doc__)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=50, help="valid requests per client")
     p.add_argument("--hostile", type=float, default=0.25, help="probability of a hostile request after each valid one")
@@ -115,14 +115,14 @@ def main(argv=None) -> None:
         f"{end[0]:.0f} MiB, peak {end[1]:.0f} MiB; {wall:.0f} s of soak")
     row(t, "server threads, start → end", [start[2], end[2]], "threads", "equal", f"{start[2]} → {end[2]}")
     if o.markdown:
-        head = f"`python bench_soak.py {' '.join(argv)}`, {time.ctime()}, load {os.getloadavg()[0]:.2f}"
+        head = f"`python -m bench.soak {' '.join(argv)}`, {time.ctime()}, load {os.getloadavg()[0]:.2f}"
         open(o.markdown, "w").write("\n".join([head + "\n", *t, ""]))
     whole = answers.get("valid: answered, correct") == o.clients * o.requests
     # Clients no more than the slots (8) are never turned away: idle sockets hold none, and a slot is free again
     # before its answer is sent.
     refused = o.clients <= reward_server.Limits().max_requests and any(k.endswith("retried") for k in answers)
     if not whole or refused or end[2] != start[2] or end[0] > start[0] + 50:
-        sys.exit("bench_soak.py: a valid request was lost, answered wrongly or turned away, or the server's threads or "
+        sys.exit("bench/soak.py: a valid request was lost, answered wrongly or turned away, or the server's threads or "
                  "memory did not return")
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """vLLM-Omni 0.30.0 custom pipelines of the 2026 families it serves, Z-Image and FLUX.2 [klein], sampled with this
-project's sampler (omni_pipeline.FlowGRPOSampler: the same `scheduler.step`, the same knobs and trajectory file).
+project's sampler (omni.pipeline.FlowGRPOSampler: the same `scheduler.step`, the same knobs and trajectory file).
 
     PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
-        '{"pipeline_class": "omni_pipeline_2026.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
+        '{"pipeline_class": "omni.pipeline_2026.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOZImagePipeline, FlowGRPOFlux2KleinPipeline). Only the server
 process imports this module. (vLLM-Omni 0.30.0 has no Qwen-Image 2.1 pipeline: that family samples locally.)
@@ -33,7 +33,7 @@ import scheduler as sch
 from models_flux2 import klein_scheduler_class
 from models_qwen import last_logit_only
 from models_zimage import zimage_scheduler_class
-from omni_pipeline import FlowGRPOSampler, _prompt_text
+from omni.pipeline import FlowGRPOSampler, _prompt_text
 
 
 def one_request(req: DiffusionRequestBatch, pipeline: str) -> tuple[str, str | None, int]:

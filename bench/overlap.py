@@ -1,7 +1,7 @@
 """What `--off-policy 1` buys and what it costs: the speed of overlapping rollout and update, and the learning kept.
 
-    .venv/bin/python bench_overlap.py speed [--rounds 3] [--iterations 8] [--server-core 0] [--trainer-core 1]
-    .venv/bin/python bench_overlap.py learning [--seeds 3] [--out runs/nano-off-policy]
+    .venv/bin/python -m bench.overlap speed [--rounds 3] [--iterations 8] [--server-core 0] [--trainer-core 1]
+    .venv/bin/python -m bench.overlap learning [--seeds 3] [--out runs/nano-off-policy]
 
 `speed` times two ways of sampling elsewhere on this machine's two cores: a vLLM-Omni server (omni/serve_tiny.py, its
 own venv: omni/setup_env.sh) serving the shipped nano weights on one core while the trainer (`flowgrpo.py --rollout
@@ -10,7 +10,7 @@ vllm-omni`) runs on the other; then, the server stopped, torchrun's two ranks on
 alternating rounds (the machine's drift falls on both), each a run of its own; per mode the median of
 `perf/iteration_s` over every round's iterations after the first two (start-up, the first rollout that nothing
 overlaps), and the synchronous run's rollout and update seconds, which bound the gain: at best max(rollout, update) ÷
-(rollout + update). `learning`: the nano task's recipe (nano.py) through the server, both
+(rollout + update). `learning`: the nano task's recipe (tasks/nano.py) through the server, both
 modes on each seed; each run's final LoRA judged by nano's held-out evaluation (nano_compare.final_evaluation, as the
 method comparison does) and the loop's judge curves drawn in one figure.
 """
@@ -30,13 +30,12 @@ import numpy as np
 import matplotlib
 
 import models_nano
-import nano
-import nano_compare
+from tasks import nano, nano_compare
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The nano recipe with a KL to the base (one more forward per trained step), chosen so that sampling and the update
 # take similar time on one core each: through a server in full mode (a server's rollout carries the HTTP and file
 # exchange); on a rollout rank, which samples faster, with a window of 4 of the 10 steps trained (RANK_FLAGS).

@@ -1,10 +1,10 @@
-"""bench_gpu.py: the public recipe on random weights at real width (images/s, MFU, peak memory), and the --sp rows.
-    python bench_gpu.py --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
-    python bench_gpu.py --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
-    python bench_gpu.py --device cuda --model qwen-image-2.1 --random-init  # z-image, flux.2-klein; tiny-<name>: CPU
-    python bench_gpu.py --sp 2 [--device cuda --model qwen-image]        # the --sp 2 ÷ --sp 1 rows (CPU too)
-    python bench_gpu.py --plain [--device cuda] [--layers N]             # the update ÷ plain PyTorch, real width
-Rows: median, min, max over repeats after a warm-up, as bench.py's. See BENCHMARKS.md."""
+"""bench/gpu.py: the public recipe on random weights at real width (images/s, MFU, peak memory), and the --sp rows.
+    python -m bench.gpu --device cuda --model qwen-image --random-init  # GPU: images/s, split, MFU, peak memory
+    python -m bench.gpu --model tiny --random-init [--quick]            # that path on CPU at toy size (a dry run)
+    python -m bench.gpu --device cuda --model qwen-image-2.1 --random-init  # z-image, flux.2-klein; tiny-<name>: CPU
+    python -m bench.gpu --sp 2 [--device cuda --model qwen-image]        # the --sp 2 ÷ --sp 1 rows (CPU too)
+    python -m bench.gpu --plain [--device cuda] [--layers N]             # the update ÷ plain PyTorch, real width
+Rows: median, min, max over repeats after a warm-up, as bench/overhead.py's. See BENCHMARKS.md."""
 import argparse
 import dataclasses
 import gc
@@ -20,15 +20,15 @@ import torch
 from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 
 import algorithms
-import bench
-import bench_families
 import engine as eng
 import flowgrpo
 import memory
 import models_qwen
 import rewards
 import scheduler as sch
-from bench import CUDA, HEAD, ROOT, make_engine, measure, ms, row, sample, sync, texts_of, train, vm_hwm
+from bench import overhead
+from bench import families as bench_families
+from bench.overhead import CUDA, HEAD, ROOT, make_engine, measure, ms, row, sample, sync, texts_of, train, vm_hwm
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks, vendor data sheets
 
@@ -53,7 +53,7 @@ def random_model(kind: str, device: str, heads: int = 3, layers: int = 0, fp32: 
     return RandomText(pipe, device, dtype if kind != "tiny" else torch.float32)
 
 def model_of(name: str, device: str):
-    """Qwen-Image's random_model, or a 2026 family's (bench_families.py)."""
+    """Qwen-Image's random_model, or a 2026 family's (bench/families.py)."""
     return random_model(name, device) if name in ("tiny", "qwen-image") else bench_families.family_model(name, device)
 
 def pass_flops(c, s_img: int, s_txt: int, r: int) -> float:
@@ -200,14 +200,14 @@ def offload_rows(t: list, o, a: flowgrpo.Args):
         f"{a.micro_batch} images: {a.micro_batch / ticks[0].sum():.3g} images/s, one iteration")
 
 def plain_rows(t: list, o, a: flowgrpo.Args):
-    """bench.py's "training ÷ plain PyTorch update" at Qwen-Image's real width (24 heads × 128, text 3584; random
+    """bench/overhead.py's "training ÷ plain PyTorch update" at Qwen-Image's real width (24 heads × 128, text 3584; random
     weights, fp32, no mixed precision or checkpointing, which the plain update lacks): `--layers` of its 60 blocks, so
     that two copies fit (CPU: one block, in seconds an update)."""
     def build():
         torch.manual_seed(a.seed)  # the same weights for the loop's model and the plain one
         return random_model("qwen-image", o.device, layers=o.layers, fp32=True)
     b = sample(build(), a, sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0))  # that copy then freed
-    bench.plain_rows(t, o, a, build, b, f"real width, {o.layers} of 60 blocks, {a.height}², CFG {a.cfg_scale:g}: ")
+    overhead.plain_rows(t, o, a, build, b, f"real width, {o.layers} of 60 blocks, {a.height}², CFG {a.cfg_scale:g}: ")
 
 def sp_measure(o, sp: int) -> dict:
     """One rank of --sp sp (a torchrun rank; alone with --sp-fake, standing for rank 0 of sp through a process group
@@ -256,11 +256,11 @@ def sp_measure(o, sp: int) -> dict:
                 seconds=seconds[1:], tokens=x.shape[1], main=engine.is_main)
 
 def sp_rows(t: list, o, n: int):
-    """--sp n ÷ --sp 1: n ranks of `bench_gpu.py --sp-worker n` (CPU: gloo; CUDA: n GPUs, or --sp-fake on fewer), then
+    """--sp n ÷ --sp 1: n ranks of `python -m bench.gpu --sp-worker n` (CPU: gloo; CUDA: n GPUs, or --sp-fake on fewer), then
     --sp 1 in this process."""
     fake = CUDA and torch.cuda.device_count() < n
     ranks = [] if fake else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
-    cmd = [sys.executable, *ranks, "bench_gpu.py", "--sp-worker", str(n), "--sp-side", str(o.sp_side), "--device",
+    cmd = [sys.executable, *ranks, "-m", "bench.gpu", "--sp-worker", str(n), "--sp-side", str(o.sp_side), "--device",
            o.device, "--model", o.model, "--repeats", str(o.repeats), *(["--sp-fake"] if fake else []),
            *(["--profile"] if o.profile else [])]
     out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
@@ -314,7 +314,7 @@ def main(argv=None):
     o, t = p.parse_args(argv), list(HEAD)
     if not (o.random_init or o.sp or o.sp_worker or o.plain):
         p.error("give --random-init (images/s, MFU, peak memory), --plain (the update ÷ plain PyTorch at the real "
-                "width) or --sp N (the --sp N ÷ --sp 1 rows); the CPU overhead table is `python bench.py`")
+                "width) or --sp N (the --sp N ÷ --sp 1 rows); the CPU overhead table is `python -m bench.overhead`")
     if (o.sp or o.sp_worker or o.plain) and o.model not in ("tiny", "qwen-image"):
         p.error(f"--sp and --plain measure Qwen-Image (--model tiny or qwen-image), got --model {o.model}: give "
                 "--random-init for its recipe")
@@ -345,7 +345,7 @@ def main(argv=None):
         {"offload": offload_rows, "compiled": compiled_rows}.get(",".join(o.rows), gpu_rows)(t, o, a)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
-        command = f"python bench_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}"
+        command = f"python -m bench.gpu {' '.join(sys.argv[1:] if argv is None else argv)}"
         head = f"`{command}` at {rev.stdout.strip() or '?'}"
         open(o.markdown, "w").write("\n".join([f"{head}, {time.ctime()}, load {os.getloadavg()[0]:.2f}\n", *t, ""]))
 

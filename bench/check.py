@@ -1,7 +1,7 @@
-"""bench_check.py: the GPU tier in one command, for a GPU machine at hand for minutes (`bash run.sh gpu-check OUT`).
-    python bench_check.py OUT              # one CUDA GPU: every GPU row and test, at most 9 minutes in all
-    python bench_check.py OUT --dry-run    # the same steps at toy size on the CPU (tests/test_bench.py)
-    python bench_check.py OUT --more       # the second command: the steps that the first's 9 minutes leave out
+"""bench/check.py: the GPU tier in one command, for a GPU machine at hand for minutes (`bash run.sh gpu-check OUT`).
+    python -m bench.check OUT              # one CUDA GPU: every GPU row and test, at most 9 minutes in all
+    python -m bench.check OUT --dry-run    # the same steps at toy size on the CPU (tests/test_bench.py)
+    python -m bench.check OUT --more       # the second command: the steps that the first's 9 minutes leave out
 
 Each step runs under its own bound, the most important first: the recipe end to end (the micro-batch fitted to the
 device, the recipe's own, the update on the rollout's kept forwards, transformer forwards against diffusers' bare
@@ -22,16 +22,17 @@ import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-GPU = [PY, "bench_gpu.py", "--device", "cuda", "--model", "qwen-image"]
-TOY = [PY, "bench_gpu.py", "--model", "tiny", "--quick"]
+GPU_BENCH = [PY, "-m", "bench.gpu"]  # from ROOT, as every step runs
+GPU = [*GPU_BENCH, "--device", "cuda", "--model", "qwen-image"]
+TOY = [*GPU_BENCH, "--model", "tiny", "--quick"]
 
 
 def family(name: str, rows: str, gpu_extra=()) -> tuple[list[str], list[str]]:
-    """A 2026 family's recipe on its real architecture (bench_families.py): the GPU command and its dry run's."""
-    return ([PY, "bench_gpu.py", "--device", "cuda", "--model", name, "--random-init", "--rows", rows, *gpu_extra],
-            [PY, "bench_gpu.py", "--model", f"tiny-{name}", "--quick", "--random-init", "--rows", rows])
+    """A 2026 family's recipe on its real architecture (bench/families.py): the GPU command and its dry run's."""
+    return ([*GPU_BENCH, "--device", "cuda", "--model", name, "--random-init", "--rows", rows, *gpu_extra],
+            [*GPU_BENCH, "--model", f"tiny-{name}", "--quick", "--random-init", "--rows", rows])
 
 
 SUMMARY = "OUT/summary.md"  # OUT: the folder named on the command line
@@ -56,7 +57,7 @@ STEPS = [
      [*GPU, "--random-init", "--rows", "compiled", "--repeats", "2"],
      [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 45),
 ]
-# the second command (--more), 7 minutes: the other families (bench_families.py), then the two steps moved out of STEPS
+# the second command (--more), 7 minutes: the other families (bench/families.py), then the two steps moved out of STEPS
 MORE = [
     ("z-image", "Z-Image's recipe (Flow-Factory's), random weights at the real width (6.2 B), fitted and its own "
      "micro-batch", *family("z-image", "fitted,recipe", ["--repeats", "1"]), 150),
@@ -65,7 +66,7 @@ MORE = [
     ("qwen21-recipe", "Qwen-Image 2.1's one-GPU recipe at its own micro-batch (1)",
      *family("qwen-image-2.1", "recipe", ["--repeats", "1"]), 60),
     ("plain", "the update ÷ plain PyTorch's, 4 of 60 blocks at the real width, fp32",
-     [PY, "bench_gpu.py", "--device", "cuda", "--plain", "--repeats", "2"], [PY, "bench_gpu.py", "--plain", "--quick"],
+     [*GPU_BENCH, "--device", "cuda", "--plain", "--repeats", "2"], [*GPU_BENCH, "--plain", "--quick"],
      35),
     ("offload", "parameter offload, one micro-batch", [*GPU, "--random-init", "--rows", "offload"],
      [*TOY, "--random-init", "--rows", "offload"], 35),
@@ -107,7 +108,7 @@ def run_step(name: str, argv: list[str], bound: float, log_path: str) -> tuple[s
 
 
 def report(log_path: str) -> str:
-    """A step's table rows (bench_gpu.py's), a test run's outcome lines, or its last lines."""
+    """A step's table rows (bench/gpu.py's), a test run's outcome lines, or its last lines."""
     text = open(log_path, errors="replace").read()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| measurement")]
     outcome = [line for line in text.splitlines() if re.match(r"(FAILED|ERROR) ", line)

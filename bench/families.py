@@ -1,5 +1,5 @@
-"""bench_families.py: the 2026 families (Qwen-Image 2.1, Z-Image, FLUX.2 [klein]) at their real architecture with
-random weights for bench_gpu.py --random-init, and the FLOPs of a velocity call as torch counts them.
+"""bench/families.py: the 2026 families (Qwen-Image 2.1, Z-Image, FLUX.2 [klein]) at their real architecture with
+random weights for bench/gpu.py --random-init, and the FLOPs of a velocity call as torch counts them.
 
 Each family's adapter runs unchanged on a pipeline whose transformer and VAE are the published architectures built
 from their configs (random weights, bf16, on the device) and whose text encoder is the tiny twin's: it gives each

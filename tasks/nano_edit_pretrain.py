@@ -2,9 +2,9 @@
 under every instruction, (source latents, instruction) -> the exact target (`make it a d`: a train glyph of d in the
 source's place), by rectified flow as nano's; what it reached written beside it.
 
-    python nano_edit_pretrain.py [--out DIR] [--transformer-steps N] [--curve-every N]   # defaults: PRETRAIN
+    python -m tasks.nano_edit_pretrain [--out DIR] [--transformer-steps N] [--curve-every N]   # defaults: PRETRAIN
 
-Apart from nano_edit.py (the task: edits, judge, reward, prompt set, evaluation), which it imports, because RL and the
+Apart from tasks/nano_edit.py (the task: edits, judge, reward, prompt set, evaluation), which it imports, because RL and the
 comparison never train a base: the task's file reads without this one.
 """
 import json
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 import models_nano
-import nano
-import nano_edit as ne
+from tasks import nano
+from tasks import nano_edit as ne
 
 PRETRAIN = dict(seed=0, transformer_steps=250, transformer_batch=128, transformer_lr=1e-3, ema=0.995,
                 curve_every=0, curve_per_kind=10)
@@ -96,7 +96,7 @@ def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int,
     from diffusers import QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    report = {"command": " ".join(["python nano_edit_pretrain.py", *sys.argv[1:]]), "config": PRETRAIN}
+    report = {"command": " ".join(["python -m tasks.nano_edit_pretrain", *sys.argv[1:]]), "config": PRETRAIN}
     vae = models_nano.build_nano_pipeline(models_nano.NANO_DIR).vae
     pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**nano.TRANSFORMER))
     model, report["curve"] = models_nano.NanoEdit(pipe, "cpu", torch.float32), []
@@ -135,13 +135,13 @@ def ceiling(vae, per_kind: int = 100) -> dict:
 
 def main(argv=None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tasks.nano_edit_pretrain", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=ne.BASE_DIR)
     ap.add_argument("--per-kind", type=int, default=20, help="held-out prompts of each kind the base is judged on")
     for key, value in PRETRAIN.items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     a = ap.parse_args(argv)
-    nano.check_numbers(ap, "nano_edit_pretrain.py", {"per_kind": (a.per_kind, 10**4)},
+    nano.check_numbers(ap, {"per_kind": (a.per_kind, 10**4)},
                        {k: getattr(a, k) for k in PRETRAIN})
     torch.set_num_threads(1)
     pretrain(a.out, a.per_kind, **{k: getattr(a, k) for k in PRETRAIN})

@@ -1,6 +1,6 @@
-"""bench_plain.py: the loop's Flow-GRPO update written as the plainest PyTorch, the yardstick of framework overhead.
+"""bench/plain.py: the loop's Flow-GRPO update written as the plainest PyTorch, the yardstick of framework overhead.
 A plain module with peft's LoRA, no engine and no FSDP; the SDE step's log-prob and the PPO-clip loss inline; clipping
-and AdamW. bench.py runs it beside the loop's own update on the same batch (and checks that both land on the same LoRA);
+and AdamW. bench/overhead.py runs it beside the loop's own update on the same batch (and checks that both land on the same LoRA);
 BENCHMARKS.md has the figures."""
 import numpy as np
 import torch

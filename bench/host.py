@@ -1,6 +1,6 @@
-"""bench_host.py: the host's work per transformer call, the loop's against bare diffusers', at real depth; and the
+"""bench/host.py: the host's work per transformer call, the loop's against bare diffusers', at real depth; and the
 bytes a rollout gathers on 2 ranks.
-    python bench_host.py [--quick] [--compile] [--markdown FILE]  # CPU: time and aten ops per call, loop ÷ bare
+    python -m bench.host [--quick] [--compile] [--markdown FILE]  # CPU: time and aten ops per call, loop ÷ bare
 
 On a GPU at the recipe's micro-batch the transformer's kernels are short, and what the host does to launch them (the
 adapter's layers, casts, hooks) decides the time: the first GPU run (BENCHMARKS.md) measured the loop's forward at
@@ -30,7 +30,7 @@ import models
 import models_qwen
 import rollout
 import scheduler as sch
-from bench import HEAD, make_engine, measure, ms, row, texts_of
+from bench.overhead import HEAD, make_engine, measure, ms, row, texts_of
 
 BLOCKS = 60  # Qwen-Image's depth
 
@@ -144,7 +144,7 @@ def gather_worker() -> None:
 
 def gather_rows(t: list):
     """Engine.rollout_weights at 2 ranks: bytes gathered per image, kept ÷ gathered at every step, the same images."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench.host",
            "--gather-worker"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode:

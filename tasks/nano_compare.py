@@ -1,6 +1,6 @@
 """Every RL method of this repository on a laptop task: the same runs, seeds and compute, one table and one picture.
 
-    python nano_compare.py [--task nano] [--seeds 5] [--jobs 2] [--markdown FILE]   # BENCHMARKS.md's tables
+    python -m tasks.nano_compare [--task nano] [--seeds 5] [--jobs 2] [--markdown FILE]   # BENCHMARKS.md's tables
 
 Each method of METHODS runs `flowgrpo.py --model TASK FLAGS --seed S` (one torch thread) into <out>/<method>-seed<S>;
 then each run's judge curve (the loop's evaluations on held-out seeds) is read at the smallest compute every run
@@ -30,12 +30,10 @@ import torch
 from tqdm import tqdm
 
 import flowgrpo
-import nano
-import nano_compose
-import nano_edit
 import recipes
 import rundir
 import startup
+from tasks import nano, nano_compose, nano_edit
 
 TASKS = {"nano": nano, "nano-compose": nano_compose, "nano-edit": nano_edit}  # --task: a module per laptop task
 METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later algorithm is one more row
@@ -326,7 +324,7 @@ def plot_categories(path: str, task, measured: dict) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tasks.nano_compare", description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=list(TASKS), default="nano", help="the laptop task (its --model name)")
     ap.add_argument("--out", help="where the runs go (default: runs/<task>-compare); finished ones are reused")
     ap.add_argument("--seeds", type=int, help="seeds per method (default: the task's SEEDS, else 5)")
@@ -347,7 +345,7 @@ def main(argv=None) -> None:
         setattr(a, flag, recipes.RECIPES[task.MODEL][flag] if getattr(a, flag) is None else getattr(a, flag))
     counts = {"seeds": (a.seeds, 100), "iterations": (a.iterations, 10**5), "eval_every": (a.eval_every, 10**5),
               "eval_images": (a.eval_images, 1024), "jobs": (a.jobs, 64), "per_prompt": (a.per_prompt, 10**4)}
-    nano.check_numbers(ap, "nano_compare.py", counts)  # what could finish: seeds × methods runs, each a recipe's
+    nano.check_numbers(ap, counts)  # what could finish: seeds × methods runs, each a recipe's
     if not a.methods:
         ap.error("--methods: name at least one method")
     plot_path = a.plot or os.path.join(nano.ROOT, "assets", a.task, "compare.png")
@@ -365,7 +363,7 @@ def main(argv=None) -> None:
         measured = compare(task, out, a.seeds, a.iterations, a.eval_every, a.eval_images,
                            {m: METHODS[m] for m in a.methods}, a.jobs, a.per_prompt)
     except ValueError as e:
-        ap.exit(2, f"nano_compare.py: error: {str(e).replace('--run-dir', '--out')}\n")
+        ap.exit(2, f"{ap.prog}: error: {str(e).replace('--run-dir', '--out')}\n")
     lines = table(task, {m: METHODS[m] for m in a.methods}, measured)
     plot(plot_path, measured)
     if task.CATEGORIES:
@@ -376,7 +374,7 @@ def main(argv=None) -> None:
     with own_file(os.path.join(out, "measured.json")) as f:  # every run's curve and final evaluation
         json.dump(measured, f, indent=1, default=lambda v: v.tolist())
     task.grid(run_path(out, a.methods[0], 0), os.path.join(os.path.dirname(plot_path), "before_after.png"))
-    head = (f"`python nano_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
+    head = (f"`python -m tasks.nano_compare {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
             f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{(time.time() - start) / 60:.0f} min, load {os.getloadavg()[0]:.2f}")
     print(head, *lines, sep="\n")

@@ -1,14 +1,14 @@
 """vLLM-Omni 0.30.0 custom pipelines of the edit families, FLUX.1 Kontext and Qwen-Image-Edit, sampled with this
-project's sampler (omni_pipeline.FlowGRPOSampler: the same `scheduler.step`, the same trajectory file).
+project's sampler (omni.pipeline.FlowGRPOSampler: the same `scheduler.step`, the same trajectory file).
 
     PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
-        '{"pipeline_class": "omni_pipeline_edit.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
+        '{"pipeline_class": "omni.pipeline_edit.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOFluxKontextPipeline, FlowGRPOQwenImageEditPlusPipeline).
 Only the server process imports this module.
 
 vLLM-Omni 0.30.0's `/v1/images/generations` takes no image and its `/v1/images/edits` no `extra_params` (where this
-project's knobs travel, omni_pipeline.py): an edit request is a generation request whose knobs carry the source,
+project's knobs travel, omni/pipeline.py): an edit request is a generation request whose knobs carry the source,
     source        the prompt's source image, a base64 PNG of at most SOURCE_PIXELS pixels (read within SOURCE_CHARS
                   characters, its size checked before its pixels are decoded); Kontext's at the output size
     source_areas  Qwen-Image-Edit's: the pixel areas the source is resized to for the text encoder and for the VAE (the
@@ -28,7 +28,7 @@ from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit import calcu
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus import QwenImageEditPlusPipeline
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
-from omni_pipeline import KEY, FlowGRPOSampler, expose_flux_lora_names, flux_velocity, qwen_velocity
+from omni.pipeline import KEY, FlowGRPOSampler, expose_flux_lora_names, flux_velocity, qwen_velocity
 
 SOURCE_PIXELS = 4096 * 4096  # the largest source image a request may carry
 SOURCE_CHARS = 64 << 20  # the longest `source` knob read (base64 text)

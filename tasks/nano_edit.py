@@ -1,11 +1,11 @@
 """The nano-edit task: edit a real handwritten digit as an instruction says, at nano's 16×16, white on black.
 
-    python nano_edit.py judge [--per-kind 300]    # judge and reward on exact targets, sources, noise, wrong edits
-    python nano_edit.py prompts [--out FILE]      # write the prompt set and its source PNGs (train and held out)
-    python nano_edit.py evaluate [--lora DIR]     # the judge per instruction on held-out glyphs and seeds
-    python nano_edit_pretrain.py [--out DIR]      # the base: nano's VAE, a transformer trained here on edits
+    python -m tasks.nano_edit judge [--per-kind 300]    # judge and reward on exact targets, sources, noise, wrong edits
+    python -m tasks.nano_edit prompts [--out FILE]      # write the prompt set and its source PNGs (train and held out)
+    python -m tasks.nano_edit evaluate [--lora DIR]     # the judge per instruction on held-out glyphs and seeds
+    python -m tasks.nano_edit_pretrain [--out DIR]      # the base: nano's VAE, a transformer trained here on edits
 
-A source is a glyph of scikit-learn's `load_digits` (nano.py's split: train 1,437, held out 360) drawn at 12×12
+A source is a glyph of scikit-learn's `load_digits` (tasks/nano.py's split: train 1,437, held out 360) drawn at 12×12
 (bilinear, its grey doubled and clipped: solid ink) in the middle of the 16×16 canvas, so that every edit stays on it.
 Exact targets, computed from the source (`EDITS`): `make it bold` / `make it thin` grey dilation / erosion with the 3×3
 plus; `mirror it` left-right; `turn it upside down` 180°; `move it left` (right, up, down) SHIFT pixels; `make it a
@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from PIL import Image
 
 import models_nano
-import nano
 import prompts as prompt_sets
 import rollout
 import source_images
+from tasks import nano
 
 SIDE, GLYPH, GAIN = 16, 12, 2.0  # canvas, glyph side (pixels), ink gain (the bilinear strokes' grey made solid)
 SHIFT = 2  # pixels a move instruction moves the glyph
@@ -46,9 +46,9 @@ GEOMETRIC = {  # instruction -> (edit on images (N, 1, S, S), its inverse or Non
     "move it up": ("up", "down"), "move it down": ("down", "up")}
 _SEMANTIC = re.compile(r"make it an? (\d)")
 INSTRUCTIONS = (*GEOMETRIC, "make it a {d}")  # the tags of the evaluation: one per instruction kind
-BASE_DIR = models_nano.NanoEdit.default_path  # the shipped base (`python nano_edit_pretrain.py`)
-PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python nano_edit.py prompts`)
-MODEL, JUDGE, CATEGORIES = "nano-edit", "edit_judge", INSTRUCTIONS  # what nano_compare.py reads of a task
+BASE_DIR = models_nano.NanoEdit.default_path  # the shipped base (`python -m tasks.nano_edit_pretrain`)
+PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python -m tasks.nano_edit prompts`)
+MODEL, JUDGE, CATEGORIES = "nano-edit", "edit_judge", INSTRUCTIONS  # what tasks/nano_compare.py reads of a task
 # its rows and seeds there (BENCHMARKS.md): nano-compose's seven, 3 seeds (64 prompts an iteration: 4.5 to 9.4 CPU-s an
 # iteration, so BENCHMARKS ran them at 40 of the recipe's 80 iterations)
 COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "Flow-DPPO (mask 1e-5)", "DiffusionNFT", "AWM", "DGPO",
@@ -349,7 +349,7 @@ def measure(per_kind: int = 300, seed: int = 1) -> dict:
 
 def main(argv=None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tasks.nano_edit", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("evaluate", help="the base (or --model-path, with a run's --lora) per instruction, held out")
     e.add_argument("--model-path"), e.add_argument("--lora", help="a finished run's lora/ directory")
@@ -359,7 +359,7 @@ def main(argv=None) -> None:
     for q, n in ((e, 20), (j, 300)):
         q.add_argument("--per-kind", type=int, default=n, help="held-out prompts (judge: sources) of each kind")
     a = ap.parse_args(argv)  # 10⁴ prompts of a kind, 100 seeds each: at most 10⁶ images
-    nano.check_numbers(ap, "nano_edit.py", {"per_kind": (getattr(a, "per_kind", 1), 10**4),
+    nano.check_numbers(ap, {"per_kind": (getattr(a, "per_kind", 1), 10**4),
                                             "seeds": (getattr(a, "seeds", 1), 100)})
     torch.set_num_threads(1)
     if a.cmd == "evaluate":

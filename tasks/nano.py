@@ -1,10 +1,10 @@
 """The nano task: real handwritten digits, a base model pretrained on them here, and two classifiers that read them.
 
-    python nano.py pretrain [--out assets/nano]   # the shipped base model: VAE, then transformer (a few CPU-minutes)
-    python nano.py classifiers                    # the reward's and the judge's held-out accuracy on real digits
-    python nano.py evaluate [RUN_DIR ...]         # the base (and each run's LoRA) on held-out seeds
-    python nano.py grid RUN_DIR [--out PNG]       # before vs after: one row per digit
-    python nano_compare.py --task nano            # every RL method on this task: table and curves (BENCHMARKS.md)
+    python -m tasks.nano pretrain [--out assets/nano]   # the shipped base model: VAE, then transformer (a few CPU-minutes)
+    python -m tasks.nano classifiers                    # the reward's and the judge's held-out accuracy on real digits
+    python -m tasks.nano evaluate [RUN_DIR ...]         # the base (and each run's LoRA) on held-out seeds
+    python -m tasks.nano grid RUN_DIR [--out PNG]       # before vs after: one row per digit
+    python -m tasks.nano_compare --task nano            # every RL method on this task: table and curves (BENCHMARKS.md)
 
 Data: scikit-learn's `load_digits` (1,797 real 8×8 digits inside the wheel: nothing downloads), split 80/20,
 stratified, seeded; an image is a digit upscaled bilinearly to 16×16, white on black, 3 channels. Both classifiers
@@ -30,7 +30,7 @@ import models_nano
 import models_qwen
 import prompts as prompt_sets
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPLIT_SEED = 0  # the train / held-out split
 SIDE = 16  # image side in pixels
 # The architecture (diffusers' AutoencoderKLQwenImage and QwenImageTransformer2DModel): 0.46 M and 0.63 M parameters.
@@ -40,7 +40,7 @@ TRANSFORMER = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=4, a
 # The shipped budget (docs/algorithm.md §15): the VAE to convergence, the transformer far from it.
 PRETRAIN = dict(seed=0, vae_steps=500, vae_batch=64, vae_lr=2e-3, kl_weight=1e-4, transformer_steps=80,
                 transformer_batch=128, transformer_lr=1e-3, ema=0.995)
-# What the method comparison (nano_compare.py) reads of a task: its --model, the judge's reward label (logged at weight
+# What the method comparison (tasks/nano_compare.py) reads of a task: its --model, the judge's reward label (logged at weight
 # 0 in the recipe's --reward) and its categories (none: one question, the prompted digit).
 MODEL, JUDGE, CATEGORIES = "nano", "digit_judge", ()
 EVAL_SEED = 2**62  # evaluation image i draws its noise from seed EVAL_SEED + i: no RL run with --seed < 4·10^6 does
@@ -292,7 +292,7 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
     gen = torch.Generator().manual_seed(seed)
     x_train, x_test, y_train, y_test = split()
     train_images, test_images = render(x_train) * 2 - 1, render(x_test) * 2 - 1  # (N, 3, 16, 16) in [-1, 1]
-    report, start = {"command": " ".join(["python nano.py pretrain", *sys.argv[2:]]), "config": PRETRAIN}, time.time()
+    report, start = {"command": " ".join(["python -m tasks.nano pretrain", *sys.argv[2:]]), "config": PRETRAIN}, time.time()
 
     # 1. VAE: reconstruction MSE + a small KL to N(0, 1), on batches of the train split; then its latents' per-channel
     #    mean and std over the train split, by which the pipeline normalises them
@@ -435,7 +435,7 @@ def run_lora(run_dir: str, model: str = MODEL) -> str:
     return lora
 
 
-def check_numbers(ap, prog: str, counts: dict, pretrain: dict | None = None) -> None:
+def check_numbers(ap, counts: dict, pretrain: dict | None = None) -> None:
     """A laptop CLI's numbers, refused in one line before anything starts: each of `counts`, {flag: (value, most)},
     in [1, most] (what could not finish, e.g. 10⁸ seeds, is refused rather than begun); each pretraining flag of
     `pretrain`, {name: value}, finite and in [1, 10⁷] (0 allowed for a seed, a float, a curve's period and
@@ -447,12 +447,12 @@ def check_numbers(ap, prog: str, counts: dict, pretrain: dict | None = None) -> 
         if not (math.isfinite(v) and low <= v <= 10**7):
             bad.append(f"--{k.replace('_', '-')} must be in [{low}, 1e7], got {v}")
     if bad:
-        ap.exit(2, f"{prog}: error: {bad[0]}\n")
+        ap.exit(2, f"{ap.prog}: error: {bad[0]}\n")
 
 
 def main(argv=None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tasks.nano", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pretrain", help="train the base model (defaults: the shipped budget) and write it to --out")
     p.add_argument("--out", default=models_nano.NANO_DIR, help="directory for vae/, transformer/, pretrain.json")
@@ -467,7 +467,7 @@ def main(argv=None) -> None:
     for q in (p, e):
         q.add_argument("--per-digit", type=int, default=50, help="held-out images per digit of each evaluation")
     a = ap.parse_args(argv)
-    check_numbers(ap, "nano.py", {"per_digit": (getattr(a, "per_digit", 1), 10**4)},  # 10⁴: 10⁵ images, minutes
+    check_numbers(ap, {"per_digit": (getattr(a, "per_digit", 1), 10**4)},  # 10⁴: 10⁵ images, minutes
                   {k: getattr(a, k) for k in PRETRAIN} if a.cmd == "pretrain" else None)
     try:
         if a.cmd == "pretrain":
@@ -483,7 +483,7 @@ def main(argv=None) -> None:
             out = a.out or os.path.join(a.run, "before_after.png")
             print(json.dumps({"grid": out} | grid(a.run, out)))
     except ValueError as e:
-        ap.exit(2, f"nano.py: error: {e}\n")
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":
