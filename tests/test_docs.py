@@ -2,12 +2,16 @@
 repository and every `#anchor` a heading (GitHub's slugs), the README stays a front page (≤ 150 lines), each page
 opens with a sentence saying what it is for, CI runs the README's own set-up and test commands, what ran where is
 said truly, and the test counts are the suite's."""
+import dataclasses
 import glob
 import json
 import os
 import re
 import subprocess
 import sys
+
+import flowgrpo
+import startup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_LINES = 150  # a front page read in two minutes; the rest is docs/
@@ -189,3 +193,71 @@ def test_no_merge_conflict_markers_are_left():
     marked = [f for f in files if f.endswith((".py", ".md", ".sh", ".txt", ".ini", ".toml", ".jsonl")) and re.search(
         r"^(<{7}|>{7}) |^={7}$", open(os.path.join(ROOT, f), encoding="utf-8", errors="replace").read(), re.M)]
     assert not marked, marked
+
+
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(/\S*)?$")  # RUN_DIR, DIR, N, OUT, RUN/lora: a value the reader fills in
+
+
+def documented_commands(root: str = ROOT) -> list[tuple[str, list[str]]]:
+    """(page, words) of every command README.md and docs/*.md show: fenced lines and `inline` spans that run
+    `python`, `torchrun` or `bash run.sh`; environment assignments, `nice -n K`, comments, `[ ]` around optional parts
+    and `…` dropped. The set-up and test commands are CI's (test_ci_runs_the_readmes_set_up_and_test_commands)."""
+    found = []
+    for page in pages(root):
+        text = open(os.path.join(root, page), encoding="utf-8").read()
+        fenced = [line for block in FENCE.findall(text) for line in block.replace("\\\n", " ").splitlines()[1:-1]]
+        for line in fenced + re.findall(r"`([^`\n]+)`", FENCE.sub("", text)):
+            words = re.sub(r"[\[\]]|\.\.\.|…", " ", line.split(" #")[0]).split()
+            while words and (re.match(r"^\w+=", words[0]) or words[0] == "nice"):
+                words = words[3:] if words[0] == "nice" else words[1:]
+            runs = words[:1] in (["python"], ["python3"], ["torchrun"]) and len(words) > 1
+            if (runs or words[:2] == ["bash", "run.sh"]) and words[1:3] not in (["-m", "pytest"], ["-m", "venv"]):
+                found.append((page, words))
+    return found
+
+
+def test_every_command_the_readme_and_the_manual_show_runs():
+    """Each command the front page and the manual show still runs as written, checked as far as a CPU can without
+    training: `python flowgrpo.py FLAGS` (or under torchrun) parses through the loop's own start-up (a flag that was
+    renamed, a value no longer taken fails); `python -m MODULE [SUBCOMMAND] FLAGS` and `python rewards.py serve` answer
+    `--help` with every flag shown; `bash run.sh NAME` names a recipe of run.sh."""
+    commands = documented_commands()
+    assert len(commands) > 20 and any(w[:3] == ["python", "-m", "tasks.nano"] for _, w in commands), commands
+    recipes_of_run_sh = set(re.findall(r"^  ([\w.-]+)\)", open(os.path.join(ROOT, "run.sh")).read(), re.M))
+    helps, failed = {}, []
+    for page, words in commands:
+        shown = " ".join(words)
+        if words[0] == "bash":
+            if len(words) > 2 and words[2] not in recipes_of_run_sh:
+                failed.append(f"{page}: `{shown}`: run.sh has no recipe {words[2]!r}")
+            continue
+        script = next((i for i, w in enumerate(words) if w.endswith(".py") or w == "-m"), None)
+        if script is None:
+            continue  # `torchrun --nproc_per_node=N`: a launcher's flag shown alone, no command
+        if words[script] == "flowgrpo.py" and "--help" not in words:
+            argv = words[script + 1:]
+            if any(PLACEHOLDER.match(w) for w in argv):  # --model M: the flags alone must exist
+                names = [f.name.replace("_", "-") for f in dataclasses.fields(flowgrpo.Args)]
+                known = {f"--{p}{n}" for n in names for p in ("", "no-")}
+                failed += [f"{page}: `{shown}`: no flag {w}" for w in argv
+                           if w.startswith("--") and w not in known]
+                continue
+            try:
+                startup.parse_args(flowgrpo.Args, argv)
+            except (ValueError, SystemExit) as e:
+                failed.append(f"{page}: `{shown}`: {e}")
+            continue
+        target = words[script:script + 2] if words[script] == "-m" else words[script:script + 1]
+        rest = words[script + len(target):]
+        sub = rest[:1] if rest and re.fullmatch(r"[a-z][a-z-]*", rest[0]) else []
+        key = tuple(target + sub)
+        if key not in helps:
+            out = subprocess.run([sys.executable, *key, "--help"], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300)
+            helps[key] = out.stdout if out.returncode == 0 else None
+            if out.returncode:
+                failed.append(f"{page}: `{shown}`: `python {' '.join(key)} --help` failed: {out.stderr[-300:]}")
+        flags = [w.split("=")[0] for w in rest if w.startswith("--")]
+        failed += [f"{page}: `{shown}`: {' '.join(key)} has no flag {f}" for f in flags
+                   if helps[key] is not None and f not in helps[key]]
+    assert not failed, f"{len(failed)} documented commands do not run as written:\n" + "\n".join(failed)
