@@ -28,6 +28,8 @@ import stat
 import torch
 from safetensors.torch import load_file, save_file
 
+import atomic_files
+
 PREFIX = "iter_"
 # What a checkpoint may claim, bounded before anything is read or built from it. A rank's two files (RNG state, DCP
 # shard) take ~270 bytes of meta.json: MAX_RANKS ranks fill ~2.2 MB, under META_BYTES, whose worst-case JSON parses
@@ -40,36 +42,6 @@ SCHEMA = {"run_id": str, "flags": dict, "loop": dict, "world_size": range(1, MAX
           "sizes": dict, "sha256": str, "loop.iteration": COUNT, "loop.sampler": dict, "loop.skipped_steps": COUNT,
           "loop.wandb_id": (str, type(None)), "loop.prompts_sha256": str, "loop.sampler.n": range(1, 2**31),
           "loop.sampler.seed": range(2**32)}
-
-
-def temporary(path: str) -> str:
-    """A name beside `path` for writing it: unique to this process and call, so no two writers ever share one."""
-    return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def open_regular(path: str, below: str | None = None):
-    """`path` opened for reading (binary) if it is a regular file, reached without following a symbolic link at it or
-    at any directory beneath `below` (default: its own directory), opened without blocking and checked on the
-    descriptor: a plain open of a FIFO waits for a writer, a link to /dev/zero never ends. FileNotFoundError if it is
-    missing; a ValueError naming it if it is anything else."""
-    below = below or os.path.dirname(path) or "."
-    parts = os.path.relpath(path, below).split(os.sep)
-    fd = os.open(below, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for i, part in enumerate(parts):
-            kind = os.O_NONBLOCK if i == len(parts) - 1 else os.O_DIRECTORY
-            fd, parent = os.open(part, os.O_RDONLY | os.O_NOFOLLOW | kind, dir_fd=fd), fd
-            os.close(parent)
-    except OSError as e:
-        os.close(fd)
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise ValueError(f"{path} cannot be opened ({e.strerror}: a symbolic link on the way?)") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ValueError(f"{path} is not a regular file (mode {stat.filemode(mode)})")
-    return open(fd, "rb")
 
 
 def save_rng_state(path: str) -> None:
@@ -120,20 +92,11 @@ def _not_a_checkpoint(problem: str) -> ValueError:
     return ValueError(f"--resume: {problem}: not a checkpoint flowgrpo.py wrote; resume from another one")
 
 
-def manifest(directory: str, files) -> dict[str, str]:
-    """{relative path: SHA-256} of `files` (relative paths) under directory, each opened as a regular file."""
-    out = {}
-    for rel in sorted(files):
-        with open_regular(os.path.join(directory, rel), directory) as f:
-            out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
-    return out
-
-
 def write_meta(directory: str, meta: dict) -> None:
     """meta.json of a complete checkpoint directory: `meta`, the manifest of its files and their sizes, and the
     SHA-256 of all of it."""
     sizes = listing(directory)
-    meta = dict(meta, manifest=manifest(directory, sizes), sizes=sizes)
+    meta = dict(meta, manifest=atomic_files.manifest(directory, sizes), sizes=sizes)
     with open(os.path.join(directory, "meta.json"), "w") as f:
         json.dump(dict(meta, sha256=json_sha256(meta)), f, indent=1)
         f.flush()
@@ -141,8 +104,9 @@ def write_meta(directory: str, meta: dict) -> None:
 
 
 def read_json(path: str, below: str | None = None):
-    """The JSON of `path`, a regular file (open_regular) of at most META_BYTES, its size checked before it is read."""
-    with open_regular(path, below) as f:
+    """The JSON of `path`, a regular file (atomic_files.open_regular) of at most META_BYTES, its size checked before
+    it is read."""
+    with atomic_files.open_regular(path, below) as f:
         size = os.fstat(f.fileno()).st_size
         if size > META_BYTES:
             raise ValueError(f"{size} bytes, more than the {META_BYTES >> 20} MiB a meta.json ever holds")
@@ -162,22 +126,6 @@ def write_error(e: BaseException, directory: str) -> BaseException:
     disk = f"the disk holding {root} ({shutil.disk_usage(root).free / 2**20:.0f} MiB free)" if full else root
     return ValueError(f"checkpoint {directory} could not be written ({os_errors[0].strerror}) on {disk}; the previous "
                       "checkpoints are intact: free space and continue with --resume auto")
-
-
-def replace_dir(src: str, dst: str) -> None:
-    """Rename src to dst; an existing dst is moved aside first and removed only after the swap."""
-    old = temporary(dst)
-    if os.path.exists(dst):
-        os.rename(dst, old)
-    os.rename(src, dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_temporaries(directory: str) -> None:
-    """Delete the temporary directories (`temporary` names) interrupted writes left in `directory`: the run directory
-    is locked by its run, so no other process is writing them."""
-    for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def iteration_of(path: str) -> int | None:
@@ -221,8 +169,8 @@ def read_checkpoint_meta(directory: str) -> dict:
         raise FileNotFoundError(f"--resume: no checkpoint directory {directory}")
     for needed in (path, os.path.join(directory, "dcp", ".metadata")):
         if not os.path.lexists(needed):
-            raise ValueError(f"--resume: {directory} is incomplete ({needed} is missing): it was interrupted while being "
-                             "written — resume from an earlier checkpoint")
+            raise ValueError(f"--resume: {directory} is incomplete ({needed} is missing): it was interrupted while "
+                             "being written — resume from an earlier checkpoint")
     try:
         meta = read_json(path, directory)
     except (UnicodeDecodeError, RecursionError, ValueError) as e:  # JSONDecodeError is a ValueError
@@ -267,7 +215,7 @@ def verify_checkpoint(directory: str) -> dict:
                 f"{meta['sizes'].get(rel)!r:.20})"
         if state:
             raise _altered(directory, rel, state)
-    for rel, sha256 in manifest(directory, sizes).items():
+    for rel, sha256 in atomic_files.manifest(directory, sizes).items():
         if sha256 != listed[rel]:
             raise _altered(directory, rel, "differs from its SHA-256 in the manifest")
     return meta

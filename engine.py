@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import atomic_files
 import checkpoint as ckpt
 import precision
 from ema import EMA, OldPolicy
@@ -303,10 +304,10 @@ class Engine:
         with self.ema_weights():  # written inside: in a world of one the state's tensors are the live weights
             state = self.lora_state_dict()
             if self.is_main:
-                ckpt.remove_temporaries(os.path.dirname(directory))  # what an interrupted export left
-                tmp = ckpt.temporary(directory)
+                atomic_files.remove_temporaries(os.path.dirname(directory))  # what an interrupted export left
+                tmp = atomic_files.temporary(directory)
                 self.model.save_lora(tmp, state, self.lora_config.to_dict())
-                ckpt.replace_dir(tmp, directory)
+                atomic_files.replace_dir(tmp, directory)
         self.barrier()
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -326,10 +327,11 @@ class Engine:
         any moment leaves the previous checkpoints intact; `extra(dir)`, if given, adds a rank's own files to it. `meta` (JSON: the loop's state, the run's flags and id)
         goes to meta.json with a SHA-256 manifest of every other file. Keeps this run's newest `keep`. A failure to
         write (a full disk) removes the temporary directory and stops the run in one line (checkpoint.write_error)."""
-        root, tmp = os.path.dirname(directory), self.broadcast_object(ckpt.temporary(directory))  # rank 0's name
+        root = os.path.dirname(directory)
+        tmp = self.broadcast_object(atomic_files.temporary(directory))  # rank 0's name
         try:
             if self.is_main:
-                ckpt.remove_temporaries(root)  # what an interrupted write left (the run directory is this run's)
+                atomic_files.remove_temporaries(root)  # what an interrupted write left (no other run writes here)
                 os.makedirs(tmp)
             self.barrier()
             model_sd, optim_sd = self._state()
@@ -341,7 +343,7 @@ class Engine:
             self.export_lora(os.path.join(tmp, "lora"))  # ends with a barrier: every rank's files are written
             if self.is_main:
                 ckpt.write_meta(tmp, dict(meta, world_size=self.world_size))
-                ckpt.replace_dir(tmp, directory)
+                atomic_files.replace_dir(tmp, directory)
                 for old in ckpt.list_checkpoints(root, run_id=meta["run_id"])[:-keep]:
                     shutil.rmtree(old)
         except (OSError, CheckpointException) as e:

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-import checkpoint
+import atomic_files
 import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
@@ -252,7 +252,7 @@ def save_tiny_pipeline(directory: str, seed: int = 0, model: str = "tiny") -> st
     directory = os.path.abspath(directory)
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(f"{directory}/model_index.json"):
         raise FileExistsError(f"{directory} exists and is not a pipeline directory: choose an empty or new one")
-    tmp = checkpoint.temporary(directory)
+    tmp = atomic_files.temporary(directory)
     adapter_class(model).build_tiny(seed).save_pretrained(tmp)
     shutil.rmtree(directory, ignore_errors=True)
     os.rename(tmp, directory)

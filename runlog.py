@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+import atomic_files
 import checkpoint
 import source_images
 from rundir import Claim
@@ -170,7 +171,7 @@ def metrics_until(path: str, last: int) -> list[dict]:
 
 def _write(path: str, text: str) -> None:
     """Write text to path atomically (a temporary file of a unique name, then a rename)."""
-    tmp = checkpoint.temporary(path)
+    tmp = atomic_files.temporary(path)
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)

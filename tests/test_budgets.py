@@ -49,9 +49,8 @@ BUDGETS = {
     "ema.py": 150,  # the shadows of the trained weights: the EMA and the old policy, sharded as the weights
     "precision.py": 100,  # bf16 compute without FSDP2 on a world of one: working copies, input casts
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
-    # the checkpoint format and its checks; raised from 250: every count, size, depth and name read back is bounded
-    # before use (meta.json's ranks, its size, the manifest's names and sizes before any hashing, the tree's depth)
-    "checkpoint.py": 300,
+    "checkpoint.py": 250,  # the checkpoint format and its checks: meta.json, its manifest, resume
+    "atomic_files.py": 100,  # files written atomically (a temporary name, renamed) and read back without a link
     # trajectories with log-probs: the local backend and the vLLM-Omni client; raised from 450 for the rollout's
     # forwards kept with their graphs for the first update (--reuse-rollout-forward), -> 461 for the family's rollout
     # cache (--prefix-kv-cache) handed to a group's shared-prefix calls

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
+import atomic_files
 import checkpoint
 import engine as eng
 import flowgrpo
@@ -89,7 +90,7 @@ def test_temporary_names_are_unique_to_their_writer(tmp_path):
     (tmp_path / "args.json.tmp").mkdir()  # another writer's temporary under the old shared name
     runlog._write(str(tmp_path / "args.json"), "{}")
     assert json.loads((tmp_path / "args.json").read_text()) == {} and (tmp_path / "args.json.tmp").is_dir()
-    names = {checkpoint.temporary(str(tmp_path / "x")) for _ in range(100)}
+    names = {atomic_files.temporary(str(tmp_path / "x")) for _ in range(100)}
     assert len(names) == 100 and all(f".tmp-{os.getpid()}-" in n for n in names)
 
 
