@@ -409,8 +409,7 @@ def main(a: Args) -> list[dict]:
         loop = engine.load_checkpoint(ckpt)["loop"]
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
-    backend = rollout_ranks.RankBackend(exchange, engine) if exchange else rollout.make_backend(  # local, or vLLM-Omni
-        a.rollout, a.rollout_url, run_dir, engine)
+    backend = rollout_ranks.backend(a, exchange, run_dir, engine)  # its rollout rank, itself, or vLLM-Omni servers
     plan = functools.partial(draw, a=a, algo=algo, engine=engine, model=model, backend=backend, reward_fn=reward_fn,
                              trainset=trainset, sampler=sampler)
 

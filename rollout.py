@@ -1,32 +1,24 @@
 """Rollout: sample images and the trajectories the policy update needs (the data contract: `Batch` below,
 docs/algorithm.md §9).
 
-Backend `local`: the trainer's own transformer samples under `no_grad`, so each iteration's first update
-sees exactly the weights, shapes and kernels that produced the data (ratio == 1). Each image draws its
+The trainer's own transformer samples under `no_grad` (`sample`: the `local` backend), so each iteration's first
+update sees exactly the weights, shapes and kernels that produced the data (ratio == 1). Each image draws its
 noise from its own generator, seeded by (seed, iteration, global image index): images do not depend on
-chunking or ranks. Backend `vllm-omni`: vLLM-Omni servers running `omni/pipeline.py` (the same
-`scheduler.step` inside vLLM-Omni's pipeline) sample; `OmniBackend`, their HTTP client, returns the same
-`Batch`. This module never imports vllm_omni.
+chunking or ranks. Who samples (`--rollout`: this sampler, or vLLM-Omni servers returning the same `Batch` through
+their HTTP client) is rollout_backends.py's choice.
 """
 import contextlib
 import dataclasses
 import functools
-import glob
-import http.client
-import json
-import os
-import random
-import shutil
-import time
-import urllib.parse
-import uuid
 
 import torch
-from safetensors.torch import load, save_file
 from tqdm import tqdm
 
+<<<<<<< HEAD
 import atomic_files
 import reward_http
+=======
+>>>>>>> rollsplit
 import scheduler as sch
 
 
@@ -169,6 +161,7 @@ def sample_ode(model, prompts: list[str], *, num_steps: int, height: int, width:
     return sample(model, prompts, metadata or [{}] * len(n), n, n, steps=[], num_steps=num_steps, height=height,
                   width=width, cfg_scale=cfg_scale, negative_prompt=negative_prompt, noise_level=0.0, sde_type="sde",
                   seed=seed, iteration=-1, chunk=chunk).images
+<<<<<<< HEAD
 
 
 # ---- backends: `local` (`sample` above) and `vllm-omni` (the HTTP client of servers running omni/pipeline.py)
@@ -459,3 +452,5 @@ class OmniBackend:
             last = f"HTTP {status}: {detail[:2000]}"
         raise reward_http.PeerError(f"vLLM-Omni server {url} stayed down for {what}: {self.retries + 1} attempts "
                                     f"failed (last: {last}); is it running, reachable from here (docs/vllm-omni.md)?")
+=======
+>>>>>>> rollsplit

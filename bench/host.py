@@ -28,7 +28,7 @@ import engine as eng
 import flowgrpo
 import models
 import models_qwen
-import rollout
+import rollout_backends
 import scheduler as sch
 from bench.overhead import HEAD, make_engine, measure, ms, row, texts_of
 
@@ -130,10 +130,11 @@ def gather_worker() -> None:
     texts, steps, runs = (texts_of(a) * 2)[:8], sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0), {}
     for keep in (False, True):
         engine.keep_gathered, gathered[:] = keep, []
-        b = rollout.LocalBackend(engine).sample(model, texts, [{}] * 8, ids // 4, ids, steps=steps, height=a.height,
-                                                width=a.width, num_steps=a.num_steps, cfg_scale=a.cfg_scale,
-                                                negative_prompt=a.negative_prompt, noise_level=a.noise_level, seed=0,
-                                                sde_type=a.sde_type, iteration=0, chunk=a.micro_batch)
+        b = rollout_backends.LocalBackend(engine).sample(model, texts, [{}] * 8, ids // 4, ids, steps=steps,
+                                                         height=a.height, width=a.width, num_steps=a.num_steps,
+                                                         cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt,
+                                                         noise_level=a.noise_level, seed=0, sde_type=a.sde_type,
+                                                         iteration=0, chunk=a.micro_batch)
         runs[keep] = (sum(gathered), b)
     same = all(torch.equal(getattr(runs[0][1], k), getattr(runs[1][1], k)) for k in ("latents", "log_probs", "images"))
     if engine.is_main:

@@ -7,9 +7,9 @@
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
 FlowGRPOWanPipeline; the edit families' are omni/pipeline_edit.py's, Z-Image's and FLUX.2 [klein]'s
 omni/pipeline_2026.py's).
-Only the server process imports this module (rollout.py, the client, never imports vllm_omni).
+Only the server process imports this module (rollout_backends.py, the client, never imports vllm_omni).
 
-A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout.OmniBackend builds it):
+A request opts in with `extra_params = {"flowgrpo": {...}}` (rollout_backends.OmniBackend builds it):
     trajectory    absolute path of the .safetensors file to write (atomically: a temporary name, then
                   os.replace), before the images are returned. Its directory must exist and lie beneath the
                   server's `trajectory_root` (symlinks and `..` resolved): a server without one writes nothing,

@@ -51,10 +51,9 @@ BUDGETS = {
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     "checkpoint.py": 250,  # the checkpoint format and its checks: meta.json, its manifest, resume
     "atomic_files.py": 100,  # files written atomically (a temporary name, renamed) and read back without a link
-    # trajectories with log-probs: the local backend and the vLLM-Omni client; raised from 450 for the rollout's
-    # forwards kept with their graphs for the first update (--reuse-rollout-forward), -> 461 for the family's rollout
-    # cache (--prefix-kv-cache) handed to a group's shared-prefix calls
-    "rollout.py": 461,
+    "rollout.py": 450,  # trajectories with log-probs: the data contract, the trainer's own sampler (the local backend)
+    # who samples, chosen by --rollout: the trainer's own model, or vLLM-Omni servers through their HTTP client
+    "rollout_backends.py": 350,
     "omni/pipeline.py": 450,  # the pipelines that run inside vLLM-Omni servers
     "omni/pipeline_edit.py": 450,  # the edit families' pipelines inside vLLM-Omni servers: a source per request
     # the 2026 families' pipelines inside vLLM-Omni servers (Z-Image, FLUX.2 [klein]): each parent's preparation and

@@ -1,5 +1,5 @@
-"""The vLLM-Omni rollout client (rollout.OmniBackend) without vLLM-Omni: request building, trajectory reading,
-policy export, and the whole client against a loopback stand-in server (threads, retries, errors).
+"""The vLLM-Omni rollout client (rollout_backends.OmniBackend) without vLLM-Omni: request building, trajectory
+reading, policy export, and the whole client against a loopback stand-in server (threads, retries, errors).
 
 The stand-in answers like vLLM-Omni's /v1/images/generations and writes trajectory files in the format of
 omni/pipeline.py, filled with tensors derived from each image's seed so that the test can check which row
@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 import models
 import models_qwen
 import rollout
+import rollout_backends
 import scheduler as sch
 
 H = W = 32
@@ -80,7 +81,7 @@ def write_fake_trajectory(body, seq_len, channels, mode):
         tensors[mode.removeprefix("huge_")].view(-1)[0] = 3e38
     seeds = json.dumps(k["seeds"][::-1] if mode == "wrong_seeds" and n > 1 else k["seeds"])
     # nested_seeds: 1,500 levels deep, beyond Python's JSON parser (RecursionError), within the file's size bound
-    meta = {"format": rollout.FORMAT, "prompt": body["prompt"],
+    meta = {"format": rollout_backends.FORMAT, "prompt": body["prompt"],
             "seeds": "[" * 1500 + "]" * 1500 if mode == "nested_seeds" else seeds}
     save_file(tensors, k["trajectory"], metadata=meta)
     if mode == "truncated":
@@ -146,7 +147,8 @@ def standin(model):
 
 
 def make(urls, tmp_path, **kw):
-    return rollout.OmniBackend(urls, str(tmp_path / "run"), fake_engine(), timeout=10.0, retries=2, backoff=0.01, **kw)
+    return rollout_backends.OmniBackend(urls, str(tmp_path / "run"), fake_engine(), timeout=10.0, retries=2,
+                                        backoff=0.01, **kw)
 
 
 def closed_port_url():
@@ -163,29 +165,29 @@ def closed_port_url():
     ("vllm-omni", "http://h:1/v1", "not of the form"), ("vllm-omni", "http://h:1,http://h:1/", "listed twice")])
 def test_check_backend_names_the_flag(kind, urls, needle):
     with pytest.raises(ValueError, match=needle):
-        rollout.check_backend(kind, urls)
+        rollout_backends.check_backend(kind, urls)
 
 
 def test_check_backend_parses_without_network():
     # 192.0.2.x (TEST-NET-1) is unroutable: any connection attempt would hang or fail, a parse does not.
-    assert rollout.check_backend("vllm-omni", "http://192.0.2.1:8000/, https://b:1") == ["http://192.0.2.1:8000",
-                                                                                         "https://b:1"]
-    assert rollout.check_backend("local", None) == []
-    assert isinstance(rollout.make_backend("local", None, "/nonexistent", None), rollout.LocalBackend)
-    assert rollout.LocalBackend(None).engine is None  # (its sample: tests/test_engine.py, gathered once)
+    assert rollout_backends.check_backend("vllm-omni", "http://192.0.2.1:8000/, https://b:1") == [
+        "http://192.0.2.1:8000", "https://b:1"]
+    assert rollout_backends.check_backend("local", None) == []
+    assert isinstance(rollout_backends.make_backend("local", None, "/nonexistent", None), rollout_backends.LocalBackend)
+    assert rollout_backends.LocalBackend(None).engine is None  # (its sample: tests/test_engine.py, gathered once)
 
 
 def test_environment_knobs_are_checked(monkeypatch):
     monkeypatch.setenv("FLOWGRPO_ROLLOUT_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="FLOWGRPO_ROLLOUT_"):
-        rollout.make_backend("vllm-omni", "http://192.0.2.1:8000", "/tmp", fake_engine())
+        rollout_backends.make_backend("vllm-omni", "http://192.0.2.1:8000", "/tmp", fake_engine())
 
 
 def test_requests_group_by_prompt_and_keep_per_image_seeds(model):
     prompts = ["a", "b"] * 7 + ["a"] * 6  # 13 of "a" (interleaved, as image_assignment shuffles), 7 of "b"
     ids = list(range(100, 120))
     lora = {"name": "v3", "local_path": "/x/v3", "int_id": 7}
-    jobs = rollout.build_requests(model, prompts, ids, **SAMPLER, lora=lora, prefix="/ex/trajectories/it-r0-x")
+    jobs = rollout_backends.build_requests(model, prompts, ids, **SAMPLER, lora=lora, prefix="/ex/trajectories/it-r0-x")
     assert [(b["prompt"], b["n"]) for _, b in jobs] == [("a", 10), ("a", 3), ("b", 7)]  # n <= vLLM-Omni's 10
     assert sorted(i for pos, _ in jobs for i in pos) == list(range(20))
     for pos, body in jobs:
@@ -201,7 +203,7 @@ def test_requests_group_by_prompt_and_keep_per_image_seeds(model):
     g_local = rollout.image_generators(5, 3, [117])[0]
     g_server = torch.Generator().manual_seed(rollout.image_seed(5, 3, 117))
     assert torch.equal(torch.randn(8, generator=g_local), torch.randn(8, generator=g_server))
-    cfg = rollout.build_requests(model, ["a"], [0], **{**SAMPLER, "cfg_scale": 4.0}, lora=lora, prefix="/p")
+    cfg = rollout_backends.build_requests(model, ["a"], [0], **{**SAMPLER, "cfg_scale": 4.0}, lora=lora, prefix="/p")
     assert cfg[0][1]["negative_prompt"] == " " and cfg[0][1]["true_cfg_scale"] == 4.0
 
 
@@ -246,7 +248,7 @@ def test_read_trajectory_checks_everything(tmp_path):
                 "image_shape": (3, H, W), "pipeline": "omni.pipeline.P"}
 
     def read(**kw):  # the trajectory, checked against `expected` with `kw` changed
-        return rollout.read_trajectory(str(tmp_path / "t.safetensors"), **(expected | kw))
+        return rollout_backends.read_trajectory(str(tmp_path / "t.safetensors"), **(expected | kw))
     with pytest.raises(FileNotFoundError, match="must run omni.pipeline.P .*shared filesystem"):
         read()
     write_fake_trajectory(body, 16, 16, "ok")
@@ -265,13 +267,13 @@ def test_read_trajectory_checks_everything(tmp_path):
             read()
     bad = load_file(str(tmp_path / "t.safetensors"))
     bad["log_probs"][0, 0] = float("nan")
-    save_file(bad, str(tmp_path / "t.safetensors"), metadata={"format": rollout.FORMAT, "prompt": "p",
-                                                               "seeds": "[11, 12]"})
+    save_file(bad, str(tmp_path / "t.safetensors"), metadata={"format": rollout_backends.FORMAT, "prompt": "p",
+                                                                "seeds": "[11, 12]"})
     with pytest.raises(ValueError, match="log_probs is not finite"):
         read()
     bad["log_probs"][0, 0] = -1e30  # finite, and no log-density of a sample (accepted before)
-    save_file(bad, str(tmp_path / "t.safetensors"), metadata={"format": rollout.FORMAT, "prompt": "p",
-                                                               "seeds": "[11, 12]"})
+    save_file(bad, str(tmp_path / "t.safetensors"), metadata={"format": rollout_backends.FORMAT, "prompt": "p",
+                                                                "seeds": "[11, 12]"})
     with pytest.raises(ValueError, match=r"log_probs reach 1e\+30, beyond ±1000"):
         read()
     for mode, needle in [("truncated", "malformed"), ("wrong_shape", "latents has shape")]:
@@ -307,7 +309,8 @@ def test_sync_writes_peft_versions_with_fresh_ids_and_prunes(tmp_path, standin):
     restarted = make(standin.url, tmp_path)
     assert restarted.id_base != backend.id_base and restarted.root != backend.root
     with pytest.raises(ValueError, match="--full-finetune"):
-        rollout.OmniBackend(standin.url, str(tmp_path), SimpleNamespace(**{**vars(engine), "lora_config": None}))
+        rollout_backends.OmniBackend(standin.url, str(tmp_path),
+                                     SimpleNamespace(**{**vars(engine), "lora_config": None}))
 
 
 # ---- the whole client against the stand-in ------------------------------------------------------
@@ -434,7 +437,7 @@ def test_runs_sharing_a_rollout_dir_never_touch_each_others_files(tmp_path, stan
     run's pruning, cleanup and close leave the other's adapters and trajectories alone."""
     shared = tmp_path / "shm"
     monkeypatch.setenv("FLOWGRPO_ROLLOUT_DIR", str(shared))
-    a, b = (rollout.make_backend("vllm-omni", standin.url, str(tmp_path / run), fake_engine()) for run in "ab")
+    a, b = (rollout_backends.make_backend("vllm-omni", standin.url, str(tmp_path / run), fake_engine()) for run in "ab")
     a.sync(fake_engine(), 0)
     b.sync(fake_engine(), 0)
     b.sync(fake_engine(), 1)  # prunes b's v0
@@ -447,11 +450,11 @@ def test_runs_sharing_a_rollout_dir_never_touch_each_others_files(tmp_path, stan
     assert os.listdir(shared) == [os.path.basename(a.root)]  # b's own directory is gone
     assert a.sample(model, ["a dog"], [{}], [0], [0], **KW).latents.shape[0] == 1
     # each run's directory is made with os.mkdir: a name that exists (here forced) is an error, never shared
-    monkeypatch.setattr(rollout.uuid, "uuid4", lambda: SimpleNamespace(hex="0" * 32))
-    monkeypatch.setattr(rollout.time, "strftime", lambda fmt: "20250101-000000")
-    rollout.make_backend("vllm-omni", standin.url, str(tmp_path / "c"), fake_engine())
+    monkeypatch.setattr(rollout_backends.uuid, "uuid4", lambda: SimpleNamespace(hex="0" * 32))
+    monkeypatch.setattr(rollout_backends.time, "strftime", lambda fmt: "20250101-000000")
+    rollout_backends.make_backend("vllm-omni", standin.url, str(tmp_path / "c"), fake_engine())
     with pytest.raises(OSError, match="FLOWGRPO_ROLLOUT_DIR .* cannot create .*File exists"):
-        rollout.make_backend("vllm-omni", standin.url, str(tmp_path / "d"), fake_engine())
+        rollout_backends.make_backend("vllm-omni", standin.url, str(tmp_path / "d"), fake_engine())
     a.close()
     assert os.path.basename(a.root) not in os.listdir(shared)
 

@@ -28,7 +28,7 @@ from test_omni_families import TOL, served_equals_local, served_sigmas_equal_the
 
 import engine as eng
 import models
-import rollout
+import rollout_backends
 
 H = W = 32
 KW = dict(num_steps=4, height=H, width=W, noise_level=0.7, seed=0, iteration=3, chunk=8)
@@ -58,7 +58,7 @@ def family(request, tmp_path_factory):
 
 def test_served_trajectories_equal_the_local_backend(family, tmp_path):
     model, engine = family.model, family.engine
-    backend = rollout.OmniBackend(family.server.url, str(tmp_path), engine)
+    backend = rollout_backends.OmniBackend(family.server.url, str(tmp_path), engine)
     group = torch.tensor([0, 1, 0, 1, 0])
     for steps, cfg, negative, sde_type in CASES[family.name]:
         served = served_equals_local(family, backend, PROMPTS, dict(KW, steps=steps, cfg_scale=cfg,

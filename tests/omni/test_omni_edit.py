@@ -27,6 +27,7 @@ from test_omni_families import GAP_TOL, TOL, trainer_logp_gap
 import engine as eng
 import models
 import rollout
+import rollout_backends
 
 H = W = 32
 KW = dict(num_steps=4, height=H, width=W, negative_prompt="", noise_level=0.7, seed=0, iteration=3, chunk=8,
@@ -73,7 +74,7 @@ def test_served_edits_equal_the_local_backend(kontext, tmp_path):
     metadata = [{"image": s} for s in (a, b, b, a, a)]
     group = torch.tensor([0, 1, 2, 0, 3])
     set_lora_b(model, 1)
-    backend = rollout.OmniBackend(kontext["server"].url, str(tmp_path), engine, concurrency=4)
+    backend = rollout_backends.OmniBackend(kontext["server"].url, str(tmp_path), engine, concurrency=4)
     backend.sync(engine, 1)
     served = backend.sample(model, PROMPTS, metadata, group, range(5), **KW)
     local = rollout.sample(model, PROMPTS, metadata, group, range(5), **KW)
@@ -91,10 +92,11 @@ def test_served_edits_equal_the_local_backend(kontext, tmp_path):
 
 def test_a_source_of_another_size_is_refused_and_the_server_stays_up(kontext, tmp_path):
     model = kontext["model"]
-    [(_, body)] = rollout.build_requests(model, ["make it red"], [0], steps=[0], num_steps=2, height=H, width=W,
-                                         cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0,
-                                         iteration=0, lora=None, prefix=str(tmp_path / "r"),
-                                         metadata=[{"image": kontext["sources"][0]}])
+    [(_, body)] = rollout_backends.build_requests(model, ["make it red"], [0], steps=[0], num_steps=2, height=H,
+                                                  width=W, cfg_scale=1.0, negative_prompt="", noise_level=0.7,
+                                                  sde_type="sde", seed=0, iteration=0, lora=None,
+                                                  prefix=str(tmp_path / "r"),
+                                                  metadata=[{"image": kontext["sources"][0]}])
     del body["lora"]
     png = io.BytesIO()
     Image.fromarray(np.zeros((16, 24, 3), dtype=np.uint8)).save(png, format="PNG")
@@ -112,7 +114,7 @@ def test_served_qwen_edits_equal_the_local_backend(qwen_edit, tmp_path):
     prompts, metadata = ["make it red 0", "make it red 1", "make it red 0"], [{"image": s} for s in (a, b, b)]
     kw = dict(KW, cfg_scale=4.0, negative_prompt="blurry")
     set_lora_b(model, 1)
-    backend = rollout.OmniBackend(qwen_edit["server"].url, str(tmp_path), engine)
+    backend = rollout_backends.OmniBackend(qwen_edit["server"].url, str(tmp_path), engine)
     backend.sync(engine, 1)
     served = backend.sample(model, prompts, metadata, torch.tensor([0, 1, 2]), range(3), **kw)
     local = rollout.sample(model, prompts, metadata, torch.tensor([0, 1, 2]), range(3), **kw)

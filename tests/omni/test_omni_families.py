@@ -29,6 +29,7 @@ from harness import OmniServer, http, set_lora_b, train_here
 import engine as eng
 import models
 import rollout
+import rollout_backends
 import scheduler as sch
 
 H = W = 32
@@ -75,7 +76,7 @@ def trainer_logp_gap(model, batch, steps, cfg, sde_type) -> float:
 
 
 def test_served_trajectories_equal_the_local_backend(family, tmp_path):
-    backend = rollout.OmniBackend(family.server.url, str(tmp_path), family.engine)
+    backend = rollout_backends.OmniBackend(family.server.url, str(tmp_path), family.engine)
     for steps, cfg, sde_type in CASES[family.name]:
         served_equals_local(family, backend, PROMPTS, dict(KW, steps=steps, cfg_scale=cfg, sde_type=sde_type))
     backend.close()
@@ -110,7 +111,7 @@ def test_fused_requests_of_several_images_equal_the_local_backend(family, tmp_pa
     (measured without omni/pipeline.py's fix: HTTP 500, "The size of tensor a (12) must match ... (4)")."""
     model, engine = family.model, family.engine
     set_lora_b(model, 4)
-    backend = rollout.OmniBackend(family.server.url, str(tmp_path), engine, concurrency=4)
+    backend = rollout_backends.OmniBackend(family.server.url, str(tmp_path), engine, concurrency=4)
     backend.sync(engine, 0)
     prompts = [("a cat " * (1 + i % 4)).strip() for i in range(12)]
     cfg = CASES[family.name][-1][1]
@@ -132,9 +133,9 @@ def served_sigmas_equal_the_trainers(family, tmp_path):  # (test_omni_2026.py's 
     model = family.model
     sampler = dict(cfg_scale=1.0, negative_prompt="", noise_level=0.7, sde_type="sde", seed=0, iteration=0, lora=None)
     for num_steps, height, width in [(2, 32, 32), (10, 64, 32), (28, 64, 64)]:
-        [(_, body)] = rollout.build_requests(model, ["a blue ball"], [0], steps=list(range(num_steps - 1)),
-                                             num_steps=num_steps, height=height, width=width,
-                                             prefix=str(tmp_path / f"s{num_steps}"), **sampler)
+        [(_, body)] = rollout_backends.build_requests(model, ["a blue ball"], [0], steps=list(range(num_steps - 1)),
+                                                      num_steps=num_steps, height=height, width=width,
+                                                      prefix=str(tmp_path / f"s{num_steps}"), **sampler)
         del body["lora"]  # the base model
         status, resp = http("POST", family.server.url + "/v1/images/generations", body)
         assert status == 200, resp

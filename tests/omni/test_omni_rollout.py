@@ -40,6 +40,7 @@ import engine as eng
 import models
 import models_qwen
 import rollout
+import rollout_backends
 import scheduler as sch
 
 H = W = 32
@@ -47,7 +48,8 @@ KW = dict(num_steps=4, height=H, width=W, negative_prompt=" ", noise_level=0.7, 
 PROMPTS = ["a red cube on a table", "a blue ball", "a red cube on a table", "a blue ball", "a red cube on a table"]
 TRAINER = ROOT / "flowgrpo.py"
 needs_cli = pytest.mark.skipif("rollout_url" not in TRAINER.read_text(),
-                               reason="flowgrpo.py has no --rollout-url yet (rollout.make_backend is not wired in)")
+                               reason="flowgrpo.py has no --rollout-url yet (rollout_backends.make_backend is not "
+                                      "wired in)")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def both(backend, model, steps, cfg, sde_type, image_ids=range(5)):
 def test_served_trajectories_equal_the_local_backend(omni_server, trainer, tmp_path, steps, cfg, sde_type):
     model, engine = trainer
     set_lora_b(model, 1)
-    backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+    backend = rollout_backends.OmniBackend(omni_server.url, str(tmp_path), engine)
     backend.sync(engine, 0)
     served, local = both(backend, model, steps, cfg, sde_type)
     assert torch.equal(served.sigmas, local.sigmas) and served.sigma_max == local.sigma_max
@@ -106,7 +108,7 @@ def test_an_ode_rollout_returns_the_local_final_latents_sampled_with_the_old_pol
             for s, (n, _) in zip(engine.old.shadow, named):
                 if "lora_B" in n:
                     ema.local_shard(s).normal_(0.0, 0.05, generator=torch.Generator().manual_seed(6))
-        backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+        backend = rollout_backends.OmniBackend(omni_server.url, str(tmp_path), engine)
         with engine.old_weights():
             backend.sync(engine, 0)
             served, local = both(backend, model, [], 1.0, "sde")
@@ -123,7 +125,7 @@ def test_an_ode_rollout_returns_the_local_final_latents_sampled_with_the_old_pol
 
 def test_each_version_is_a_new_adapter_that_changes_the_images(omni_server, trainer, tmp_path):
     model, engine = trainer
-    backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+    backend = rollout_backends.OmniBackend(omni_server.url, str(tmp_path), engine)
     images, ids = [], []
     for version, b_seed in enumerate((None, 2, 3)):  # the base model, then two different policies
         set_lora_b(model, b_seed)
@@ -149,7 +151,7 @@ def test_fused_requests_and_concurrent_samplers_share_a_server(omni_server, trai
     results = {}
 
     def run(noise_level):
-        backend = rollout.OmniBackend(omni_server.url, str(tmp_path / str(noise_level)), engine, concurrency=4)
+        backend = rollout_backends.OmniBackend(omni_server.url, str(tmp_path / str(noise_level)), engine, concurrency=4)
         backend.id_base = 1 << 40  # both clients name the same adapter, so their requests may share a batch
         backend.sync(engine, 0)
         results[noise_level] = backend.sample(model, prompts, [{}] * 18, torch.zeros(18, dtype=torch.long),
@@ -170,9 +172,9 @@ def test_fused_requests_and_concurrent_samplers_share_a_server(omni_server, trai
 
 def test_png_response_is_the_trajectory_image_quantised(omni_server, trainer, tmp_path):
     sampler = {k: v for k, v in KW.items() if k != "chunk"}
-    [(_, body)] = rollout.build_requests(trainer[0], ["a red cube on a table"] * 2, [0, 1], steps=[0, 1, 2],
-                                         cfg_scale=1.0, sde_type="sde", lora=None, prefix=str(tmp_path / "t"),
-                                         **sampler)
+    [(_, body)] = rollout_backends.build_requests(trainer[0], ["a red cube on a table"] * 2, [0, 1], steps=[0, 1, 2],
+                                                  cfg_scale=1.0, sde_type="sde", lora=None,
+                                                  prefix=str(tmp_path / "t"), **sampler)
     del body["lora"]  # the base model
     status, resp = http("POST", omni_server.url + "/v1/images/generations", body)
     assert status == 200, resp
@@ -200,9 +202,9 @@ def test_served_sigmas_equal_the_trainers_to_the_bit(omni_server, trainer, tmp_p
     model, _ = trainer
     sampler = dict(cfg_scale=1.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0, iteration=0, lora=None)
     for num_steps, height, width in [(2, 32, 32), (10, 64, 32), (50, 64, 64)]:
-        [(_, body)] = rollout.build_requests(model, ["a blue ball"], [0], steps=list(range(num_steps - 1)),
-                                             num_steps=num_steps, height=height, width=width,
-                                             prefix=str(tmp_path / f"s{num_steps}"), **sampler)
+        [(_, body)] = rollout_backends.build_requests(model, ["a blue ball"], [0], steps=list(range(num_steps - 1)),
+                                                      num_steps=num_steps, height=height, width=width,
+                                                      prefix=str(tmp_path / f"s{num_steps}"), **sampler)
         del body["lora"]  # the base model
         status, resp = http("POST", omni_server.url + "/v1/images/generations", body)
         assert status == 200, resp
@@ -242,7 +244,7 @@ def test_the_server_writes_only_beneath_its_trajectory_root(omni_server, trainer
         assert load_file(tmp_path / "weights.safetensors")["images"].shape == (1, 3, H, W)
         assert not (tmp_path / "missing").exists()
         monkeypatch.setenv("FLOWGRPO_ROLLOUT_DIR", str(outside))
-        backend = rollout.make_backend("vllm-omni", omni_server.url, str(tmp_path / "run"), engine)
+        backend = rollout_backends.make_backend("vllm-omni", omni_server.url, str(tmp_path / "run"), engine)
         backend.sync(engine, 0)
         with pytest.raises(RuntimeError) as err:
             backend.sample(model, PROMPTS[:1], [{}], [0], [0],
@@ -263,7 +265,7 @@ def test_a_server_without_trajectory_root_writes_nothing(tiny_pipeline_dir, trai
     model, engine = trainer
     server = OmniServer(tiny_pipeline_dir, tmp_path / "no-root.log")
     try:
-        backend = rollout.OmniBackend(server.url, str(tmp_path), engine)
+        backend = rollout_backends.OmniBackend(server.url, str(tmp_path), engine)
         backend.sync(engine, 0)
         with pytest.raises(RuntimeError) as err:
             backend.sample(model, PROMPTS[:2], [{}] * 2, [0, 0], [0, 1],
@@ -282,7 +284,7 @@ def test_a_missing_or_malformed_file_is_an_error_naming_the_server(omni_server, 
     """The real server writes the file; it is then lost or damaged before the client reads it (what a
     filesystem the server does not share, or a dying disk, looks like from the client)."""
     model, engine = trainer
-    read = rollout.read_trajectory
+    read = rollout_backends.read_trajectory
 
     def damaged(path, **kw):
         if damage == "delete":
@@ -290,8 +292,8 @@ def test_a_missing_or_malformed_file_is_an_error_naming_the_server(omni_server, 
         else:
             os.truncate(path, os.path.getsize(path) // 3)
         return read(path, **kw)
-    monkeypatch.setattr(rollout, "read_trajectory", damaged)
-    backend = rollout.OmniBackend(omni_server.url, str(tmp_path), engine)
+    monkeypatch.setattr(rollout_backends, "read_trajectory", damaged)
+    backend = rollout_backends.OmniBackend(omni_server.url, str(tmp_path), engine)
     backend.sync(engine, 0)
     with pytest.raises(RuntimeError, match=needle) as err:
         both(backend, model, [0, 1, 2], 1.0, "sde")
