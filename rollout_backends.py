@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load, save_file
 from tqdm import tqdm
 
-import checkpoint
+import atomic_files
 import reward_http
 import scheduler as sch
 from rollout import Batch, image_seed, sample
@@ -149,9 +149,9 @@ def read_trajectory(path: str, *, seeds: list[int], prompt: str, sigmas, sigma_m
 
 
 def _read_regular(path: str, limit: int, pipeline: str, root: str | None) -> bytes:
-    """The bytes of `path`, a regular file of at most `limit` bytes reached without a link (checkpoint.open_regular)."""
+    """The bytes of `path` (at most `limit`), a regular file reached without a link (atomic_files.open_regular)."""
     try:
-        with checkpoint.open_regular(path, root) as f:
+        with atomic_files.open_regular(path, root) as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
         raise FileNotFoundError(f"no trajectory file {path}: the server must run {pipeline} (docs/vllm-omni.md) and "
@@ -213,7 +213,7 @@ class OmniBackend:
         state = engine.lora_state_dict()
         path = os.path.join(self.policy_dir, f"v{iteration}")
         if engine.is_main:  # PEFT's layout, which vLLM-Omni loads; built under a temporary name, renamed when complete
-            tmp = checkpoint.temporary(path)
+            tmp = atomic_files.temporary(path)
             engine.lora_config.save_pretrained(tmp)  # adapter_config.json: r, lora_alpha, targets
             save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()},
                       os.path.join(tmp, "adapter_model.safetensors"))
