@@ -1,9 +1,9 @@
 """The nano-compose task: GenEval's questions at toy size, drawn with real handwritten digits in colour.
 
-    python -m tasks.nano_compose judge [--per-category 500]   # the judge and the reward on held-out renders, noise, wrong prompts
-    python -m tasks.nano_compose prompts [--out FILE]          # write the prompt set (train and held out, with categories)
-    python -m tasks.nano_compose pretrain [--out DIR]          # the base model: VAE, then transformer, with its gates' figures
-    python -m tasks.nano_compose evaluate [--model-path DIR]   # the judge per category on the held-out prompts and seeds
+    python -m tasks.nano_compose judge [--per-category 500]   # judge and reward: held-out renders, noise, wrong prompts
+    python -m tasks.nano_compose prompts [--out FILE]          # write the prompt set (train, held out, with categories)
+    python -m tasks.nano_compose pretrain [--out DIR]          # the base: VAE, then transformer; its gates' figures
+    python -m tasks.nano_compose evaluate [--model-path DIR]   # the judge per category on held-out prompts and seeds
 
 A 32×32 image, black background, glyphs from scikit-learn's `load_digits` (tasks/nano.py's split: train 1,437, held out
 360) in a palette of named colours (white where the prompt names none). Prompts follow TEMPLATES exactly:
@@ -25,26 +25,25 @@ while their boxes nearly touch, specks and blobs dropped), read each (an RBF SVM
 colour (the nearest palette entry to its mean colour) and its centre, and check the prompt's condition. The reward
 (`reward_scores`) is built differently and smoother: its own ink threshold, a logistic regression on square crops
 averaged to 8×8, soft colour and position terms, partial credit; so reward hacking shows as reward up, judge flat.
-Both read uint8 images (N, H, W, 3). docs/tasks.md has what each measured.
+Both read uint8 images (N, H, W, 3). docs/tasks.md has what each measured. The base's pretraining is
+tasks/nano_compose_pretrain.py, which this file's `pretrain` runs on the task's renders, judge and evaluation.
 """
 import functools
 import itertools
 import json
-import math
 import os
 import re
-import sys
-import time
 
 import numpy as np
 import torch
 
 import models_nano
 from tasks import nano
+from tasks import nano_compose_pretrain
 
 SIDE = 32  # image side in pixels
 SET_SEED = 0  # which combinations the held-out prompt set keeps for itself
-BASE_DIR = models_nano.NanoComposeQwenImage.default_path  # the base model's directory (`python -m tasks.nano_compose pretrain`)
+BASE_DIR = models_nano.NanoComposeQwenImage.default_path  # the base (`python -m tasks.nano_compose pretrain` writes it)
 PROMPTS = os.path.join(BASE_DIR, "prompts.jsonl")  # the prompt set (`python -m tasks.nano_compose prompts`)
 PALETTE = {"white": (255, 255, 255), "red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255),
            "yellow": (255, 255, 0)}  # every entry has a channel at 255: the brightest channel is a glyph's ink
@@ -64,7 +63,7 @@ NUMBER_SIZES = (10, 11)  # "the number ddd": three in a row, all of one of these
 GAP = 3  # empty pixels at least between the ink boxes of two glyphs of a render (the judge merges boxes ≤ 1 apart)
 OFFSET = 3  # the judge's position: centres more than this many pixels apart in the named direction
 ROW = 4  # the judge's "one row": the three centres within this many pixels vertically
-# What the method comparison (tasks/nano_compare.py) reads of a task: its --model, the judge's reward label, its categories.
+# What the method comparison (tasks/nano_compare.py) reads: the task's --model, its judge's reward label, categories.
 MODEL, JUDGE = "nano-compose", "compose_judge"
 COMPARED = ("Flow-GRPO, full mode", "Flow-GRPO-Fast (--branch)", "Flow-DPPO (mask 1e-5)", "DiffusionNFT", "AWM",
             "DGPO", "Online DPO")
@@ -251,7 +250,8 @@ def find(image: np.ndarray, ink: int = INK, speck: int = 8, blob: int = 16) -> l
         (ay0, ay1, ax0, ax1), (by0, by1, bx0, bx1) = a["box"], b["box"]
         a["box"] = (min(ay0, by0), max(ay1, by1), min(ax0, bx0), max(ax1, bx1))
         a["pixels"], a["labels"] = a["pixels"] + b["pixels"], a["labels"] + b["labels"]
-    keep = [o for o in objs if o["pixels"] >= speck and max(o["box"][1] - o["box"][0], o["box"][3] - o["box"][2]) < blob]
+    keep = [o for o in objs
+            if o["pixels"] >= speck and max(o["box"][1] - o["box"][0], o["box"][3] - o["box"][2]) < blob]
     for o in keep:
         o["mask"], o["ink"] = np.isin(labels, o["labels"]), labels > 0
     return keep
@@ -274,7 +274,8 @@ def crop(image: np.ndarray, obj: dict, side: int, stretch: bool) -> np.ndarray:
         (h, w), m = region.shape, max(region.shape)
         region = np.pad(region, (((m - h) // 2, m - h - (m - h) // 2), ((m - w) // 2, m - w - (m - w) // 2)))
     kw = dict(mode="bilinear", antialias=True, align_corners=False) if stretch else dict(mode="area")
-    small = torch.nn.functional.interpolate(torch.from_numpy(region)[None, None], size=(side, side), **kw).numpy().ravel()
+    small = torch.nn.functional.interpolate(torch.from_numpy(region)[None, None], size=(side, side), **kw)
+    small = small.numpy().ravel()
     return small / max(small.max(), 1e-6)
 
 
@@ -383,7 +384,7 @@ def reward_scores(images: np.ndarray, prompts: list[str]) -> np.ndarray:
 
 
 def compose():
-    """`--reward compose`: the smooth scorer (`reward_one`): per-digit classifier probabilities, soft colour and place."""
+    """`--reward compose`: the smooth scorer (`reward_one`): per-digit classifier probabilities, soft colour, place."""
     classifiers()  # fitted now (seconds): at start-up, not in the first rollout
     return lambda images, prompts, metadata: reward_scores(images, prompts)
 
@@ -398,19 +399,7 @@ def compose_judge():
 REWARDS = {"compose": (compose, parse), "compose_judge": (compose_judge, parse)}  # rewards.py's registry reads it
 
 
-# ---- the base model, pretrained here: `python -m tasks.nano_compose pretrain` writes assets/nano-compose ---
-
-# Qwen-Image's classes (docs/tasks.md): a VAE 4× down to 8×8×8 latents (1.83 M parameters), its decoder then trained
-# alone, and a transformer of 16 tokens (2×2 patches). 8 channels are the latents this transformer learns within the
-# budget (32, which a VAE reconstructs more easily, it learns far slower); the decoder's own stage brings the judge on
-# its reconstructions to ≥ 90% in every category (gate (a)).
-VAE = dict(base_dim=16, z_dim=8, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, False])
-TRANSFORMER = dict(patch_size=2, in_channels=32, out_channels=8, num_layers=6, attention_head_dim=32,
-                   num_attention_heads=4, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 12, 12))
-PRETRAIN = dict(seed=0, pool_size=20000, vae_steps=1500, vae_batch=32, vae_lr=2e-3, bright=10.0, kl_weight=1e-4,
-                decoder_steps=3000, decoder_lr=1e-3, transformer_steps=10000, transformer_batch=64,
-                transformer_lr=1e-3, warmup=200, clip=1.0, ema=0.995, curve_every=1000, curve_per_category=30)
-
+# ---- the base: its training renders (tasks/nano_compose_pretrain.py trains it), evaluation, grid ---------
 
 def pool(n: int, seed: int, held_out: bool = False, any_colour: bool = False) -> tuple[np.ndarray, list[str]]:
     """n renders (`render`), the categories in turn, each prompt uniform within its category's train (or held-out)
@@ -420,84 +409,11 @@ def pool(n: int, seed: int, held_out: bool = False, any_colour: bool = False) ->
     return render(prompts, held_out, seed, any_colour), prompts
 
 
-def to_x(images: np.ndarray) -> torch.Tensor:
-    """uint8 (N, H, W, 3) -> (N, 3, H, W) in [−1, 1], as the VAE takes images."""
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-
-
 def by_category(scores: np.ndarray, prompts: list[str]) -> dict:
     """{category: mean score}, and "overall": their mean (GenEval's)."""
     cats = np.array([parse(p)["category"] for p in prompts])
     means = {c: float(scores[cats == c].mean()) for c in CATEGORIES if (cats == c).any()}
     return means | {"overall": float(np.mean(list(means.values())))}
-
-
-def pretrain(out: str, per_cat: int = 50, *, seed: int, pool_size: int, vae_steps: int, vae_batch: int, vae_lr: float,
-             bright: float, kl_weight: float, decoder_steps: int, decoder_lr: float, transformer_steps: int,
-             transformer_batch: int, transformer_lr: float, warmup: int, clip: float, ema: float, curve_every: int,
-             curve_per_category: int) -> dict:
-    """Train the VAE, its decoder alone, then the transformer, on train renders; write them to `out` (vae/,
-    transformer/: diffusers' format, float16) for `--model nano-compose --model-path out`; return what each stage
-    reached (out/pretrain.json)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    report = {"command": " ".join(["python -m tasks.nano_compose pretrain", *sys.argv[2:]]), "config": PRETRAIN}
-
-    # 1. VAE on renders whose every glyph takes a random palette colour (so that no colour is rare), the error weighed
-    #    1 + bright·ink (the canvas is mostly black: unweighted, black is the best first answer), the decoder read before
-    #    its clamp, lr warmed up over 50 steps then cosine to a tenth; gate (a): the judge on held-out reconstructions
-    start, x = time.process_time(), to_x(pool(pool_size, seed, any_colour=True)[0])
-    vae = AutoencoderKLQwenImage(**VAE, latents_mean=[0.0] * VAE["z_dim"], latents_std=[1.0] * VAE["z_dim"])
-
-    def train(steps: int, lr: float) -> list[float]:
-        return nano.train_vae(
-            vae, lambda n, g: x[torch.randint(len(x), (n,), generator=g)], steps, vae_batch, lr, kl_weight, gen,
-            weigh=lambda b: (w := 1 + bright * (b.amax(1, keepdim=True) + 1) / 2) / w.mean(), clip=clip, unclamped=True,
-            schedule=lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1)))))
-    losses = train(vae_steps, vae_lr)
-    # ... then the decoder alone, the encoder frozen (as Stable Diffusion's fine-tuned decoders were made): it learns to
-    # read more of the same latents, which stay as learnable as an 8-channel encoder makes them (docs/tasks.md)
-    vae.decoder.requires_grad_(True)
-    vae.post_quant_conv.requires_grad_(True)
-    losses += train(decoder_steps, decoder_lr) if decoder_steps else []
-    held, held_prompts = pool(100 * len(CATEGORIES), 10_000 + seed, held_out=True)
-    with torch.no_grad():
-        recon = nano.decode(vae, nano.latents(vae, to_x(held), chunk=500)[0][:, :, None])[:, :, 0]
-    judged = judge_scores(nano.quantised((recon + 1) / 2), held_prompts)
-    nano.reached(report, "vae", steps=vae_steps, decoder_steps=decoder_steps, first_mse=np.mean(losses[:10]),
-                 last_mse=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start,
-                 **{f"judge_on_reconstructions/{k}": v for k, v in by_category(judged, held_prompts).items()})
-
-    # 2. Transformer: rectified flow on the latents of other train renders (nano.train_transformer), each with its prompt
-    start, (images, prompts) = time.process_time(), pool(pool_size, 1000 + seed)
-    mu_z, std_z = nano.latents(vae, to_x(images), chunk=500)  # (N, 8, 8, 8)
-    vae.register_to_config(latents_mean=mu_z.mean((0, 2, 3)).tolist(), latents_std=mu_z.std((0, 2, 3)).tolist())
-    texts = sorted(set(prompts))
-    index = {p: i for i, p in enumerate(texts)}
-    labels = torch.tensor([index[p] for p in prompts])
-    pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**TRANSFORMER))
-    pipe.set_progress_bar_config(disable=True)
-    report["curve"], measuring = [], [0.0]  # gate (b): the EMA weights judged every curve_every steps; their CPU time
-
-    def measure(step: int) -> None:
-        t = time.process_time()
-        report["curve"].append({"step": step, "cpu_seconds": t - start - measuring[0],
-                                **evaluate(pipe, curve_per_category)})
-        measuring[0] += time.process_time() - t
-        print("curve:", json.dumps({k: round(float(v), 4) for k, v in report["curve"][-1].items()}), flush=True)
-    losses = nano.train_transformer(pipe, mu_z, std_z, labels, texts, SIDE, transformer_steps, transformer_batch,
-                                    transformer_lr, ema, gen, warmup=warmup, clip=clip, measure=measure,
-                                    measure_every=curve_every)
-    nano.reached(report, "transformer", steps=transformer_steps, first_loss=np.mean(losses[:10]),
-                 last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start - measuring[0])
-
-    # 3. Write, then measure what was written: gate (c), the held-out prompts' judge per category
-    nano.save_parts(out, vae=vae, transformer=pipe.transformer)
-    nano.reached(report, "base model", **evaluate(load(out), per_cat))
-    with open(os.path.join(out, "pretrain.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    return report
 
 
 def load(path: str | None = None, lora: str | None = None):
@@ -597,7 +513,7 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pretrain", help="train the base model (defaults: the shipped budget) and write it to --out")
     p.add_argument("--out", default=BASE_DIR, help="directory for vae/, transformer/, pretrain.json")
-    for key, value in PRETRAIN.items():
+    for key, value in nano_compose_pretrain.PRETRAIN.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     e = sub.add_parser("evaluate", help="the base model (or --model-path) per category on the held-out prompts")
     e.add_argument("--model-path", help="a directory `pretrain` wrote (default: the shipped one)")
@@ -610,9 +526,12 @@ def main(argv=None) -> None:
     w.add_argument("--out", default=PROMPTS)
     a = ap.parse_args(argv)  # at most 10⁴ images or renders of a category: minutes
     nano.check_numbers(ap, {"per_category": (getattr(a, "per_category", 1), 10**4)},
-                       {k: getattr(a, k) for k in PRETRAIN} if a.cmd == "pretrain" else None)
+                       {k: getattr(a, k) for k in nano_compose_pretrain.PRETRAIN} if a.cmd == "pretrain" else None)
     if a.cmd == "pretrain":
-        pretrain(a.out, a.per_category, **{k: getattr(a, k) for k in PRETRAIN})
+        task = nano_compose_pretrain.Task(SIDE, CATEGORIES, pool, lambda x, ps: by_category(judge_scores(x, ps), ps),
+                                          evaluate, load)
+        nano_compose_pretrain.pretrain(a.out, task, a.per_category,
+                                       **{k: getattr(a, k) for k in nano_compose_pretrain.PRETRAIN})
     elif a.cmd == "evaluate":
         print(json.dumps(evaluate(load(a.model_path), a.per_category)))
     elif a.cmd == "judge":
@@ -623,7 +542,8 @@ def main(argv=None) -> None:
         with open(a.out + ".tmp", "w") as f:
             f.writelines(json.dumps(line) + "\n" for line in prompt_lines())
         os.replace(a.out + ".tmp", a.out)
-        print(f"{a.out}: " + ", ".join(f"{s} {sum(x['split'] == s for x in prompt_lines())}" for s in ("train", "eval")))
+        counts = [f"{s} {sum(x['split'] == s for x in prompt_lines())}" for s in ("train", "eval")]
+        print(f"{a.out}: " + ", ".join(counts))
 
 
 if __name__ == "__main__":

@@ -78,9 +78,10 @@ BUDGETS = {
     # their CLIs share: the numbers bounded in one line, a run's LoRA checked against its model before it loads
     "tasks/nano.py": 490,  # -> 490: GARDO's two proxy rewards (issue 45), classifiers on the reward's features
     # the GenEval-shaped task; raised from 450: seven categories, each with its template, layout and condition, read by
-    # a program judge and a differently built reward, and a base pretrained in gated stages (the VAE, its decoder
-    # alone, the transformer)
-    "tasks/nano_compose.py": 630,
+    # a program judge and a differently built reward
+    "tasks/nano_compose.py": 550,
+    # the GenEval-shaped task's base, pretrained in gated stages (the VAE, its decoder alone, the transformer)
+    "tasks/nano_compose_pretrain.py": 200,
     "tasks/nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, evaluation, grid
     "tasks/nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
     "tasks/nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves

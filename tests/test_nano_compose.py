@@ -1,6 +1,7 @@
 """The nano-compose task (tasks/nano_compose.py): its prompt sets, renders, the judge on constructed compositions with known
 answers (every category, both ways), the reward built differently from the judge, the reward's prompt check, the
-pretraining on a few steps, and a seeded RL run on the shipped base judged on held-out prompts."""
+pretraining on a few steps (tasks/nano_compose_pretrain.py), and a seeded RL run on the shipped base judged on held-out
+prompts."""
 import dataclasses
 import json
 
@@ -14,6 +15,7 @@ import startup
 import tiny_setup
 from tasks import nano
 from tasks import nano_compose as nc
+from tasks import nano_compose_pretrain as ncp
 
 # One known composition per category, then prompts it satisfies (1) and prompts it does not (0): a wrong digit, a
 # wrong count, a wrong colour, the wrong side, swapped colours, the number's digits in another order.
@@ -164,10 +166,10 @@ def test_the_vae_trains_on_the_decoder_before_its_clamp():
     gradient where the clamp has none (a channel pushed below −1 can come back)."""
     from diffusers import AutoencoderKLQwenImage
     torch.manual_seed(0)
-    vae = AutoencoderKLQwenImage(**nc.VAE)
+    vae = AutoencoderKLQwenImage(**ncp.VAE)
     with torch.no_grad():
         vae.decoder.conv_out.weight.mul_(10)  # a random decoder stays within ±0.7: push some outputs beyond ±1
-    z = torch.randn(2, nc.VAE["z_dim"], 1, 8, 8, requires_grad=True)
+    z = torch.randn(2, ncp.VAE["z_dim"], 1, 8, 8, requires_grad=True)
     raw = nano.decode_unclamped(vae, z)
     torch.testing.assert_close(raw.clamp(-1, 1), nano.decode(vae, z), rtol=0, atol=0)
     beyond = raw.detach().abs() > 1
