@@ -141,7 +141,7 @@ def check_model_path(model: str, path: str) -> None:
     missing = [p for p in parts if not os.path.lexists(os.path.join(path, p, "config.json"))]
     if parts and missing:
         raise ValueError(f"--model-path {path}: no {'/, '.join(missing)}/ with a config.json; --model {model} reads "
-                         f"the directory that `python -m {adapter_class(model).pretrained_by} pretrain --out DIR` writes")
+                         f"the directory that `python -m {adapter_class(model).pretrained_by} --out DIR` writes")
     for part in parts:
         check_trained_part(model, path, part)
     if parts:
@@ -170,7 +170,7 @@ def check_trained_part(model: str, path: str, part: str) -> None:
         model_files.check_part(path, part, adapter_class(model).trained_classes[part])
     except ValueError as e:
         cls = adapter_class(model)
-        raise ValueError(f"--model-path {path}: {e}: rerun `python -m {cls.pretrained_by} pretrain --out {path}`, or use "
+        raise ValueError(f"--model-path {path}: {e}: rerun `python -m {cls.pretrained_by} --out {path}`, or use "
                          f"the shipped {os.path.relpath(cls.default_path)} (no --model-path)") from None
 
 

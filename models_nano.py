@@ -32,7 +32,7 @@ class NanoQwenImage(QwenImage):
     §15); --model-path is a directory of its trained parts (default: the shipped assets/nano)."""
     default_path = NANO_DIR
     trained_classes = {"vae": "AutoencoderKLQwenImage", "transformer": "QwenImageTransformer2DModel"}  # what it loads
-    pretrained_by = "tasks.nano"  # the module whose `pretrain` writes its directory
+    pretrained_by = "tasks.nano pretrain"  # `python -m` this with --out DIR writes its directory
 
     @classmethod
     def load(cls, model: str, path: str | None, device, seed: int = 0, guidance: float | None = None) -> QwenImage:
@@ -44,7 +44,7 @@ class NanoComposeQwenImage(NanoQwenImage):
     to 8 channels and a transformer of 16 tokens, pretrained on rendered compositions; only 32×32, what its judge
     reads."""
     default_path = os.path.join(ASSETS, "nano-compose")
-    pretrained_by = "tasks.nano_compose"
+    pretrained_by = "tasks.nano_compose pretrain"
     side = 32
 
     @classmethod
@@ -63,7 +63,7 @@ class NanoEdit(NanoQwenImage):
     image), as this toy's frozen random text encoder has no trained vision; the image reaches the model only as latents.
     The source arrives as a path in the prompt's metadata (`"image"`, prompts.py), each distinct one encoded once."""
     default_path = os.path.join(ASSETS, "nano-edit")
-    pretrained_by = "tasks.nano_edit"
+    pretrained_by = "tasks.nano_edit_pretrain"  # (before: `nano_edit.py pretrain`, no such command)
 
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
                      metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:

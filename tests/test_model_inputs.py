@@ -91,6 +91,16 @@ def test_the_cli_says_it_in_one_line_before_loading(nano):
     assert not (nano / "run").exists()
 
 
+@pytest.mark.parametrize("model", ["nano", "nano-compose", "nano-edit"])
+def test_the_command_a_damaged_base_is_told_to_rerun_exists(model):
+    """The refusal's `python -m {pretrained_by} --out DIR` is a command that takes --out (before: nano-edit's named
+    `nano_edit.py pretrain`, a subcommand it never had)."""
+    command = models.adapter_class(model).pretrained_by.split()
+    out = subprocess.run([sys.executable, "-m", *command, "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "--out" in out.stdout, (command, out.stderr[-2000:])
+
+
 def wan_pipeline(directory, **transformer_config) -> str:
     """A Wan pipeline directory holding only what the start-up checks read."""
     (directory / "transformer").mkdir(parents=True)
