@@ -3,8 +3,9 @@
 Each iteration samples G images for each of P prompts with a stochastic (SDE) sampler that records
 the log-probability of every trained transition, scores the images, turns rewards into group-relative
 advantages, and takes PPO-clip steps on the policy (a LoRA on the transformer). Math, recipes and
-their sources: docs/algorithm.md. The flags are checked in startup.py before anything is built; the
-update rules, Flow-GRPO's loss among them, are in algorithms.py.
+their sources: docs/algorithm.md. The flags, grouped by the phase that reads them, are in args.py and are
+checked in startup.py before anything is built; the update rules, Flow-GRPO's loss among them, are in
+algorithms.py.
 
 Launch (the same file everywhere; parallelism lives in engine.py only):
     python flowgrpo.py                                           # = --model tiny: random weights, 1 CPU, ~1 min
@@ -56,8 +57,6 @@ import functools
 import os
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import psutil
@@ -80,201 +79,7 @@ import rollout_ranks
 import rundir
 import runlog
 import startup
-
-
-@dataclass(frozen=True)
-class Args:
-    """Flow-GRPO training (docs/algorithm.md). `--recipe` (or `--model` alone) picks a recipe, whose values are the
-    defaults shown here. A bare `python flowgrpo.py` is `--model tiny`, the CPU demo; `--model qwen-image --help`
-    shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
-    recipe: str = "tiny"
-    """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
-    model: Literal[models.MODELS] = "tiny"  # the registry's names (models.SPECS), each a choice of --model
-    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev, Qwen-Image-Edit edit (--prompts: a
-    .jsonl, a source image a line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained
-    on handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
-    model_path: str | None = None
-    """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
-    run_dir: str | None = None
-    """output directory; a new run refuses one that holds a run (unset: runs/<model>-<reward>-<timestamp>)"""
-    seed: int = 0
-    """seed of the model init (tiny), LoRA init, prompt order, windows and all sampling noise"""
-    iterations: int = 30
-    """total number of iterations (rollout + update), counting those before a --resume"""
-    prompts: str = "general"
-    """prompt set: a built-in name (ocr, general, digits) or a .txt / .jsonl file (docs/running.md)"""
-    reward: str = "brightness"
-    """a reward, or a weighted list `ocr=1.0,pickscore=0.5`; also `remote=URL` and `judge:match=URL` (README)"""
-    group_size: int = 8
-    """G: images per prompt; advantages compare images within a group"""
-    prompts_per_iteration: int = 4
-    """P: prompts per iteration (P·G images per iteration, split over ranks)"""
-    micro_batch: int = 8
-    """images per transformer call, in rollout and in training; 0: the largest that fits the device's memory, measured
-    once the model is built (memory.py; a CPU: 8 or fewer)"""
-    rollout: Literal["local", "vllm-omni"] = "local"
-    """who samples: the trainer's own model (`local`) or vLLM-Omni servers running omni/pipeline.py"""
-    rollout_url: str | None = None
-    """vLLM-Omni server URLs for `--rollout vllm-omni`, comma-separated (http://HOST:PORT,...)"""
-    rollout_ranks: int = 0
-    """with torchrun and --rollout local: the last R ranks only sample, receiving the LoRA after each update and sending
-    the trajectories back (rollout_ranks.py); 0: every rank samples its own images"""
-    off_policy: int = 0
-    """1: iteration k+1 samples (on the vLLM-Omni servers or --rollout-ranks) under the weights before k's update while
-    k trains; 0: in turn (docs/running.md#rollout-and-training-at-once)"""
-    stale_correction: Literal["bypass", "decoupled"] = "bypass"
-    """the ratio of samples from older weights: against their recorded log-probs (Flow-GRPO's, verl's bypass mode), or
-    decoupled PPO (against log-probs recomputed under the update's starting weights, truncated importance weights)"""
-    is_cap: float = 2.0
-    """decoupled: each transition's importance weight π_current/π_behaviour is truncated at this (verl's default)"""
-    reject_band: float = 0.0
-    """decoupled: a transition whose |log π_current/π_behaviour| exceeds this weighs 0 in the loss (0 = off)"""
-    optimizer_steps: int = 2
-    """K: optimizer steps per iteration, each on 1/K of its images (1: every ratio is 1, the clip never acts)"""
-    reuse_rollout_forward: bool = False
-    """grpo: the first optimizer step trains on the rollout's forwards of its images, kept with their graphs (their
-    activations held until the rewards are in), not repeated: the same update to the bit (docs/algorithm.md §8)"""
-    height: int = 32
-    """image height in pixels"""
-    width: int = 32
-    """image width in pixels"""
-    num_frames: int = 1
-    """frames per video (4·k + 1) for a video --model; 1 for images"""
-    num_steps: int = 4
-    """sampling steps in rollout (training-time denoising reduction)"""
-    eval_steps: int = 8
-    """ODE steps for evaluation images"""
-    cfg_scale: float = 1.0
-    """two-pass CFG w: Qwen-Image's true CFG or SD3's standard CFG (1 = none; FLUX takes --guidance instead)"""
-    guidance: float | None = None
-    """FLUX's distilled guidance embedding, one pass per step (unset: the pipeline's 3.5; only for FLUX)"""
-    negative_prompt: str = " "
-    """negative prompt for two-pass CFG"""
-    algorithm: Literal["grpo", "gardo", "nft", "awm", "dgpo", "dpo"] = "grpo"
-    """the update (docs/algorithm.md §12): Flow-GRPO's PPO-clip on SDE log-probs (GARDO: with its advantages and gated
-    KL, §17), or DiffusionNFT, AWM, DGPO on ODE images, or online Diffusion-DPO on SDE ones"""
-    sde_type: Literal["sde", "cps", "dance"] = "sde"
-    """stochastic step (docs/algorithm.md §2, §10): Flow-GRPO's SDE, coefficients-preserving, or DanceGRPO's"""
-    noise_level: float = 0.7
-    """SDE noise level a (> 0; < 1 for cps)"""
-    window: int = 0
-    """trained SDE steps per image, consecutive; 0 = full mode (every step but the last)"""
-    window_range: tuple[int, int] = (0, 3)
-    """[lo, hi): the window lies inside these step indices"""
-    window_schedule: Literal["random", "sliding"] = "random"
-    """where each iteration's window lies: uniformly in --window-range, or MixGRPO's window sliding later"""
-    slide_every: int = 25
-    """iterations between moves of the sliding window (MixGRPO: 25, MixGRPO-Flash: 20)"""
-    branch: bool = False
-    """Flow-GRPO-Fast: a group shares its noise and ODE path up to the window, then branches (needs --window)"""
-    prefix_kv_cache: bool = False
-    """Qwen-Image 2.1: the rollout keeps each prompt's keys and values from its first step, the update recomputes them
-    (train/logp_gap on the tiny twins in float32: 0, with --compile 4e-8; bf16 unmeasured: docs/algorithm.md §11)"""
-    ode_solver: Literal["euler", "dpm2", "dpm2-full"] = "euler"
-    """the ODE steps after the window (nft, awm: all): Euler, DPM-Solver++(2M) on MixGRPO-Flash's 0.4·(K + 1) σ
-    points, or DPM-Solver++(2M) on every step"""
-    guard: Literal["none", "full", "ratio-norm", "reweight"] = "none"
-    """GRPO-Guard (`full`): its ratio normalisation and its per-step gradient reweight (1/|dt|); or one alone"""
-    trust_region: Literal["clip", "dppo"] = "clip"
-    """PPO's clip of the ratio at 1 ± --clip-range, or Flow-DPPO's mask: a step's −A·ratio is dropped where its exact
-    KL to the behaviour transition exceeds --dppo-threshold and the ratio already moved the way A pushes it"""
-    dppo_threshold: float = 1e-5
-    """Flow-DPPO's KL threshold, per latent element of a transition (UniRL's kl_mask_threshold)"""
-    cps_density: Literal["public", "exact"] = "public"
-    """the cps log-density in the ratio: Flow-GRPO's −mean((x' − μ)²), or the exact Gaussian one as for sde"""
-    ema_decay: float = 0.0
-    """EMA decay of the trained weights in [0, 1), used for evaluation and <run-dir>/lora (0 = off; SD3 recipe: 0.9)"""
-    ema_every: int = 8
-    """optimizer steps between EMA updates (flow-grpo: decay min((1 + n)/(10 + n), --ema-decay) at step n)"""
-    ema_repeat: int = 1
-    """M: the update applied M times in a row where it fires (Flow-GRPO: once per micro-batch, M per optimizer step)"""
-    ema_form: Literal["flow-grpo", "dance"] = "flow-grpo"
-    """Flow-GRPO's EMA (a warm-up, when n + 1 is a multiple of K) or DanceGRPO's (constant decay, when K divides n)"""
-    clip_range: float = 1e-3
-    """PPO clip ε on the probability ratio (`tiny`'s: the scale of its second step's ratios, docs/algorithm.md §7)"""
-    adv_clip: float = 5.0
-    """advantages are clipped to [−adv_clip, adv_clip] (> 0)"""
-    std: Literal["global", "group"] = "global"
-    """normalise advantages by the whole batch's reward std or by each group's"""
-    zero_advantage: Literal["drop", "keep"] = "drop"
-    """images whose advantage is exactly 0: left out of their optimizer step's loss mean, or trained with A = 0"""
-    kl_beta: float = 0.0
-    """β of the KL to the reference model (adapter disabled); 0 skips the reference pass"""
-    kl_form: Literal["public", "exact"] = "public"
-    """the KL: Flow-GRPO's mean((μ − μ_ref)²)/(2·s_t²), or the exact Gaussian KL (sde: 1/|dt| times larger)"""
-    normguard: float = 0.0
-    """NormGuard's λ (any --algorithm; 0 = off): λ·mean(max(0, ‖v_θ‖/‖v_ref‖ − 1 − margin)) on every trained forward"""
-    normguard_margin: float = 0.0
-    """NormGuard's margin m: the relative velocity-norm excess over the reference that goes unpenalised"""
-    gardo_proxies: tuple[str, ...] = ()
-    """gardo: the rewards of --reward (weight 0) whose ranks against the trained reward's gate the KL (public: two)"""
-    gardo_features: Literal["pixels"] = "pixels"
-    """gardo: what an image's diversity in its group is measured on (public: DINOv3 features, not shipped)"""
-    gardo_kl_threshold: float = 3e-4
-    """gardo: an optimizer step's mean KL term above this resets the KL's reference to the trained weights"""
-    gardo_reset_every: int = 15
-    """gardo: the reference is reset at the latest when more than this many iterations have passed since the last"""
-    nft_beta: float = 1.0
-    """DiffusionNFT's β: the implicit policies β·v + (1 − β)·v_old and (1 + β)·v_old − β·v (> 0)"""
-    old_decay: Literal["nft0", "nft1", "nft2", "nft2-iterations", "awm", "dgpo"] = "nft1"
-    """the old policy's decay schedule (nft, awm, dgpo): DiffusionNFT's decay_type 0/1/2, verl-omni's, AWM's, DGPO's"""
-    old_every: int = 1
-    """iterations between the old policy's updates (nft, awm, dgpo; dpo: copies of the trained weights, its reference)"""
-    old_kl: float = 1.0
-    """AWM: weight of the mean squared velocity gap to the old policy (its ema_beta; 0 skips the old pass)"""
-    dgpo_beta: float = 100.0
-    """DGPO's β (its beta_dpo): the scale of a group's summed error gaps inside its weight σ(·)"""
-    dgpo_reference: Literal["base", "old"] = "base"
-    """DGPO's reference for those gaps: the model without the adapter, or the old policy (its use_ema_ref)"""
-    dgpo_switch: int = 500
-    """DGPO samples with its old policy once more than this many optimizer steps are done (its switch_ema_ref)"""
-    dpo_beta: float = 100.0
-    """DPO's β: the scale of the pair's error gaps to the reference inside −log σ(·)"""
-    train_timesteps: int = 3
-    """T: timesteps per image the forward-process update trains at (nft: distinct steps; awm: one per stratum)"""
-    train_timestep_range: tuple[int, int] = (0, 4)
-    """[lo, hi): the schedule steps (of --num-steps) the forward-process update draws its timesteps from"""
-    lr: float = 1e-2
-    """AdamW learning rate"""
-    weight_decay: float = 1e-4
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip; a non-finite norm skips the step"""
-    lora_rank: int = 8
-    """LoRA rank r"""
-    lora_alpha: float = 16
-    """LoRA α (scale α / r; > 0)"""
-    lora_targets: tuple[str, ...] = models.QwenImage.lora_targets
-    """transformer module names that get a LoRA"""
-    full_finetune: bool = False
-    """train every transformer weight instead of a LoRA (use --offload for optimizer-state offload)"""
-    mixed_precision: bool = False
-    """FSDP2 mixed precision: bf16 compute and gathers, fp32 gradient reduction and fp32 trained weights"""
-    offload: bool = False
-    """FSDP2 CPU offload of the sharded parameters, gradients and optimizer state"""
-    activation_checkpointing: bool = False
-    """recompute each transformer block's activations in backward instead of storing them"""
-    compile: bool = False
-    """torch.compile each transformer block (one graph per kind of call, reused by all; tiny: logp_gap 0 measured)"""
-    shard_text_encoder: bool = False
-    """shard the frozen text encoder with FSDP2 too (saves memory on every rank)"""
-    sp: int = 1
-    """Ulysses sequence parallelism: N ranks share each image, 1/N of its tokens each (docs/algorithm.md §14)"""
-    checkpoint_every: int = 10
-    """write a checkpoint every this many iterations and at the end (one process: also when Ctrl-C stops it); 0 = at
-    the end only"""
-    keep_checkpoints: int = 2
-    """how many of this run's newest checkpoints to keep in <run-dir>/checkpoints"""
-    resume: str | None = None
-    """continue from a checkpoint directory, or `auto` for the newest complete one in --run-dir"""
-    allow_change: tuple[str, ...] = ()
-    """flags that may differ from the checkpoint's on --resume (e.g. `lr reward`); others must match; args.json logs it"""
-    eval_every: int = 20
-    """evaluate (ODE, fixed seeds, eval prompts) every this many iterations and at the end; 0 = never"""
-    eval_images: int = 8
-    """evaluation images: image i shows eval prompt i mod their number, from its own fixed seed (split over ranks)"""
-    wandb: bool = True
-    """log to wandb on rank 0 (offline unless WANDB_MODE or WANDB_API_KEY says otherwise)"""
+from args import Args
 
 
 RECIPES = {name: startup.recipe_args(Args, name) for name in recipes.RECIPES}  # recipes.py

@@ -318,3 +318,26 @@ def test_a_flag_the_parser_refuses_is_one_line(tmp_path):
         with pytest.raises(ValueError) as refused:
             startup.parse_args(flowgrpo.Args, argv)
         assert str(refused.value).startswith(said) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_help_lists_every_flag_once_under_its_phase():
+    """`python flowgrpo.py --help` on a wide terminal: a section per group of args.py (ModelArgs: "model options", its
+    docstring under the title), one under the other in the loop's order, each listing its group's flags; every field of
+    Args is a flag exactly once. Before: one section of 88 flags in no order a reader of the loop would follow."""
+    out = subprocess.run([sys.executable, "flowgrpo.py", "--help"], cwd=ROOT, env=ENV | {"COLUMNS": "200"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    listed, section = [], None  # (flag, the section it is listed in), in the order shown
+    for line in out.stdout.splitlines():
+        if title := re.fullmatch(r"[╭─ ]*(\w+) options[─╮ ]*", line):  # a section side by side with another: no match
+            section = title[1]
+        elif option := re.match(r"│? {1,2}(--[\w-]+)", line):  # a flag's line (its help text is indented further)
+            listed.append((option[1], section))
+    groups = list(reversed(flowgrpo.Args.__bases__))  # listed last phase first (args.py)
+    expected = [(f"--{f.name.replace('_', '-')}", g.__name__.removesuffix("Args").lower())
+                for g in groups for f in dataclasses.fields(g)]
+    assert sorted(f for f, _ in expected) == sorted(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(
+        flowgrpo.Args)), "Args has fields of its own, outside its groups"
+    assert listed == expected, (set(listed) ^ set(expected), out.stdout[-3000:])
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", out.stdout).split())
+    assert all(" ".join(g.__doc__.split()) in text for g in groups), [g.__name__ for g in groups]
