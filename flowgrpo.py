@@ -75,6 +75,7 @@ import regularisers
 import reward_http
 import rewards
 import rollout
+import rollout_backends
 import rollout_ranks
 import rundir
 import runlog
@@ -214,7 +215,8 @@ def main(a: Args) -> list[dict]:
         loop = engine.load_checkpoint(ckpt)["loop"]
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
-    backend = rollout_ranks.backend(a, exchange, run_dir, engine)  # its rollout rank, itself, or vLLM-Omni servers
+    backend = rollout_ranks.RankBackend(exchange, engine) if exchange else rollout_backends.make_backend(  # local, or
+        a.rollout, a.rollout_url, run_dir, engine)  # vLLM-Omni servers (a collective)
     plan = functools.partial(draw, a=a, algo=algo, engine=engine, model=model, backend=backend, reward_fn=reward_fn,
                              trainset=trainset, sampler=sampler)
 

@@ -29,7 +29,6 @@ import offpolicy
 import prompts as prompt_sets
 import reward_http
 import rollout
-import rollout_backends
 import scheduler as sch
 from algorithms import need
 
@@ -155,14 +154,6 @@ class RankBackend:
                     self.x.group.send([torch.tensor([-1.0, 0.0])], r, WEIGHTS).wait(datetime.timedelta(seconds=10))
             except RuntimeError:
                 pass
-
-
-def backend(a, exchange: Exchange | None, run_dir: str, engine):
-    """Who samples a training rank's images: its rollout rank with --rollout-ranks, else --rollout's backend (the rank
-    itself, or vLLM-Omni servers: rollout_backends.make_backend, a collective)."""
-    if exchange:
-        return RankBackend(exchange, engine)
-    return rollout_backends.make_backend(a.rollout, a.rollout_url, run_dir, engine)
 
 
 def serve(a, x: Exchange, algo) -> None:
