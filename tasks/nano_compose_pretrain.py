@@ -3,21 +3,23 @@ its decoder alone, then the transformer), each stage's gate read by the task's j
 
     python -m tasks.nano_compose pretrain [--out DIR] [--transformer-steps N ...]   # defaults: PRETRAIN (the shipped)
 
-Below tasks/nano_compose.py (the task: prompts, renders, judge, reward, evaluation), whose CLI runs it: the task hands
-it what the stages train on and what gates them (`Task`), so that imports run one way, from the task's file to this.
+Between tasks/nano_compose_render.py, whose renders (`pool`) it trains on, and tasks/nano_compose.py (the task: judge,
+reward, evaluation), whose CLI runs it and hands it the judge and the evaluation that gate its stages: imports run one
+way, from the task's file to this.
 """
 import json
 import math
 import os
 import sys
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 import torch
 
 import models_nano
-from tasks import nano
+from tasks import nano, pretraining
+from tasks.nano_compose_render import CATEGORIES, SIDE, pool
 
 # Qwen-Image's classes (docs/tasks.md): a VAE 4× down to 8×8×8 latents (1.83 M parameters), its decoder then trained
 # alone, and a transformer of 16 tokens (2×2 patches). 8 channels are the latents this transformer learns within the
@@ -31,28 +33,20 @@ PRETRAIN = dict(seed=0, pool_size=20000, vae_steps=1500, vae_batch=32, vae_lr=2e
                 transformer_lr=1e-3, warmup=200, clip=1.0, ema=0.995, curve_every=1000, curve_per_category=30)
 
 
-class Task(NamedTuple):
-    """What pretraining reads of its task (tasks/nano_compose.py's `pretrain` subcommand builds it)."""
-    side: int  # the canvas side in pixels
-    categories: tuple  # the prompt categories: gate (a) judges 100 held-out renders of each
-    pool: Callable  # (n, seed, held_out=False, any_colour=False) -> (uint8 renders (n, side, side, 3), their prompts)
-    judged: Callable  # (uint8 images, prompts) -> {category: the judge's mean, "overall": their mean}
-    evaluate: Callable  # (pipe, per_category) -> a pipeline's figures on the held-out prompts: gates (b) and (c)
-    load: Callable  # (path) -> the task's pipeline of the base written there
-
-
 def to_x(images: np.ndarray) -> torch.Tensor:
     """uint8 (N, H, W, 3) -> (N, 3, H, W) in [−1, 1], as the VAE takes images."""
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
-def pretrain(out: str, task: Task, per_cat: int = 50, *, seed: int, pool_size: int, vae_steps: int, vae_batch: int,
-             vae_lr: float, bright: float, kl_weight: float, decoder_steps: int, decoder_lr: float,
-             transformer_steps: int, transformer_batch: int, transformer_lr: float, warmup: int, clip: float,
-             ema: float, curve_every: int, curve_per_category: int) -> dict:
+def pretrain(out: str, judge: Callable, evaluate: Callable, per_cat: int = 50, *, seed: int, pool_size: int,
+             vae_steps: int, vae_batch: int, vae_lr: float, bright: float, kl_weight: float, decoder_steps: int,
+             decoder_lr: float, transformer_steps: int, transformer_batch: int, transformer_lr: float, warmup: int,
+             clip: float, ema: float, curve_every: int, curve_per_category: int) -> dict:
     """Train the VAE, its decoder alone, then the transformer, on train renders; write them to `out` (vae/,
     transformer/: diffusers' format, float16) for `--model nano-compose --model-path out`; return what each stage
-    reached (out/pretrain.json)."""
+    reached (out/pretrain.json). The task's gates: `judge(uint8 images, prompts)` -> {category: the judge's mean,
+    "overall": their mean} (gate (a)); `evaluate(pipe, per_category)` -> a pipeline's figures on the held-out prompts
+    (gates (b) and (c))."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -62,11 +56,11 @@ def pretrain(out: str, task: Task, per_cat: int = 50, *, seed: int, pool_size: i
     #    1 + bright·ink (the canvas is mostly black: unweighted, black is the best first answer), the decoder read
     #    before its clamp, lr warmed up over 50 steps then cosine to a tenth; gate (a): the judge on held-out
     #    reconstructions
-    start, x = time.process_time(), to_x(task.pool(pool_size, seed, any_colour=True)[0])
+    start, x = time.process_time(), to_x(pool(pool_size, seed, any_colour=True)[0])
     vae = AutoencoderKLQwenImage(**VAE, latents_mean=[0.0] * VAE["z_dim"], latents_std=[1.0] * VAE["z_dim"])
 
     def train(steps: int, lr: float) -> list[float]:
-        return nano.train_vae(
+        return pretraining.train_vae(
             vae, lambda n, g: x[torch.randint(len(x), (n,), generator=g)], steps, vae_batch, lr, kl_weight, gen,
             weigh=lambda b: (w := 1 + bright * (b.amax(1, keepdim=True) + 1) / 2) / w.mean(), clip=clip, unclamped=True,
             schedule=lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1)))))
@@ -76,18 +70,18 @@ def pretrain(out: str, task: Task, per_cat: int = 50, *, seed: int, pool_size: i
     vae.decoder.requires_grad_(True)
     vae.post_quant_conv.requires_grad_(True)
     losses += train(decoder_steps, decoder_lr) if decoder_steps else []
-    held, held_prompts = task.pool(100 * len(task.categories), 10_000 + seed, held_out=True)
+    held, held_prompts = pool(100 * len(CATEGORIES), 10_000 + seed, held_out=True)
     with torch.no_grad():
-        recon = nano.decode(vae, nano.latents(vae, to_x(held), chunk=500)[0][:, :, None])[:, :, 0]
-    judged = task.judged(nano.quantised((recon + 1) / 2), held_prompts)
-    nano.reached(report, "vae", steps=vae_steps, decoder_steps=decoder_steps, first_mse=np.mean(losses[:10]),
-                 last_mse=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start,
-                 **{f"judge_on_reconstructions/{k}": v for k, v in judged.items()})
+        recon = pretraining.decode(vae, pretraining.latents(vae, to_x(held), chunk=500)[0][:, :, None])[:, :, 0]
+    judged = judge(nano.quantised((recon + 1) / 2), held_prompts)
+    pretraining.reached(report, "vae", steps=vae_steps, decoder_steps=decoder_steps, first_mse=np.mean(losses[:10]),
+                        last_mse=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start,
+                        **{f"judge_on_reconstructions/{k}": v for k, v in judged.items()})
 
-    # 2. Transformer: rectified flow on the latents of other train renders (nano.train_transformer), each with its
-    #    prompt
-    start, (images, prompts) = time.process_time(), task.pool(pool_size, 1000 + seed)
-    mu_z, std_z = nano.latents(vae, to_x(images), chunk=500)  # (N, 8, 8, 8)
+    # 2. Transformer: rectified flow on the latents of other train renders (pretraining.train_transformer), each with
+    #    its prompt
+    start, (images, prompts) = time.process_time(), pool(pool_size, 1000 + seed)
+    mu_z, std_z = pretraining.latents(vae, to_x(images), chunk=500)  # (N, 8, 8, 8)
     vae.register_to_config(latents_mean=mu_z.mean((0, 2, 3)).tolist(), latents_std=mu_z.std((0, 2, 3)).tolist())
     texts = sorted(set(prompts))
     index = {p: i for i, p in enumerate(texts)}
@@ -99,18 +93,18 @@ def pretrain(out: str, task: Task, per_cat: int = 50, *, seed: int, pool_size: i
     def measure(step: int) -> None:
         t = time.process_time()
         report["curve"].append({"step": step, "cpu_seconds": t - start - measuring[0],
-                                **task.evaluate(pipe, curve_per_category)})
+                                **evaluate(pipe, curve_per_category)})
         measuring[0] += time.process_time() - t
         print("curve:", json.dumps({k: round(float(v), 4) for k, v in report["curve"][-1].items()}), flush=True)
-    losses = nano.train_transformer(pipe, mu_z, std_z, labels, texts, task.side, transformer_steps, transformer_batch,
-                                    transformer_lr, ema, gen, warmup=warmup, clip=clip, measure=measure,
-                                    measure_every=curve_every)
-    nano.reached(report, "transformer", steps=transformer_steps, first_loss=np.mean(losses[:10]),
-                 last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start - measuring[0])
+    losses = pretraining.train_transformer(pipe, mu_z, std_z, labels, texts, SIDE, transformer_steps,
+                                           transformer_batch, transformer_lr, ema, gen, warmup=warmup, clip=clip,
+                                           measure=measure, measure_every=curve_every)
+    pretraining.reached(report, "transformer", steps=transformer_steps, first_loss=np.mean(losses[:10]),
+                        last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start - measuring[0])
 
     # 3. Write, then measure what was written: gate (c), the held-out prompts' judge per category
-    nano.save_parts(out, vae=vae, transformer=pipe.transformer)
-    nano.reached(report, "base model", **task.evaluate(task.load(out), per_cat))
+    pretraining.save_parts(out, vae=vae, transformer=pipe.transformer)
+    pretraining.reached(report, "base model", **evaluate(nano.load(out), per_cat))
     with open(os.path.join(out, "pretrain.json"), "w") as f:
         json.dump(report, f, indent=2)
     return report

@@ -14,10 +14,12 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import models_nano
 from tasks import nano
 from tasks import nano_edit as ne
+from tasks import pretraining
 
 PRETRAIN = dict(seed=0, transformer_steps=250, transformer_batch=128, transformer_lr=1e-3, ema=0.995,
                 curve_every=0, curve_per_kind=10)
@@ -30,12 +32,12 @@ def training_pairs(pipe, gen: torch.Generator):
     d`'s target: a random train glyph of d whose box keeps the source's (`kept`)."""
     vae, (x_train, _, y_train, _) = pipe.vae, nano.split()
     src, x3 = ne.quantise(ne.render(x_train)), lambda x: x.expand(-1, 3, -1, -1) * 2 - 1
-    mu, std = nano.latents(vae, x3(src))
+    mu, std = pretraining.latents(vae, x3(src))
     mean, scale = (torch.tensor(vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
     z, mus, stds, sidx, tidx = (mu - mean) / scale, [], [], [], []
     source = pipe._pack_latents(z, len(z), z.shape[1], z.shape[2], z.shape[3])
     for k, text in enumerate(ne.GEOMETRIC):
-        m, s = nano.latents(vae, x3(ne.quantise(ne.target(src, text))))
+        m, s = pretraining.latents(vae, x3(ne.quantise(ne.target(src, text))))
         mus.append(m), stds.append(s), sidx.append(torch.arange(len(src))), tidx.append(torch.full((len(src),), k))
     b = ne.box(src)[:, None] - ne.box(src)[None]  # (N, N, 3): glyph j in glyph i's place where `kept` would say so
     near = (b[..., :2].abs().amax(-1) <= ne.CENTRE) & (b[..., 2].abs() <= ne.HEIGHT)
@@ -51,11 +53,12 @@ def training_pairs(pipe, gen: torch.Generator):
 
 def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, lr: float, ema: float,
                       gen: torch.Generator, measure=None, measure_every: int = 0) -> list[float]:
-    """nano.train_transformer's rectified flow (the same σ draw, loss, EMA), each pair's target conditioned on its
-    instruction and on its source's latents (`training_pairs`); the instruction kinds drawn equally often."""
+    """pretraining.train_transformer's rectified flow (the same σ draw, loss, EMA), each pair's target conditioned on
+    its instruction and on its source's latents (`training_pairs`); the instruction kinds drawn equally often."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
     source, mus, stds, sidx, tidx = pairs_
-    pipe, cond = model.pipe, nano.conditioning(models_nano.NanoQwenImage(model.pipe, "cpu", torch.float32), texts)
+    pipe = model.pipe
+    cond = pretraining.conditioning(models_nano.NanoQwenImage(pipe, "cpu", torch.float32), texts)
     net = model.transformer.requires_grad_(True).train()  # (the conditioning above: the instructions alone)
     mean, scale = (torch.tensor(pipe.vae.config[k]).view(1, -1, 1, 1) for k in ("latents_mean", "latents_std"))
     cfg = model.scheduler.config
@@ -65,7 +68,7 @@ def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, l
     weights = 1 / torch.bincount(kinds).float()[kinds]  # each kind equally likely
     opt, losses = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0), []
     averaged = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    for step in (bar := nano.tqdm(range(steps), desc="pretrain edit transformer", unit="step")):
+    for step in (bar := tqdm(range(steps), desc="pretrain edit transformer", unit="step")):
         idx = torch.multinomial(weights, batch, replacement=True, generator=gen)
         z = (mus[idx] + stds[idx] * torch.randn(mus[idx].shape, generator=gen) - mean) / scale
         x0 = pipe._pack_latents(z, batch, z.shape[1], z.shape[2], z.shape[3])
@@ -100,7 +103,8 @@ def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int,
     vae = models_nano.build_nano_pipeline(models_nano.NANO_DIR).vae
     pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**nano.TRANSFORMER))
     model, report["curve"] = models_nano.NanoEdit(pipe, "cpu", torch.float32), []
-    nano.reached(report, "vae (nano's): the judge on its reconstructions of exact held-out targets", **ceiling(vae))
+    pretraining.reached(report, "vae (nano's): the judge on its reconstructions of exact held-out targets",
+                        **ceiling(vae))
     start, data = time.process_time(), training_pairs(pipe, gen)
 
     def measure(step: int) -> None:  # the budget curve: the EMA weights on curve_per_kind held-out prompts a kind
@@ -108,10 +112,11 @@ def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int,
         print("curve:", json.dumps({k: round(float(v), 3) for k, v in report["curve"][-1].items()}), flush=True)
     losses = train_transformer(model, data, TEXTS, transformer_steps, transformer_batch, transformer_lr, ema, gen,
                                measure, curve_every)
-    nano.reached(report, "transformer", steps=transformer_steps, pairs=len(data[1]), first_loss=np.mean(losses[:10]),
-                 last_loss=np.mean(losses[-20:]), cpu_seconds=time.process_time() - start)
-    nano.save_parts(out, vae=pipe.vae, transformer=pipe.transformer)
-    nano.reached(report, "base model", **ne.evaluate(ne.load(out), per_kind))
+    pretraining.reached(report, "transformer", steps=transformer_steps, pairs=len(data[1]),
+                        first_loss=np.mean(losses[:10]), last_loss=np.mean(losses[-20:]),
+                        cpu_seconds=time.process_time() - start)
+    pretraining.save_parts(out, vae=pipe.vae, transformer=pipe.transformer)
+    pretraining.reached(report, "base model", **ne.evaluate(ne.load(out), per_kind))
     with open(os.path.join(out, "pretrain.json"), "w") as f:
         json.dump(report, f, indent=2)
     return report
@@ -126,8 +131,8 @@ def ceiling(vae, per_kind: int = 100) -> dict:
     for kind, rows in ne.by_kind(ne.pairs(True, per_kind)).items():
         i = torch.tensor([r[0] for r in rows])
         goal = src[i] if kind == "make it a {d}" else ne.target(src[i], kind)
-        mu = nano.latents(vae, goal.expand(-1, 3, -1, -1) * 2 - 1)[0]
-        seen = ne.quantise((nano.decode(vae, mu[:, :, None])[:, :, 0].mean(1, keepdim=True) + 1) / 2)
+        mu = pretraining.latents(vae, goal.expand(-1, 3, -1, -1) * 2 - 1)[0]
+        seen = ne.quantise((pretraining.decode(vae, mu[:, :, None])[:, :, 0].mean(1, keepdim=True) + 1) / 2)
         texts = [f"make it a {y_test[n]}" if kind == "make it a {d}" else kind for n in i.tolist()]
         result[kind] = np.mean([ne.judge_one_kind(seen[n:n + 1], src[i[n:n + 1]], t)[0] for n, t in enumerate(texts)])
     return result

@@ -70,12 +70,11 @@ BUDGETS = {
     # a run directory belongs to one run: claimed, locked, refused to another, resumed; raised from 200 for what a run
     # stopped by Ctrl-C or SIGTERM keeps there and says (the last trained iteration checkpointed on the way out)
     "rundir.py": 240,
-    # the digits task and what the laptop tasks share (data, pretraining, held-out sampling); raised from 450 for what
-    # their CLIs share: the numbers bounded in one line, a run's LoRA checked against its model before it loads
-    "tasks/nano.py": 490,  # -> 490: GARDO's two proxy rewards (issue 45), classifiers on the reward's features
-    # the GenEval-shaped task; raised from 450: seven categories, each with its template, layout and condition, read by
-    # a program judge and a differently built reward
-    "tasks/nano_compose.py": 550,
+    "tasks/nano.py": 450,  # the digits task and what the laptop tasks share (data, held-out sampling, CLI checks)
+    # the steps every laptop task's base is trained with: the VAE, rectified flow for the transformer, the parts written
+    "tasks/pretraining.py": 200,
+    "tasks/nano_compose.py": 450,  # the GenEval-shaped task: a program judge, a differently built reward, evaluation
+    "tasks/nano_compose_render.py": 250,  # nano-compose's prompt grammar, its prompt sets and the renders of any prompt
     # the GenEval-shaped task's base, pretrained in gated stages (the VAE, its decoder alone, the transformer)
     "tasks/nano_compose_pretrain.py": 200,
     "tasks/nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, evaluation, grid

@@ -16,6 +16,8 @@ import tiny_setup
 from tasks import nano
 from tasks import nano_compose as nc
 from tasks import nano_compose_pretrain as ncp
+from tasks import nano_compose_render as ncr
+from tasks import pretraining
 
 # One known composition per category, then prompts it satisfies (1) and prompts it does not (0): a wrong digit, a
 # wrong count, a wrong colour, the wrong side, swapped colours, the number's digits in another order.
@@ -34,36 +36,36 @@ RENDERS = 10  # renders of each known composition (held-out glyphs, seeds 0..9)
 
 
 def test_the_prompt_sets_hold_out_novel_combinations_and_the_shipped_file_is_theirs():
-    train, held_out = nc.prompt_sets()
+    train, held_out = ncr.prompt_sets()
     assert {c: len(v) for c, v in train.items()} == {"single": 10, "two": 72, "counting": 24, "colours": 32,
                                                      "position": 288, "attribution": 570, "number": 800}
     seen = {p for v in train.values() for p in v}
     every = [p for v in held_out.values() for p in v]
     novel = [p for p in every if p not in seen]
     assert len(every) == 130 and len(novel) / len(every) >= 0.2, (len(novel), len(every))  # at least a fifth
-    for category, prompts in nc.all_prompts().items():  # every prompt parses back to its own category
-        assert {nc.parse(p)["category"] for p in prompts} == {category}
+    for category, prompts in ncr.all_prompts().items():  # every prompt parses back to its own category
+        assert {ncr.parse(p)["category"] for p in prompts} == {category}
     with open(nc.PROMPTS) as f:  # the shipped set is what `python -m tasks.nano_compose prompts` writes
-        assert [json.loads(line) for line in f] == nc.prompt_lines()
+        assert [json.loads(line) for line in f] == ncr.prompt_lines()
 
 
 def test_renders_are_seeded_separated_and_held_out_glyphs_differ_from_train():
-    prompts = [KNOWN[c][0] for c in nc.CATEGORIES]
-    a, b = nc.render(prompts, held_out=True, seed=3), nc.render(prompts, held_out=True, seed=3)
+    prompts = [KNOWN[c][0] for c in ncr.CATEGORIES]
+    a, b = ncr.render(prompts, held_out=True, seed=3), ncr.render(prompts, held_out=True, seed=3)
     np.testing.assert_array_equal(a, b)
     assert a.shape == (7, 32, 32, 3) and a.dtype == np.uint8
-    assert not np.array_equal(a, nc.render(prompts, held_out=False, seed=3))
+    assert not np.array_equal(a, ncr.render(prompts, held_out=False, seed=3))
     for image, prompt in zip(a, prompts):  # as many separate digits as the prompt names, in its colours
-        spec = nc.parse(prompt)
+        spec = ncr.parse(prompt)
         objs = nc.read(image[None], "judge")[0]
         assert len(objs) == len(spec["digits"]), (prompt, len(objs))
         assert sorted(o["colour"] for o in objs) == sorted(c or "white" for c in spec["colours"])
 
 
-@pytest.mark.parametrize("category", nc.CATEGORIES)
+@pytest.mark.parametrize("category", ncr.CATEGORIES)
 def test_the_judge_on_known_compositions_both_ways(category):
     drawn, answers = KNOWN[category]
-    images = np.concatenate([nc.render([drawn], held_out=True, seed=s) for s in range(RENDERS)])
+    images = np.concatenate([ncr.render([drawn], held_out=True, seed=s) for s in range(RENDERS)])
     for prompt, want in answers.items():
         got = nc.judge_scores(images, [prompt] * RENDERS)
         # the judge reads 97-99% of held-out renders right (tasks/nano_compose.py judge): allow one miss in ten, never more
@@ -80,7 +82,7 @@ def test_the_judge_and_the_reward_on_held_out_renders_noise_and_wrong_prompts():
 def test_the_reward_is_smooth_where_the_judge_is_binary():
     """Half right is half a reward and no judge's point; a fainter, darker image keeps the judge's answer but moves
     the reward; a colour between two palette entries splits the colour term."""
-    images = np.concatenate([nc.render(["a 3 and a 5"], held_out=True, seed=s) for s in range(RENDERS)])
+    images = np.concatenate([ncr.render(["a 3 and a 5"], held_out=True, seed=s) for s in range(RENDERS)])
     half = nc.reward_scores(images, ["a 3 and a 6"] * RENDERS)
     assert nc.judge_scores(images, ["a 3 and a 6"] * RENDERS).sum() == 0
     assert 0.3 < half.mean() < 0.6, half  # one of two digits right: about half the full score
@@ -90,7 +92,7 @@ def test_the_reward_is_smooth_where_the_judge_is_binary():
     np.testing.assert_array_equal(nc.judge_scores(faint, ["a 3 and a 5"] * RENDERS),
                                   nc.judge_scores(images, ["a 3 and a 5"] * RENDERS))
     assert np.abs(nc.reward_scores(faint, ["a 3 and a 5"] * RENDERS) - full).max() > 1e-3
-    orange = nc.render(["a red 2"], held_out=True, seed=0)
+    orange = ncr.render(["a red 2"], held_out=True, seed=0)
     orange[..., 1] = orange[..., 0] // 2  # red ink turned orange: between red and yellow
     r_red, r_yellow = (nc.reward_scores(orange, [p])[0] for p in ("a red 2", "a yellow 2"))
     assert 0.05 < r_red < 0.95 and 0.05 < r_yellow < 0.95 and r_red + r_yellow > 0.5, (r_red, r_yellow)
@@ -98,8 +100,8 @@ def test_the_reward_is_smooth_where_the_judge_is_binary():
 
 def test_the_compose_reward_through_the_registry_and_its_prompt_check():
     reward = rewards.make_reward("compose=1,compose_judge=0")
-    prompts = [KNOWN[c][0] for c in nc.CATEGORIES]
-    images = nc.render(prompts, held_out=True, seed=0)
+    prompts = [KNOWN[c][0] for c in ncr.CATEGORIES]
+    images = ncr.render(prompts, held_out=True, seed=0)
     pixels = images.transpose(0, 3, 1, 2).astype(np.float32) / 255  # as the loop hands images: (B, 3, H, W) in [0, 1]
     total, parts = reward(torch.from_numpy(pixels), prompts)
     np.testing.assert_array_equal(total, parts["compose"])  # the judge has weight 0
@@ -108,7 +110,7 @@ def test_the_compose_reward_through_the_registry_and_its_prompt_check():
         rewards.check_prompts_for_reward("compose=1", ["a 3", "a purple 3"])
     with pytest.raises(ValueError, match="templates"):
         rewards.check_prompts_for_reward("digit=1,compose_judge=0", ["a handwritten digit 3"])
-    rewards.check_prompts_for_reward("compose", [line["prompt"] for line in nc.prompt_lines()])  # the task's own set
+    rewards.check_prompts_for_reward("compose", [line["prompt"] for line in ncr.prompt_lines()])  # the task's own set
 
 
 def pretrain(out, *flags: str) -> str:
@@ -131,8 +133,8 @@ def test_pretraining_on_a_few_steps_writes_a_model_that_loads_as_nano_compose(pr
     report = json.loads((out / "pretrain.json").read_text())
     vae, transformer, base = report["vae"], report["transformer"], report["base model"]
     assert vae["last_mse"] < 0.8 * vae["first_mse"], vae
-    assert {f"judge_on_reconstructions/{c}" for c in (*nc.CATEGORIES, "overall")} <= vae.keys()  # gate (a)'s figures
-    assert np.isfinite(transformer["last_loss"]) and base["images"] == 7 and set(nc.CATEGORIES) <= base.keys(), base
+    assert {f"judge_on_reconstructions/{c}" for c in (*ncr.CATEGORIES, "overall")} <= vae.keys()  # gate (a)'s figures
+    assert np.isfinite(transformer["last_loss"]) and base["images"] == 7 and set(ncr.CATEGORIES) <= base.keys(), base
     assert "vae: steps 30" in stdout and "transformer: steps 4" in stdout and "base model:" in stdout
     tiny_setup.check_pretrained("nano-compose", out, "a red 3 and a blue 5", 32)  # starts, loads what was written
 
@@ -162,7 +164,7 @@ def test_nano_compose_start_up_checks_name_the_problem(pretrained, change, needl
 
 
 def test_the_vae_trains_on_the_decoder_before_its_clamp():
-    """nano.decode_unclamped is diffusers' decode less its final clamp: equal to it once clamped, and it keeps a
+    """pretraining.decode_unclamped is diffusers' decode less its final clamp: equal to it once clamped, and it keeps a
     gradient where the clamp has none (a channel pushed below −1 can come back)."""
     from diffusers import AutoencoderKLQwenImage
     torch.manual_seed(0)
@@ -170,12 +172,12 @@ def test_the_vae_trains_on_the_decoder_before_its_clamp():
     with torch.no_grad():
         vae.decoder.conv_out.weight.mul_(10)  # a random decoder stays within ±0.7: push some outputs beyond ±1
     z = torch.randn(2, ncp.VAE["z_dim"], 1, 8, 8, requires_grad=True)
-    raw = nano.decode_unclamped(vae, z)
-    torch.testing.assert_close(raw.clamp(-1, 1), nano.decode(vae, z), rtol=0, atol=0)
+    raw = pretraining.decode_unclamped(vae, z)
+    torch.testing.assert_close(raw.clamp(-1, 1), pretraining.decode(vae, z), rtol=0, atol=0)
     beyond = raw.detach().abs() > 1
     assert beyond.any()  # the case the clamp loses
     (grad,) = torch.autograd.grad((raw * beyond).sum(), z)
-    (none,) = torch.autograd.grad((nano.decode(vae, z) * beyond).sum(), z)
+    (none,) = torch.autograd.grad((pretraining.decode(vae, z) * beyond).sum(), z)
     assert grad.abs().sum() > 0 and none.abs().sum() == 0
 
 
@@ -233,11 +235,11 @@ def test_a_short_seeded_rl_run_raises_the_held_out_overall(tmp_path, one_thread)
     assert len(rows) == RL_ITERATIONS and all(r["train/logp_gap"] == 0 for r in rows)
     assert np.mean([r["train/clipfrac"] > 0 for r in rows]) > 0.5  # the clip range acts (in the second step)
     prompts = nc.held_out_prompts(PER_CATEGORY)
-    cats = np.array([nc.parse(p)["category"] for p in prompts])
-    before, after = (nc.judge_scores(nano.quantised(nano.sample(nc.load(lora=lora), prompts, nc.SIDE)), prompts)
+    cats = np.array([ncr.parse(p)["category"] for p in prompts])
+    before, after = (nc.judge_scores(nano.quantised(nano.sample(nc.load(lora=lora), prompts, ncr.SIDE)), prompts)
                      for lora in (None, str(run / "lora")))
-    change = np.mean([after[cats == c].mean() - before[cats == c].mean() for c in nc.CATEGORIES])
-    noise = np.sqrt(sum((after - before)[cats == c].var() / (cats == c).sum() for c in nc.CATEGORIES)) / 7
-    per = {c: f"{before[cats == c].mean():.0%} -> {after[cats == c].mean():.0%}" for c in nc.CATEGORIES}
+    change = np.mean([after[cats == c].mean() - before[cats == c].mean() for c in ncr.CATEGORIES])
+    noise = np.sqrt(sum((after - before)[cats == c].var() / (cats == c).sum() for c in ncr.CATEGORIES)) / 7
+    per = {c: f"{before[cats == c].mean():.0%} -> {after[cats == c].mean():.0%}" for c in ncr.CATEGORIES}
     print(f"\nheld-out overall {change:+.1%}, {change / noise:.1f} times its noise {noise:.1%}; {per}")
     assert change > max(3 * noise, 0.05), f"overall {change:+.1%}, noise {noise:.1%}: {per}"
