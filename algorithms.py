@@ -13,6 +13,7 @@ the same way for every algorithm. Nothing here knows a model family: the model i
 """
 import contextlib
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -344,6 +345,27 @@ def gardo_update(model, engine, batch: rollout.Batch, a, arith: dict, progress: 
         s.reset = s.reset or max(means.values()) > a.gardo_kl_threshold
     return stats | {"train/gardo_gated_fraction": s.gate.float().mean().item(), "train/gardo_beta": s.compensator.beta,
                     "train/gardo_last_reset": float(s.last_reset)}
+
+
+def gardo_checkpoint(engine, a) -> dict:
+    """What a checkpoint's loop state keeps of GARDO's (GardoState.state_dict); nothing for another --algorithm."""
+    return {"gardo": reg.state(engine).state_dict()} if a.algorithm == "gardo" else {}
+
+
+def gardo_resume(engine, a, loop: dict, directory: str) -> None:
+    """GARDO's state from checkpoint `directory`'s loop state, in a --algorithm gardo run. A checkpoint from before they
+    kept it has none: the controller and reset count start afresh, as every resume did then, and one line says so."""
+    if a.algorithm != "gardo":
+        return
+    got, kinds = loop.get("gardo"), {"beta": float, "buffer": list, "reset": bool, "last_reset": int}
+    if got is None and engine.is_main:
+        print(f"--resume: {directory} holds no GARDO state (written before checkpoints kept it): its gate's controller "
+              "(β 0.1, no history) and reset count start afresh, unlike an unbroken run's", file=sys.stderr)
+    elif got is not None:  # type(), not isinstance: a bool is an int, and an int no float
+        need(isinstance(got, dict) and all(type(got.get(k)) is kind for k, kind in kinds.items())
+             and all(type(m) is float for m in got["buffer"]), f"--resume: {directory}/meta.json: loop.gardo is "
+             f"{got!r:.60}: not GARDO's state (beta, reset, last_reset, a buffer of floats); the checkpoint is damaged")
+        reg.state(engine).load_state_dict(got)
 
 
 def check_gardo(a) -> None:

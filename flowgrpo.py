@@ -215,6 +215,7 @@ def main(a: Args) -> list[dict]:
         loop = engine.load_checkpoint(ckpt)["loop"]
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
+        algorithms.gardo_resume(engine, a, loop, ckpt)  # --algorithm gardo: its gate's controller, its reset count
     backend = rollout_ranks.RankBackend(exchange, engine) if exchange else rollout_backends.make_backend(  # local, or
         a.rollout, a.rollout_url, run_dir, engine)  # vLLM-Omni servers (a collective)
     plan = functools.partial(draw, a=a, algo=algo, engine=engine, model=model, backend=backend, reward_fn=reward_fn,
@@ -228,13 +229,16 @@ def main(a: Args) -> list[dict]:
     rollouts = offpolicy.Rollouts(plan, publish, scorer, engine, a.off_policy, a.iterations)
     if ckpt:
         rollouts.load(ckpt, functools.partial(plan, scorer=None, images=False))  # --off-policy 1: the one in flight
-    log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb, weights=rewards.weights(a.reward))
+    # the run's judges: its rewards at weight 0, which only people read (GARDO's proxies, also at 0, gate its KL)
+    judges = [k for k, w in rewards.weights(a.reward).items() if w == 0 and k not in a.gardo_proxies]
+    log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb, judges=judges)
     if rank == 0:  # the run directory exists from here on (a start that failed before left none to name)
         print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
 
     def save(it: int) -> int:  # --- 8. checkpoint: atomic, resumable exactly (all randomness: seed and iteration)
         loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
-                "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train)}
+                "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train),
+                **algorithms.gardo_checkpoint(engine, a)}  # --algorithm gardo's gate's controller, reset count
         engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
                                {"run_id": run.run_id, "flags": startup.fingerprint(a), "loop": loop},
                                a.keep_checkpoints, extra=rollouts.save)  # with the rollout in flight, if any

@@ -165,12 +165,21 @@ def gated_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class GardoState:
     """What GARDO carries between iterations: the gated fraction's controller, the gate of the iteration's images (by
-    image id), whether the KL asked for a reset and when the reference was last reset. Not checkpointed: a --resume
-    starts the controller and the reset count afresh (docs/algorithm.md §17)."""
+    image id), whether the KL asked for a reset and when the reference was last reset. A checkpoint keeps all but the
+    gate (`state_dict`); the reference, the engine's old policy, goes with the weights (docs/algorithm.md §17)."""
     compensator: RiskCompensator = dataclasses.field(default_factory=RiskCompensator)
     gate: torch.Tensor | None = None
     reset: bool = False
     last_reset: int = 0
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, as JSON (a float reads back to the bit); not the gate: each iteration draws one."""
+        return {"beta": self.compensator.beta, "buffer": [float(m) for m in self.compensator.buffer],
+                "reset": self.reset, "last_reset": self.last_reset}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.compensator = RiskCompensator(d["beta"], d["buffer"])
+        self.reset, self.last_reset = d["reset"], d["last_reset"]
 
 
 def state(engine) -> GardoState:

@@ -186,9 +186,9 @@ class RunLog:
     # redraw costs ~0.1 s, which at each of a laptop run's ~1 s iterations would slow the run by 10%; always at close
     DRAW_SHARE = 0.02
 
-    def __init__(self, claim: Claim, *, enabled: bool, use_wandb: bool, weights: dict[str, float] | None = None):
+    def __init__(self, claim: Claim, *, enabled: bool, use_wandb: bool, judges: list[str] = ()):
         self.run_dir, self.enabled, self.rows, self.wandb = claim.run_dir, enabled, [], None
-        self.judges = [k for k, w in (weights or {}).items() if w == 0]  # terms logged at weight 0: the run's judges
+        self.judges = list(judges)  # the reward terms the loop names judges: at weight 0, read by nothing in training
         self.metrics, self.started = os.path.join(claim.run_dir, "metrics.jsonl"), time.time()
         self.args, self.flat, self.drawing = claim.args, 0, 0.0  # flat: iterations in a row without any reward spread
         if not enabled:

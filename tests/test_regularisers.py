@@ -11,17 +11,23 @@ Public code (re-typed, not copied):
   Wan    zhtmike/flow_grpo @ def7b8403e9659aba03ba8d82bbd69a33fc58d00 (a mirror of yifan123/flow_grpo):
          flow_grpo/diffusers_patch/wan_pipeline_with_logprob.py (sde_step_with_logprob: std_dev_t and the mean)
 """
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 import algorithms
+import checkpoint
 import flowgrpo
 import models_wan
 import regularisers as reg
+import runlog
 import scheduler as sch
 import startup
+from test_engine import lora, without_perf
 from tiny_setup import main_here
 from tasks import nano
 
@@ -169,6 +175,82 @@ def test_nanos_gardo_proxies_read_real_digits():
         p = nano.proxy(name)(images, [f"a handwritten digit {d}" for d in y_test], None)
         print(f"\n{name}: mean p(true digit) {p.mean():.3f} on {len(y_test)} held-out digits")
         assert p.mean() > 0.75, (name, p.mean())
+
+
+# ---- GARDO through the loop: exact resume, and its proxies are not judges ------------------------------------------
+
+# The tiny model with one proxy and one judge, 8 images an iteration in 2 optimizer steps: ~1 s an iteration here.
+GARDO = ("--algorithm", "gardo", "--reward", "brightness=1,jpeg_compressibility=0,jpeg_incompressibility=0",
+         "--gardo-proxies", "jpeg_compressibility", "--kl-beta", 0.04, "--prompts-per-iteration", 2, "--group-size", 4,
+         "--micro-batch", 4)
+# Chosen so that what GARDO carries over iteration 1's checkpoint decides iterations 2 and 3: the controller moves β
+# at iteration 1 (its history decides the next move), an optimizer step of iteration 1 has a mean KL term ~3.3e-5,
+# above the threshold (iteration 0's are 0: the reference is the weights they start from), which asks for the reset
+# at 2, and from there --gardo-reset-every 2 puts none at 3 (a count from 0 would: 3 − 0 > 2).
+GARDO_RESUMED = (*GARDO, "--gardo-reset-every", 2, "--gardo-kl-threshold", 1e-5, "--eval-every", 0)
+
+
+@pytest.fixture(scope="module")
+def gardo_runs(tmp_path_factory):
+    """4 iterations straight; 2, then --resume auto to 4 (checkpoints after iterations 1 and 3). Their rows."""
+    root = tmp_path_factory.mktemp("gardo")
+    straight = main_here("--iterations", 4, "--run-dir", root / "straight", *GARDO_RESUMED)
+    main_here("--iterations", 2, "--run-dir", root / "split", *GARDO_RESUMED)
+    resumed = main_here("--iterations", 4, "--run-dir", root / "split", "--resume", "auto", *GARDO_RESUMED)
+    return root, straight, resumed
+
+
+def test_a_gardo_run_resumes_bit_for_bit(gardo_runs):
+    """Resume is bitwise for GARDO too: its gate's controller (β and its 20-iteration history), the reset asked for and
+    the last reset's iteration go with each checkpoint, the reference (the old policy) with the weights. Before, a
+    --resume started them afresh: the resumed run put β back to 0.1, lost the reset at 2, reset at 3 instead, and
+    ended on another LoRA (max |resumed − straight| 0.007 on LoRA weights of order 0.1)."""
+    root, straight, resumed = gardo_runs
+    betas, resets = [r["train/gardo_beta"] for r in straight], [r["train/gardo_last_reset"] for r in straight]
+    print(f"\nstraight run: β {betas}, last reset {resets}")
+    assert betas[1] != 0.1 and resets == [0, 0, 2, 2]  # what the split must carry is there to carry
+    ours, theirs = lora(root / "split"), lora(root / "straight")
+    assert ours.keys() == theirs.keys()
+    for k in theirs:
+        assert torch.equal(ours[k], theirs[k]), f"{k}: max |resumed − straight| {(ours[k] - theirs[k]).abs().max():.3g}"
+    assert [without_perf(r) for r in resumed] == [without_perf(r) for r in straight]
+
+
+def test_a_gardo_checkpoint_without_its_state_resumes_afresh_and_says_so(gardo_runs, tmp_path, capsys):
+    """A GARDO checkpoint written before its state was saved (here: iteration 1's, its loop.gardo removed and its
+    meta.json's SHA-256 written anew) still resumes, as it always did: the controller and the reset count start afresh
+    (β 0.1, no reset at 2: the one iteration 1 asked for is gone), and one line says the run will not match."""
+    root, straight, _ = gardo_runs
+    old = tmp_path / "iter_000001"
+    shutil.copytree(root / "split" / "checkpoints" / "iter_000001", old)
+    meta = json.loads((old / "meta.json").read_text())
+    saved = meta["loop"].pop("gardo")  # what iteration 1 left: β moved once, 2 means, a reset asked for, none yet
+    got = (saved["beta"], len(saved["buffer"]), saved["reset"], saved["last_reset"])
+    assert got == (straight[1]["train/gardo_beta"], 2, True, 0), saved
+    meta["sha256"] = checkpoint.json_sha256({k: v for k, v in meta.items() if k != "sha256"})
+    (old / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    rows = main_here("--iterations", 3, "--run-dir", tmp_path / "run", "--resume", old, *GARDO_RESUMED)
+    said = capsys.readouterr().err
+    assert f"--resume: {old} holds no GARDO state" in said and "start afresh" in said, said
+    assert (rows[-1]["iteration"], rows[-1]["train/gardo_beta"], rows[-1]["train/gardo_last_reset"]) == (2, 0.1, 0)
+
+
+def test_a_gardo_runs_judges_leave_out_its_proxies(tmp_path, monkeypatch, capsys):
+    """A weight-0 reward is a judge, read only by people, unless GARDO's gate reads it (--gardo-proxies): the closing
+    summary, the eval grid's caption lines and the curve's judge panel name the judge alone; the proxy is still
+    logged as a reward term. Before: both were "the judge (weight 0, never trained on)"."""
+    captions, panels = [], []
+    monkeypatch.setattr(runlog, "save_grid", lambda path, images, texts, sources=None: captions.extend(texts))
+    monkeypatch.setattr(runlog, "plot_curve", lambda path, rows, judges: panels.append(list(judges)))
+    capsys.readouterr()
+    rows = main_here("--iterations", 1, "--run-dir", tmp_path / "run", *GARDO, "--eval-every", 1, "--eval-images", 4)
+    said = capsys.readouterr().out
+    judge, proxy = "jpeg_incompressibility", "jpeg_compressibility"
+    assert f"{judge}, the judge" in said and f"{proxy}, the judge" not in said, said
+    assert len(captions) == 4 and all(f"\n{judge} " in c and f"\n{proxy} " not in c for c in captions), captions
+    assert panels and all(p == [judge] for p in panels), panels
+    assert {f"reward/{proxy}/mean", f"eval/{proxy}/mean", f"reward/{judge}/mean"} <= rows[0].keys()
 
 
 # ---- NormGuard ----------------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_a_run_ends_by_telling_its_judge_and_draws_it(tmp_path, capsys):
     """The closing summary names each weight-0 reward (the judge) from its first to its last evaluation; the curve has
     a second panel for it. Before: only the reward, and one panel."""
     claim = runlog.Claim(str(tmp_path), "id", None, {"group_size": 8, "reward": "digit=1,digit_judge=0"})
-    log = runlog.RunLog(claim, enabled=True, use_wandb=False, weights={"digit": 1.0, "digit_judge": 0.0})
+    log = runlog.RunLog(claim, enabled=True, use_wandb=False, judges=["digit_judge"])
     for it in range(3):
         log.log({"iteration": it, "reward/mean": 0.5, "reward/std": 0.4, "reward/min": 0.0, "reward/max": 1.0,
                  "reward/zero_std_ratio": 0.0, "reward/digit_judge/mean": 0.4 + 0.1 * it, "eval/reward_mean": 0.5,
@@ -101,7 +101,7 @@ def test_the_reward_curve_is_redrawn_only_while_drawing_is_cheap_and_always_at_t
         clock["now"] += 1.0
     monkeypatch.setattr(runlog, "plot_curve", plot)
     claim = runlog.Claim(str(tmp_path), "id", None, {"group_size": 8, "reward": "digit"})
-    log = runlog.RunLog(claim, enabled=True, use_wandb=False, weights={"digit": 1.0})
+    log = runlog.RunLog(claim, enabled=True, use_wandb=False)
     for it in range(3):
         clock["now"] = 1010.0 + it
         log.log({"iteration": it, "reward/mean": 0.5, "reward/std": 0.1, "reward/zero_std_ratio": 0.0})
