@@ -41,6 +41,8 @@ class Algorithm:
     whole_groups: bool = False  # a micro-batch holds whole groups: the loop assigns groups, not images, to steps
     advantages: Callable | None = None  # (r_all, a, engine, batch, info, assignment) -> (A (N,) by id, zero-std
     # fraction); None: the group-relative ones (group_advantages)
+    state: Callable | None = None  # engine -> what the algorithm carries between iterations, kept by a checkpoint
+    # (its state_dict, JSON; load_state_dict checks what it reads); None: nothing beyond the weights
 
 
 def need(ok: bool, msg: str) -> None:
@@ -347,25 +349,20 @@ def gardo_update(model, engine, batch: rollout.Batch, a, arith: dict, progress: 
                     "train/gardo_last_reset": float(s.last_reset)}
 
 
-def gardo_checkpoint(engine, a) -> dict:
-    """What a checkpoint's loop state keeps of GARDO's (GardoState.state_dict); nothing for another --algorithm."""
-    return {"gardo": reg.state(engine).state_dict()} if a.algorithm == "gardo" else {}
+def saved_state(algo: Algorithm, engine) -> dict:
+    """What a checkpoint's loop state keeps of the algorithm's own (`Algorithm.state`): nothing for most."""
+    return {"algorithm_state": algo.state(engine).state_dict()} if algo.state else {}
 
 
-def gardo_resume(engine, a, loop: dict, directory: str) -> None:
-    """GARDO's state from checkpoint `directory`'s loop state, in a --algorithm gardo run. A checkpoint from before they
-    kept it has none: the controller and reset count start afresh, as every resume did then, and one line says so."""
-    if a.algorithm != "gardo":
-        return
-    got, kinds = loop.get("gardo"), {"beta": float, "buffer": list, "reset": bool, "last_reset": int}
-    if got is None and engine.is_main:
-        print(f"--resume: {directory} holds no GARDO state (written before checkpoints kept it): its gate's controller "
-              "(β 0.1, no history) and reset count start afresh, unlike an unbroken run's", file=sys.stderr)
-    elif got is not None:  # type(), not isinstance: a bool is an int, and an int no float
-        need(isinstance(got, dict) and all(type(got.get(k)) is kind for k, kind in kinds.items())
-             and all(type(m) is float for m in got["buffer"]), f"--resume: {directory}/meta.json: loop.gardo is "
-             f"{got!r:.60}: not GARDO's state (beta, reset, last_reset, a buffer of floats); the checkpoint is damaged")
-        reg.state(engine).load_state_dict(got)
+def resume_state(algo: Algorithm, engine, loop: dict, directory: str) -> None:
+    """The algorithm's own state from checkpoint `directory`'s loop state. A checkpoint from before they kept it has
+    none: the state starts afresh, as every resume did then, and one line says so."""
+    if algo.state and "algorithm_state" in loop:
+        algo.state(engine).load_state_dict(loop["algorithm_state"], f"--resume: {directory}/meta.json")
+    elif algo.state and engine.is_main:
+        print(f"--resume: {directory} holds no state of the algorithm's own (written before checkpoints kept it): it "
+              "starts afresh (GARDO: its gate's controller at β 0.1, no history, no reset), unlike an unbroken run's",
+              file=sys.stderr)
 
 
 def check_gardo(a) -> None:
@@ -430,7 +427,8 @@ ALGORITHMS = {  # --algorithm: Flow-GRPO and AWM sample with the trained weights
                       watch="train/logp_gap", check=check_sde),
     # GARDO (regularisers.py): Flow-GRPO's row with its advantages, its gated KL to an old policy that it resets
     "gardo": Algorithm(SDE_FLAGS | GARDO_FLAGS, sde_steps, current_weights, as_advantages, gardo_update,
-                       keeps_old=True, watch="train/logp_gap", check=check_gardo, advantages=gardo_advantages),
+                       keeps_old=True, watch="train/logp_gap", check=check_gardo, advantages=gardo_advantages,
+                       state=reg.state),
     "nft": Algorithm(FORWARD_FLAGS | {"nft_beta"}, no_steps, old_weights, fwd.nft_weights,
                      functools.partial(fwd.train_forward, loss=fwd.nft_loss, timesteps=fwd.nft_timesteps),
                      keeps_old=True, watch="train/policy_loss", check=fwd.check_distinct),

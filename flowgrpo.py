@@ -215,7 +215,7 @@ def main(a: Args) -> list[dict]:
         loop = engine.load_checkpoint(ckpt)["loop"]
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
         sampler.load_state_dict(loop["sampler"])
-        algorithms.gardo_resume(engine, a, loop, ckpt)  # --algorithm gardo: its gate's controller, its reset count
+        algorithms.resume_state(algo, engine, loop, ckpt)  # e.g. GARDO's gate's controller, its reset count
     backend = rollout_ranks.RankBackend(exchange, engine) if exchange else rollout_backends.make_backend(  # local, or
         a.rollout, a.rollout_url, run_dir, engine)  # vLLM-Omni servers (a collective)
     plan = functools.partial(draw, a=a, algo=algo, engine=engine, model=model, backend=backend, reward_fn=reward_fn,
@@ -238,7 +238,7 @@ def main(a: Args) -> list[dict]:
     def save(it: int) -> int:  # --- 8. checkpoint: atomic, resumable exactly (all randomness: seed and iteration)
         loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,
                 "wandb_id": log.wandb_id, "prompts_sha256": checkpoint.json_sha256(prompt_set.train),
-                **algorithms.gardo_checkpoint(engine, a)}  # --algorithm gardo's gate's controller, reset count
+                **algorithms.saved_state(algo, engine)}  # the algorithm's own, if any (GARDO's gate's controller)
         engine.save_checkpoint(os.path.join(run_dir, "checkpoints", f"{checkpoint.PREFIX}{it:06d}"),
                                {"run_id": run.run_id, "flags": startup.fingerprint(a), "loop": loop},
                                a.keep_checkpoints, extra=rollouts.save)  # with the rollout in flight, if any

@@ -177,7 +177,14 @@ class GardoState:
         return {"beta": self.compensator.beta, "buffer": [float(m) for m in self.compensator.buffer],
                 "reset": self.reset, "last_reset": self.last_reset}
 
-    def load_state_dict(self, d: dict) -> None:
+    def load_state_dict(self, d, where: str) -> None:
+        """`state_dict`'s JSON read back, each value of its type (`type()`: a bool is an int, an int no float), or a
+        one-line error naming `where`."""
+        kinds = {"beta": float, "buffer": list, "reset": bool, "last_reset": int}
+        if not (isinstance(d, dict) and all(type(d.get(k)) is kind for k, kind in kinds.items())
+                and all(type(m) is float for m in d["buffer"])):
+            raise ValueError(f"{where}: {d!r:.60} is not GARDO's state (beta, a buffer of floats, reset, last_reset): "
+                             "the checkpoint is damaged")
         self.compensator = RiskCompensator(d["beta"], d["buffer"])
         self.reset, self.last_reset = d["reset"], d["last_reset"]
 

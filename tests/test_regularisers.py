@@ -217,14 +217,14 @@ def test_a_gardo_run_resumes_bit_for_bit(gardo_runs):
 
 
 def test_a_gardo_checkpoint_without_its_state_resumes_afresh_and_says_so(gardo_runs, tmp_path, capsys):
-    """A GARDO checkpoint written before its state was saved (here: iteration 1's, its loop.gardo removed and its
+    """A GARDO checkpoint written before its state was saved (here: iteration 1's, its loop.algorithm_state removed and its
     meta.json's SHA-256 written anew) still resumes, as it always did: the controller and the reset count start afresh
     (β 0.1, no reset at 2: the one iteration 1 asked for is gone), and one line says the run will not match."""
     root, straight, _ = gardo_runs
     old = tmp_path / "iter_000001"
     shutil.copytree(root / "split" / "checkpoints" / "iter_000001", old)
     meta = json.loads((old / "meta.json").read_text())
-    saved = meta["loop"].pop("gardo")  # what iteration 1 left: β moved once, 2 means, a reset asked for, none yet
+    saved = meta["loop"].pop("algorithm_state")  # what iteration 1 left: β moved once, 2 means, a reset asked for, none yet
     got = (saved["beta"], len(saved["buffer"]), saved["reset"], saved["last_reset"])
     assert got == (straight[1]["train/gardo_beta"], 2, True, 0), saved
     meta["sha256"] = checkpoint.json_sha256({k: v for k, v in meta.items() if k != "sha256"})
@@ -232,7 +232,7 @@ def test_a_gardo_checkpoint_without_its_state_resumes_afresh_and_says_so(gardo_r
     capsys.readouterr()
     rows = main_here("--iterations", 3, "--run-dir", tmp_path / "run", "--resume", old, *GARDO_RESUMED)
     said = capsys.readouterr().err
-    assert f"--resume: {old} holds no GARDO state" in said and "start afresh" in said, said
+    assert f"--resume: {old} holds no state of the algorithm's own" in said and "starts afresh (GARDO" in said, said
     assert (rows[-1]["iteration"], rows[-1]["train/gardo_beta"], rows[-1]["train/gardo_last_reset"]) == (2, 0.1, 0)
 
 
@@ -330,3 +330,18 @@ def test_wan_recipes_kl_against_the_public_wan_steps_on_the_same_velocity_gap():
     assert sum(ours_all) / sum(theirs_all) == pytest.approx(1.04, abs=0.01)
     assert ratios[0] == pytest.approx(10.71, abs=0.01) and ratios[-1] == pytest.approx(0.336, abs=0.002)
     assert ratios.mean() == pytest.approx(5.51, abs=0.01)
+
+
+@pytest.mark.parametrize("damaged", [None, [], {"beta": 0.1, "buffer": [], "reset": False},
+                                     {"beta": 1, "buffer": [], "reset": False, "last_reset": 0},
+                                     {"beta": 0.1, "buffer": ["x"], "reset": False, "last_reset": 0},
+                                     {"beta": 0.1, "buffer": [], "reset": 0, "last_reset": 0}])
+def test_gardos_state_read_back_is_checked_value_by_value(damaged):
+    """A damaged `loop.algorithm_state` (a field missing, of another type) is one line naming the file, not a
+    traceback later in the run; what `state_dict` wrote reads back to the bit."""
+    s = reg.GardoState(reg.RiskCompensator(0.11, [0.25, 1 / 3]), reset=True, last_reset=7)
+    back = reg.GardoState()
+    back.load_state_dict(json.loads(json.dumps(s.state_dict())), "here")
+    assert back.state_dict() == s.state_dict()
+    with pytest.raises(ValueError, match=r"^here: .* is not GARDO's state .*the checkpoint is damaged$"):
+        reg.GardoState().load_state_dict(damaged, "here")
