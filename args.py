@@ -37,6 +37,11 @@ class ModelArgs:
     """recompute each transformer block's activations in backward instead of storing them"""
     compile: bool = False
     """torch.compile each transformer block (one graph per kind of call, reused by all; tiny: logp_gap 0 measured)"""
+    merged_lora: bool = False
+    """each LoRA layer computes through one bf16 weight, bf16(W + α/r·B·A) made again when the adapter changes, in
+    rollout and update alike: a bare model's host work per layer (bench/host.py). A departure: the adapter is rounded
+    into each weight, not added to each output (docs/scaling.md). Needs --mixed-precision on one process; one more
+    bf16 copy of every adapted weight"""
     shard_text_encoder: bool = False
     """shard the frozen text encoder with FSDP2 too (saves memory on every rank)"""
     sp: int = 1

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import atomic_files
 import checkpoint as ckpt
+import merged_lora as merged
 import precision
 from ema import EMA, OldPolicy
 import sequence_parallel as seqpar
@@ -115,7 +116,8 @@ class Engine:
                  max_grad_norm: float, seed: int, full_finetune: bool = False, activation_checkpointing: bool = False,
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
                  shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8, ema_repeat: int = 1,
-                 ema_form: str = "flow-grpo", sp: int = 1, old_policy: bool = False, shard: bool | None = None):
+                 ema_form: str = "flow-grpo", sp: int = 1, old_policy: bool = False, shard: bool | None = None,
+                 merged_lora: bool = False):
         self.rank, self.world_size, self.device = init_distributed(model.device)  # the model's device, as asked
         self.mesh = seqpar.device_mesh(self.world_size, sp, self.device)  # (dp, 1, sp); FSDP2 shards over all of it
         self.dp_rank, self.dp_size = self.mesh.get_local_rank("dp"), self.mesh.size(0)
@@ -164,6 +166,10 @@ class Engine:
             if shard is None else shard
         if mixed_precision and not self.sharded:
             precision.bf16_working_copies(net)
+        if merged_lora:  # --merged-lora: each LoRA layer through one bf16 weight, base and adapter summed
+            if self.sharded or not mixed_precision or full_finetune:
+                raise ValueError("--merged-lora needs --mixed-precision, a LoRA and one process that shards nothing")
+            merged.merge_adapters(net)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
             else MixedPrecisionPolicy()
         kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload

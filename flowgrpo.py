@@ -202,7 +202,8 @@ def main(a: Args) -> list[dict]:
                         full_finetune=a.full_finetune, activation_checkpointing=a.activation_checkpointing,
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
                         shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
-                        ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp, old_policy=algo.keeps_old)
+                        ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp, old_policy=algo.keeps_old,
+                        merged_lora=a.merged_lora)
     if not a.micro_batch:  # --micro-batch 0: the largest that fits this device's memory, measured (memory.py)
         a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, arith["images_per_rank"] // a.optimizer_steps,
                                                           trainset))

@@ -7,8 +7,9 @@ adapter's layers, casts, hooks) decides the time: the first GPU run (BENCHMARKS.
 2.6× diffusers' bare one there. Its proxy on a CPU: Qwen-Image's real depth (60 blocks of its architecture) at a
 negligible width (2 heads × 16), where a forward's time is dispatch, and the aten operations it dispatches, counted.
 The loop's side is the qwen-image recipe's model as the engine leaves it on one rank (LoRA r64 on its targets, bf16
-compute, activation checkpointing); the floor is the same weights in diffusers' hands; for forward + backward, the
-same LoRA added by peft to the bare model, trained in bf16, checkpointed alike (a plain LoRA step)."""
+compute, activation checkpointing), and the same with --merged-lora; the floor is the same weights in diffusers' hands;
+for forward + backward, the same LoRA added by peft to the bare model, trained in bf16, checkpointed alike (a plain
+LoRA step)."""
 import argparse
 import collections
 import copy
@@ -63,36 +64,44 @@ def deep_narrow_model(blocks: int = BLOCKS) -> models_qwen.QwenImage:
 def host_rows(t: list, o, batch: int = 4, side: int = 64):
     a = flowgrpo.RECIPES["qwen-image"]
     bare = deep_narrow_model()
-    loop, plain = copy.deepcopy(bare), copy.deepcopy(bare)
-    make_engine(dataclasses.replace(a, model="tiny"), loop)  # the recipe's LoRA, bf16 compute, checkpointing
+
+    def engine_model(**extra):  # the recipe's LoRA, bf16 compute and checkpointing, on a copy of the bare model
+        m = copy.deepcopy(bare)
+        make_engine(dataclasses.replace(a, model="tiny"), m, **extra)
+        return m
+
+    loop, loop_step, plain = engine_model(), engine_model(), copy.deepcopy(bare)
+    merged, merged_step = engine_model(merged_lora=True), engine_model(merged_lora=True)  # each layer one weight
     plain.transformer.add_adapter(loop.transformer.peft_config["default"])  # the same LoRA, bf16, no engine
     plain.transformer.enable_gradient_checkpointing()
     x = bare.noise([torch.Generator().manual_seed(i) for i in range(batch)], side, side)
     s, cond = torch.full((batch,), 0.5), bare.conditioning(["a sign that says hello"] * batch, " ", 1.0)
 
     def forward(m):
-        m.transformer.eval()
         with torch.no_grad():
             return m.velocity(x, s, cond, 1.0, side, side)
 
     def step(m):
-        m.transformer.train()
         m.velocity(x, s, cond, 1.0, side, side).float().square().mean().backward()
 
+    # A model each for forwards (eval) and steps (train), set once: the loop switches modes once a phase, not a call,
+    # and Module.train walks every module: 26 ms a switch of the loop's 8,297 (peft's), 3.6 ms of the bare 2,297
+    timed = {"bare": lambda: forward(bare), "loop": lambda: forward(loop), "plain step": lambda: step(plain),
+             "loop step": lambda: step(loop_step), "merged": lambda: forward(merged),
+             "merged step": lambda: step(merged_step)}
+    for m in (bare, loop, merged):
+        m.transformer.eval()
     ops = {}
-    for name, fn in (("bare", lambda: forward(bare)), ("loop", lambda: forward(loop)),
-                     ("plain step", lambda: step(plain)), ("loop step", lambda: step(loop))):
+    for name, fn in timed.items():
         fn()  # warm: the working copies made, the gradients allocated
         with CountOps() as counter:
             fn()
         ops[name] = counter.ops
-    timed = {"bare": lambda: forward(bare), "loop": lambda: forward(loop), "plain step": lambda: step(plain),
-             "loop step": lambda: step(loop)}
     if o.compile:  # the loop's engine with --compile (inductor): what is left of the host's work once blocks are fused
-        compiled = copy.deepcopy(bare)
-        make_engine(dataclasses.replace(a, model="tiny"), compiled, compile=True)
-        timed |= {"compiled": lambda: forward(compiled), "compiled step": lambda: step(compiled)}
-        forward(compiled), step(compiled)  # traced and compiled here, outside the timing
+        compiled, compiled_step = engine_model(compile=True), engine_model(compile=True)
+        compiled.transformer.eval()
+        timed |= {"compiled": lambda: forward(compiled), "compiled step": lambda: step(compiled_step)}
+        forward(compiled), step(compiled_step)  # traced and compiled here, outside the timing
     r = measure(timed, o.repeats)
     n = {k: sum(v.values()) for k, v in ops.items()}
     what = f"Qwen-Image's {BLOCKS} blocks at 2 heads × 16, {batch} images {side}², one thread"
@@ -107,6 +116,14 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
         f"{ms(r['plain step'])}")
     row(t, "host: aten ops per forward + backward, loop ÷ plain LoRA step", [n["loop step"] / n["plain step"]], "×",
         "≤ 1.2", f"{n['loop step'] / BLOCKS:.0f} vs {n['plain step'] / BLOCKS:.0f} per block")
+    row(t, "host: time per forward, loop --merged-lora ÷ bare diffusers", np.divide(r["merged"], r["bare"]), "×",
+        "≤ 1.25", f"{what}; the same LoRA merged into each weight; {ms(r['merged'])}")
+    row(t, "host: aten ops per block, loop --merged-lora ÷ bare diffusers", [n["merged"] / n["bare"]], "×", "≤ 1.2",
+        f"{n['merged'] / BLOCKS:.0f} vs {n['bare'] / BLOCKS:.0f} per block")
+    row(t, "host: time per forward + backward, loop --merged-lora ÷ plain LoRA step",
+        np.divide(r["merged step"], r["plain step"]), "×", "≤ 1.25", f"{what}; {ms(r['merged step'])}")
+    row(t, "host: aten ops per forward + backward, loop --merged-lora ÷ plain LoRA step",
+        [n["merged step"] / n["plain step"]], "×", "≤ 1.2", f"{n['merged step'] / BLOCKS:.0f} per block")
     if o.compile:
         row(t, "host: time per forward, loop --compile ÷ bare diffusers", np.divide(r["compiled"], r["bare"]), "×",
             "≤ 1.25", f"{what}; inductor; {ms(r['compiled'])}")

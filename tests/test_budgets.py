@@ -17,8 +17,9 @@ BUDGETS = {
     # what a run checks before anything expensive starts; raised from 150: a parse error (tyro's box of 9 to 16 lines)
     # said in one line like every other refusal; --micro-batch 0's check; -> 190: --prefix-kv-cache's refusal and
     # GARDO's proxies checked against --reward, NormGuard's needs; -> 215: the flags read in Args' groups (args.py), a
-    # section of --help each, kept one under the other in the loop's order on a wide terminal
-    "startup.py": 215,
+    # section of --help each, kept one under the other in the loop's order on a wide terminal; -> 216: --merged-lora's
+    # refusal (one process, bf16, a LoRA)
+    "startup.py": 216,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
     # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
     "recipes.py": 225,
@@ -46,6 +47,7 @@ BUDGETS = {
     "engine.py": 450,  # all distribution: FSDP2, LoRA, offload, the rollout's gathered weights, process groups
     "ema.py": 150,  # the shadows of the trained weights: the EMA and the old policy, sharded as the weights
     "precision.py": 100,  # bf16 compute without FSDP2 on a world of one: working copies, input casts
+    "merged_lora.py": 100,  # --merged-lora: each LoRA layer through one bf16 weight, base and adapter summed
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     "checkpoint.py": 250,  # the checkpoint format and its checks: meta.json, its manifest, resume
     "atomic_files.py": 100,  # files written atomically (a temporary name, renamed) and read back without a link
