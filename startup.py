@@ -142,8 +142,9 @@ def check_args(a) -> tuple[str, dict] | None:
     need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
          "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
     alone = int(os.environ.get("WORLD_SIZE", 1)) == 1 and not (a.full_finetune or a.offload or a.sp > 1)
-    need(not a.merged_lora or (a.mixed_precision and alone), "--merged-lora needs --mixed-precision in one process "
-         "that shards nothing: not with --full-finetune, --offload, --sp > 1 or torchrun's ranks; run without it")
+    need(not a.merged_lora or (a.mixed_precision and alone and a.rollout == "local"), "--merged-lora needs --mixed-"
+         "precision in one process that shards nothing and samples itself: not with --full-finetune, --offload, --sp > 1, "
+         "torchrun's ranks or --rollout vllm-omni (its servers compute unmerged); run without it")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "

@@ -17,9 +17,9 @@ BUDGETS = {
     # what a run checks before anything expensive starts; raised from 150: a parse error (tyro's box of 9 to 16 lines)
     # said in one line like every other refusal; --micro-batch 0's check; -> 190: --prefix-kv-cache's refusal and
     # GARDO's proxies checked against --reward, NormGuard's needs; -> 215: the flags read in Args' groups (args.py), a
-    # section of --help each, kept one under the other in the loop's order on a wide terminal; -> 216: --merged-lora's
-    # refusal (one process, bf16, a LoRA)
-    "startup.py": 216,
+    # section of --help each, kept one under the other in the loop's order on a wide terminal; -> 217: --merged-lora's
+    # refusal (one process, bf16, a LoRA, sampling itself)
+    "startup.py": 217,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
     # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
     "recipes.py": 225,

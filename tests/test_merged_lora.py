@@ -111,10 +111,11 @@ def test_cli_first_updates_exactly_on_policy_with_the_reference_and_resume_exact
     assert perf == [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows(resumed)]
 
 
-@pytest.mark.parametrize("flag", ["--full-finetune", "--offload", "--no-mixed-precision"])
-def test_merged_lora_is_refused_where_it_would_not_apply(flag, tmp_path):
+@pytest.mark.parametrize("flags", [["--full-finetune"], ["--offload"], ["--no-mixed-precision"],
+                                   ["--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9"]])
+def test_merged_lora_is_refused_where_it_would_not_apply(flags, tmp_path):
     with pytest.raises(ValueError, match="--merged-lora needs --mixed-precision"):
-        main_here(*SMALL, "--mixed-precision", "--merged-lora", flag, "--run-dir", tmp_path / "r")
+        main_here(*SMALL, "--mixed-precision", "--merged-lora", *flags, "--run-dir", tmp_path / "r")
 
 
 def test_compile_traces_merged_blocks_without_a_graph_break(monkeypatch):
