@@ -77,9 +77,17 @@ class Exchange:
     def server(self, trainer: int) -> int:
         return self.trainers + trainer % self.rollout_ranks
 
-    def send(self, tensors, to: int, tag: int) -> None:
-        for t in tensors:
-            self.group.send([t.detach().float().cpu().contiguous()], to, tag).wait()
+    def send(self, tensors, to: int, tag: int, what: str = "") -> None:
+        """A training rank's send to a rollout rank (`what`: the weights) waits, and says so, as a receive does: gloo
+        sends once the peer has posted its receive, which a frozen rollout rank never does (before: a wait in
+        silence, up to TIMEOUT, whenever the rank froze between two iterations' weights)."""
+        peer = f"{'rollout' if to >= self.trainers else 'training'} rank {to}"
+        try:
+            for t in tensors:
+                self._wait(self.group.send([t.detach().float().cpu().contiguous()], to, tag),
+                           f"{peer} ({what})" if to >= self.trainers else None)
+        except RuntimeError as e:  # as in recv
+            raise reward_http.PeerError(f"{peer} ({what}): {str(e).splitlines()[0]}") from None
 
     def recv(self, shapes, source: int, tag: int, what: str) -> list[torch.Tensor]:
         out, peer = [torch.empty(s) for s in shapes], f"{'rollout' if source >= self.trainers else 'training'} rank {source}"
@@ -127,8 +135,8 @@ class RankBackend:
         state = engine.lora_state_dict()  # a collective of the training ranks
         if engine.is_main:
             for r in range(self.x.trainers, self.x.world):
-                self.x.send([torch.tensor([iteration, len(state)])], r, WEIGHTS)
-                self.x.send([state[k] for k in sorted(state)], r, WEIGHTS)
+                self.x.send([torch.tensor([iteration, len(state)])], r, WEIGHTS, f"iteration {iteration}'s weights")
+                self.x.send([state[k] for k in sorted(state)], r, WEIGHTS, f"iteration {iteration}'s weights")
 
     def sample(self, model, prompts, metadata, group, image_ids, *, steps, num_steps, height, width, cfg_scale,
                negative_prompt, noise_level, sde_type, seed, iteration, chunk, progress=False, on_images=None,
@@ -187,4 +195,4 @@ def serve(a, x: Exchange, algo) -> None:
                                        cfg_scale=a.cfg_scale, negative_prompt=a.negative_prompt,
                                        noise_level=a.noise_level, sde_type=a.sde_type, seed=a.seed, iteration=it,
                                        chunk=a.micro_batch, branch=a.branch, ode_solver=a.ode_solver)
-            x.send([batch.latents, batch.log_probs, batch.images], t, DATA)
+            x.send([batch.latents, batch.log_probs, batch.images], t, DATA, f"iteration {it}'s images")

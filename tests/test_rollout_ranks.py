@@ -14,9 +14,11 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import checkpoint
 import flowgrpo
+import rollout_ranks
 import startup
 from test_engine import ENV, ROOT, lora, relative_difference
 from tiny_setup import main_here
@@ -128,6 +130,27 @@ def test_a_dead_rollout_rank_or_sigterm_stops_every_rank(tmp_path, how):
     if how != "SIGTERM":
         waited = [line for line in lines if "has waited" in line]
         assert waited[0].startswith("flowgrpo.py: rank 0 has waited 1 s for rollout rank 1 (iteration "), waited
+
+
+def test_a_send_to_a_frozen_rollout_rank_says_it_waits(monkeypatch, capsys):
+    """gloo sends once the peer has posted its receive (measured: 4 floats to a rank that posts it 8 s later take 8 s),
+    so a rollout rank frozen between two iterations holds training rank 0 in its send of the weights: that wait is said
+    as a receive's is (before: in silence up to the 30-minute bound; the CLI test above met it under load, at random).
+    Here the peer is a stand-in whose send completes after 2.5 s, the line due every second."""
+    class Work:
+        def wait(self):
+            time.sleep(2.5)
+
+    class Group:
+        def send(self, tensors, to, tag):
+            return Work()
+
+    monkeypatch.setattr(rollout_ranks, "SAY_EVERY", 1.0)
+    x = rollout_ranks.Exchange.__new__(rollout_ranks.Exchange)  # its point-to-point half, without a world
+    x.rank, x.trainers, x.group = 0, 1, Group()
+    x.send([torch.zeros(2)], 1, rollout_ranks.WEIGHTS, "iteration 3's weights")
+    said = capsys.readouterr().err
+    assert "flowgrpo.py: rank 0 has waited 1 s for rollout rank 1 (iteration 3's weights)" in said, said
 
 
 @pytest.mark.parametrize("world,flags,needle", [
