@@ -190,6 +190,20 @@ def compiled_rows(t: list, o, a: flowgrpo.Args):
     row(t, "--compile: dynamo graphs", [counters["stats"]["unique_graphs"]], "graphs", "", f"{len(model.blocks)} "
         "blocks, every size measured (a new size: a new graph); no graph break (asserted)")
 
+def merged_rows(t: list, o, a: flowgrpo.Args):
+    """--merged-lora (merged_lora.py: each LoRA layer through one bf16 weight, base and adapter summed) on a model of
+    its own: its transformer forwards (the floor's sizes), then the recipe end to end at its own micro-batch."""
+    _, peak = peak_flops(o)
+    a = dataclasses.replace(a, mixed_precision=True, merged_lora=True)
+    model = model_of(a.model, o.device)
+    engine = make_engine(a, model, merged_lora=True)
+    forward_rows(t, o, a, model, "the loop, --merged-lora", sorted({4, len(texts_of(a))} if CUDA else {2}), peak)
+    ticks, mem, flops = end_to_end(o, a, model, engine, 1 + o.repeats)  # the first warms up, untimed
+    total = [s.sum() for s in ticks[1:]]
+    row(t, "images/s per device, end to end (--merged-lora)", np.divide(len(texts_of(a)), total), "images/s",
+        "≥ 1.0 on an H200", f"{a.model}; micro-batch {a.micro_batch} (the recipe's), as the `recipe` row but merged")
+    row(t, "peak memory (--merged-lora)", [mem / 2**30], "GiB", "", "one more bf16 copy of every adapted weight")
+
 def offload_rows(t: list, o, a: flowgrpo.Args):
     """Parameter offload (FSDP2's CPUOffloadPolicy) on one micro-batch of the recipe's size: its peak and speed."""
     a = dataclasses.replace(a, offload=True, group_size=a.micro_batch)
@@ -299,7 +313,8 @@ def main(argv=None):
                    "(--micro-batch 0), recipe (its micro-batch), reuse (fitted, --reuse-rollout-forward: the update on "
                    "the rollout's kept forwards, every image in one optimizer step), floor (forwards, the loop ÷ "
                    "diffusers' bare), offload (FSDP2 parameter offload, one micro-batch; alone, a model of its own), compiled (--compile: the loop's "
-                   "forwards compiled, dynamo's graphs and breaks; alone)")
+                   "forwards compiled, dynamo's graphs and breaks; alone), merged (--merged-lora: its forwards and the "
+                   "recipe end to end; alone)")
     p.add_argument("--compile-backend", default="inductor", help="--rows compiled: torch.compile's backend (the dry "
                    "run's aot_eager: dynamo's graphs without inductor's C++ build)")
     p.add_argument("--memory-limit", type=float, default=0.0, help="--random-init: GiB the allocator is held to and "
@@ -342,7 +357,7 @@ def main(argv=None):
         reward = o.reward or (r.reward if r.reward == "ocr" else "jpeg_compressibility")
         a = dataclasses.replace(r, model=o.model, prompts_per_iteration=1, reward=reward, **toy)
         o.rows = o.rows.split(",")
-        {"offload": offload_rows, "compiled": compiled_rows}.get(",".join(o.rows), gpu_rows)(t, o, a)
+        {"offload": offload_rows, "compiled": compiled_rows, "merged": merged_rows}.get(",".join(o.rows), gpu_rows)(t, o, a)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
         command = f"python -m bench.gpu {' '.join(sys.argv[1:] if argv is None else argv)}"
