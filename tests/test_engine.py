@@ -477,43 +477,50 @@ def test_memory_options_train(flags, ranks, tmp_path):
     assert (run / "lora").exists() != ("--full-finetune" in flags)  # no adapter to export when all weights train
 
 
+def compiled_rounds(a, blocks: int, *, reference: bool = False, **engine_flags) -> tuple[dict, list[torch.Tensor]]:
+    """Two rounds on bench/host.py's deep narrow model of `blocks` blocks, its engine `make_engine(a, model,
+    **engine_flags)`: a forward + backward and an optimizer step, then the rollout's forward on the new weights (and,
+    with `reference`, the reference's: the adapter off) -> dynamo's graphs, breaks and frames over the rounds, and the
+    forwards' outputs."""
+    from torch._dynamo.utils import counters
+
+    from bench.host import deep_narrow_model
+    from bench.overhead import make_engine
+
+    model = deep_narrow_model(blocks)
+    engine = make_engine(a, model, **engine_flags)
+    x = model.noise([torch.Generator().manual_seed(i) for i in range(2)], 32, 32)
+    s, cond = torch.full((2,), 0.5), model.conditioning(["a sign that says hello"] * 2, " ", 1.0)
+    torch._dynamo.reset()
+    counters.clear()
+    out = []
+    for _ in range(2):
+        model.transformer.train()
+        model.velocity(x, s, cond, 1.0, 32, 32).float().square().mean().backward()
+        engine.step()
+        model.transformer.eval()
+        with torch.no_grad():
+            out.append(model.velocity(x, s, cond, 1.0, 32, 32).float())
+            if reference:
+                with engine.reference():
+                    out.append(model.velocity(x, s, cond, 1.0, 32, 32).float())
+    seen = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+            "frames": counters["frames"]["total"]}
+    return seen, out
+
+
 def test_compile_traces_one_graph_for_every_block(monkeypatch):
     """--compile with the qwen-image recipe's bf16 compute and checkpointing: no graph break, and as many graphs at 6
     blocks as at 2 (one per call kind, reused by every block: before, a LoRA factor's working-copy check broke each
     block into pieces and recompiled per weight shape until dynamo's limit); after an optimizer step the compiled
     blocks read the new weights (their working copies are inputs, not constants): equal to the same engine in eager.
     (dynamo with aot_eager: its graphs and breaks are inductor's, without the C++ build, minutes on CPU.)"""
-    from torch._dynamo.utils import counters
-
-    from bench.overhead import make_engine
-    from bench.host import deep_narrow_model
-
     compile_ = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager"))
     a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", lora_rank=4)
-
-    def graphs(blocks: int, compile: bool):
-        model = deep_narrow_model(blocks)
-        engine = make_engine(a, model, compile=compile)
-        x = model.noise([torch.Generator().manual_seed(i) for i in range(2)], 32, 32)
-        s, cond = torch.full((2,), 0.5), model.conditioning(["a sign that says hello"] * 2, " ", 1.0)
-        torch._dynamo.reset()
-        counters.clear()
-        out = []
-        for _ in range(2):  # train: forward + backward, a step; then a rollout's forward on the new weights
-            model.transformer.train()
-            model.velocity(x, s, cond, 1.0, 32, 32).float().square().mean().backward()
-            engine.step()
-            model.transformer.eval()
-            with torch.no_grad():
-                out.append(model.velocity(x, s, cond, 1.0, 32, 32).float())
-        seen = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
-                "frames": counters["frames"]["total"]}
-        return seen, out
-
-    shallow, _ = graphs(2, True)
-    deep, compiled = graphs(6, True)
-    _, eager = graphs(6, False)
+    shallow, _ = compiled_rounds(a, 2, compile=True)
+    deep, compiled = compiled_rounds(a, 6, compile=True)
+    _, eager = compiled_rounds(a, 6, compile=False)
     assert deep["breaks"] == 0 and deep == shallow, f"2 blocks: {shallow}; 6 blocks: {deep}"
     for c, e in zip(compiled, eager):
         assert (c - e).abs().max() <= 1e-2 * e.abs().max(), f"compiled vs eager: {(c - e).abs().max():.3g}"

@@ -14,7 +14,7 @@ from peft import LoraConfig, inject_adapter_in_model
 import flowgrpo
 import merged_lora
 import precision
-from test_engine import SMALL, assert_same, lora, train_state
+from test_engine import SMALL, assert_same, compiled_rounds, lora, train_state
 from tiny_setup import main_here
 
 
@@ -123,36 +123,12 @@ def test_compile_traces_merged_blocks_without_a_graph_break(monkeypatch):
     in training, the rollout's forward or the reference's (the adapter off: a graph of its own), and after an
     optimizer step the compiled blocks read the new merged weights: the same outputs as the engine in eager (measured
     equal to the bit under aot_eager; the bound is test_engine's compile test's). (dynamo with aot_eager, as there.)"""
-    from torch._dynamo.utils import counters
-
-    from bench.overhead import make_engine
-    from bench.host import deep_narrow_model
-
     compile_ = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="aot_eager"))
     a = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny", lora_rank=4)
-
-    def outputs(compile: bool) -> list[torch.Tensor]:
-        model = deep_narrow_model(2)
-        engine = make_engine(a, model, compile=compile, merged_lora=True)
-        x = model.noise([torch.Generator().manual_seed(i) for i in range(2)], 32, 32)
-        s, cond = torch.full((2,), 0.5), model.conditioning(["a sign that says hello"] * 2, " ", 1.0)
-        torch._dynamo.reset()
-        counters.clear()
-        out = []
-        for _ in range(2):  # train: forward + backward, a step; then the rollout's and the reference's forwards
-            model.transformer.train()
-            model.velocity(x, s, cond, 1.0, 32, 32).float().square().mean().backward()
-            engine.step()
-            model.transformer.eval()
-            with torch.no_grad():
-                out.append(model.velocity(x, s, cond, 1.0, 32, 32).float())
-                with engine.reference():
-                    out.append(model.velocity(x, s, cond, 1.0, 32, 32).float())
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        return out
-
-    compiled, eager = outputs(True), outputs(False)
+    (seen, compiled), (_, eager) = [compiled_rounds(a, 2, reference=True, compile=c, merged_lora=True)
+                                    for c in (True, False)]
+    assert seen["breaks"] == 0, seen
     for c, e in zip(compiled, eager):
         assert (c - e).abs().max() <= 1e-2 * e.abs().max(), f"compiled vs eager: {(c - e).abs().max():.3g}"
     assert (compiled[2] - compiled[0]).abs().max() > 0  # the step moved the compiled model's output
