@@ -384,6 +384,8 @@ def check_sde(a) -> None:
     need(not a.reuse_rollout_forward or (a.rollout == "local" and not a.rollout_ranks and a.stale_correction == "bypass"),
          "--reuse-rollout-forward reuses this process's own rollout forwards: it needs --rollout local, no "
          "--rollout-ranks and --stale-correction bypass (decoupled recomputes them under no gradient)")
+    need(not a.fp8_rollout or a.stale_correction == "decoupled", "--fp8-rollout needs --stale-correction decoupled: "
+         "the ratio against the float8 rollout's log-probs (bypass) took nano's judge from 53% to 28% (docs/scaling.md)")
 
 
 # The losses' scale flags, each refused outside [lowest, highest] (docs/methods.md#the-losses-flags-are-bounded): far

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import atomic_files
 import checkpoint as ckpt
+import fp8_rollout as fp8
 import merged_lora as merged
 import precision
 from ema import EMA, OldPolicy
@@ -117,7 +118,7 @@ class Engine:
                  compile: bool = False, mixed_precision: bool = False, offload: bool = False,
                  shard_text_encoder: bool = False, ema_decay: float = 0.0, ema_every: int = 8, ema_repeat: int = 1,
                  ema_form: str = "flow-grpo", sp: int = 1, old_policy: bool = False, shard: bool | None = None,
-                 merged_lora: bool = False):
+                 merged_lora: bool = False, fp8_rollout: bool = False):
         self.rank, self.world_size, self.device = init_distributed(model.device)  # the model's device, as asked
         self.mesh = seqpar.device_mesh(self.world_size, sp, self.device)  # (dp, 1, sp); FSDP2 shards over all of it
         self.dp_rank, self.dp_size = self.mesh.get_local_rank("dp"), self.mesh.size(0)
@@ -170,6 +171,12 @@ class Engine:
             if self.sharded or not mixed_precision or full_finetune:
                 raise ValueError("--merged-lora needs --mixed-precision, a LoRA and one process that shards nothing")
             merged.merge_adapters(net)
+        self.fp8_layers = []  # --fp8-rollout: the rollout's frozen linear layers in float8, the update's in bf16
+        if fp8_rollout:
+            if self.sharded or not mixed_precision or full_finetune or merged_lora:
+                raise ValueError("--fp8-rollout needs --mixed-precision, a LoRA unmerged and one process that shards "
+                                 "nothing")
+            self.fp8_layers = fp8.quantise_frozen(model.blocks)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
             else MixedPrecisionPolicy()
         kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload
@@ -249,9 +256,11 @@ class Engine:
     def rollout_weights(self):
         """The rollout's forwards on each block's weights gathered once, freed at the end (`keep_gathered`). Without,
         FSDP2 gathers a block before each forward and frees it after: the whole model at each of a rollout's steps and
-        CFG branches, 40 GB per pass and rank for Qwen-Image. The same values either way: the same bits."""
+        CFG branches, 40 GB per pass and rank for Qwen-Image. The same values either way: the same bits. With
+        --fp8-rollout, the frozen linear layers multiply in float8 here (fp8_rollout.py)."""
         if not self.keep_gathered:
-            yield
+            with fp8.rollout(self.fp8_layers):
+                yield
             return
         for block in self.model.blocks:
             block.set_reshard_after_forward(False)

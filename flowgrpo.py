@@ -40,6 +40,10 @@ are named options, off in the public recipes:
    rollout and in training alike (still exactly on-policy); a layer dispatches what the bare model's does (host work
    per forward 1.16 × bare diffusers' against 1.75 ×; nano's held-out judge 55.7% ± 2.7 against 52.6% ± 2.1 in bf16,
    3 seeds; BENCHMARKS.md). The adapter is rounded into each weight.
+13. `--fp8-rollout` (one process): the rollout's frozen linear layers multiply in float8, the update's in bf16. Its
+   log-probs are then not the update's: Flow-GRPO needs `--stale-correction decoupled` with it (nano's held-out judge
+   56.5% ± 3.4 against bf16's 52.6% ± 2.1; against the float8 log-probs directly, 27.6% ± 3.2); DiffusionNFT trains on
+   its samples unchanged (84.9% ± 1.3 against 84.2% ± 1.7). 3 seeds each, BENCHMARKS.md.
 
 Algorithms (`--algorithm`, docs/algorithm.md §12, algorithms.py): `grpo`, the above with its variants below, or the
 forward-process `nft` (DiffusionNFT), `awm` (Advantage Weighted Matching), `dgpo` (DGPO, a group preference) and
@@ -207,7 +211,7 @@ def main(a: Args) -> list[dict]:
                         compile=a.compile, mixed_precision=a.mixed_precision, offload=a.offload,
                         shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
                         ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp, old_policy=algo.keeps_old,
-                        merged_lora=a.merged_lora)
+                        merged_lora=a.merged_lora, fp8_rollout=a.fp8_rollout)
     if not a.micro_batch:  # --micro-batch 0: the largest that fits this device's memory, measured (memory.py)
         a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, arith["images_per_rank"] // a.optimizer_steps,
                                                           trainset))

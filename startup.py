@@ -142,9 +142,12 @@ def check_args(a) -> tuple[str, dict] | None:
     need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
          "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
     alone = int(os.environ.get("WORLD_SIZE", 1)) == 1 and not (a.full_finetune or a.offload or a.sp > 1)
-    need(not a.merged_lora or (a.mixed_precision and alone and a.rollout == "local"), "--merged-lora needs --mixed-"
-         "precision in one process that shards nothing and samples itself: not with --full-finetune, --offload, --sp > 1, "
-         "torchrun's ranks or --rollout vllm-omni (its servers compute unmerged); run without it")
+    for flag, on in (("--merged-lora", a.merged_lora), ("--fp8-rollout", a.fp8_rollout)):  # one bf16 process's own
+        need(not on or (a.mixed_precision and alone and a.rollout == "local"), f"{flag} needs --mixed-precision in one "
+             "process that shards nothing and samples itself: not with --full-finetune, --offload, --sp > 1, torchrun's "
+             "ranks or --rollout vllm-omni (its servers compute in bf16, unmerged); run without it")
+    need(not (a.merged_lora and a.fp8_rollout), "--fp8-rollout quantises the frozen base weights, which --merged-lora "
+         "sums with the adapter: give one of them")
     unknown = {f.replace("-", "_").removeprefix("__") for f in a.allow_change} - {f.name for f in dataclasses.fields(a)}
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "

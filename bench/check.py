@@ -4,13 +4,14 @@
     python -m bench.check OUT --more       # the second command: the steps that the first's 9 minutes leave out
 
 Each step runs under its own bound, the most important first: the recipe end to end (the micro-batch fitted to the
-device, the recipe's own, the update on the rollout's kept forwards, transformer forwards against diffusers' bare
-ones), Qwen-Image 2.1's one-GPU recipe at the fitted micro-batch, the GPU tests (tests/test_gpu.py, the Wan2.1 recipe
-at its real width among them), the --sp 2 rows, the recipe held to 60 GiB, --compile's forwards. The second command
-(--more, 8 minutes) takes what those 9 leave out: Z-Image's and FLUX.2 [klein]'s recipes, Qwen-Image 2.1's at its own
-micro-batch, the update against plain PyTorch at the real width, parameter offload, --merged-lora's rows. A step's output goes to
-OUT/<step>.log as it comes, and OUT/summary.md gains its verdict and table rows as it ends, so a check cut short keeps
-everything measured until then. The summary closes with the steps that passed; the exit status is 0 only if all did.
+device, the recipe's own, the update on the rollout's kept forwards, transformer forwards against diffusers' bare ones),
+Qwen-Image 2.1's one-GPU recipe at the fitted micro-batch, the GPU tests (tests/test_gpu.py, the Wan2.1 recipe at its
+real width among them), the --sp 2 rows, the recipe held to 60 GiB, --compile's forwards. The second command (--more, 9
+minutes) takes what those 9 leave out: Z-Image's and FLUX.2 [klein]'s recipes, Qwen-Image 2.1's at its own micro-batch,
+the update against plain PyTorch at the real width, parameter offload, --merged-lora's and --fp8-rollout's rows. A
+step's output goes to OUT/<step>.log as it comes, and OUT/summary.md gains its verdict and table rows as it ends, so a
+check cut short keeps everything measured until then. The summary closes with the steps that passed; the exit status is
+0 only if all did.
 """
 import argparse
 import os
@@ -57,8 +58,8 @@ STEPS = [
      [*GPU, "--random-init", "--rows", "compiled", "--repeats", "2"],
      [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 45),
 ]
-# the second command (--more), 8 minutes: the other families (bench/families.py), the two steps moved out of STEPS,
-# --merged-lora's rows
+# the second command (--more), 9 minutes 10: the other families (bench/families.py), the two steps moved out of STEPS,
+# --merged-lora's and --fp8-rollout's rows
 MORE = [
     ("z-image", "Z-Image's recipe (Flow-Factory's), random weights at the real width (6.2 B), fitted and its own "
      "micro-batch", *family("z-image", "fitted,recipe", ["--repeats", "1"]), 150),
@@ -73,6 +74,9 @@ MORE = [
      [*TOY, "--random-init", "--rows", "offload"], 35),
     ("merged", "--merged-lora: the adapter in each bf16 weight, its forwards and the recipe at its own micro-batch",
      [*GPU, "--random-init", "--rows", "merged", "--repeats", "1"], [*TOY, "--random-init", "--rows", "merged"], 60),
+    ("fp8", "--fp8-rollout: the rollout's frozen linear layers in float8, its forwards and the recipe at its own "
+     "micro-batch", [*GPU, "--random-init", "--rows", "fp8", "--repeats", "1"], [*TOY, "--random-init", "--rows", "fp8"],
+     60),
 ]
 
 

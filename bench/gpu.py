@@ -7,6 +7,7 @@
 Rows: median, min, max over repeats after a warm-up, as bench/overhead.py's. See BENCHMARKS.md."""
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -73,8 +74,9 @@ def end_to_end(o, a: flowgrpo.Args, model, engine, iterations: int):
     steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
     for _ in range(iterations):
         start = time.perf_counter()
-        b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]),
-                   keep=len(texts) if a.reuse_rollout_forward else 0)  # train() takes one optimizer step: all images
+        with engine.rollout_weights():  # as the loop's local backend samples (--fp8-rollout's float8 within)
+            b = sample(model, a, steps, on_images=lambda c, x: pool.submit(x, texts[c:c + len(x)]),
+                       keep=len(texts) if a.reuse_rollout_forward else 0)  # train() takes one optimizer step: all images
         rolled, scores = time.perf_counter(), torch.as_tensor(pool.collect()[0]).float()
         b.advantages = algorithms.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
         scored = time.perf_counter()
@@ -190,19 +192,26 @@ def compiled_rows(t: list, o, a: flowgrpo.Args):
     row(t, "--compile: dynamo graphs", [counters["stats"]["unique_graphs"]], "graphs", "", f"{len(model.blocks)} "
         "blocks, every size measured (a new size: a new graph); no graph break (asserted)")
 
-def merged_rows(t: list, o, a: flowgrpo.Args):
-    """--merged-lora (merged_lora.py: each LoRA layer through one bf16 weight, base and adapter summed) on a model of
-    its own: its transformer forwards (the floor's sizes), then the recipe end to end at its own micro-batch."""
+# the engine's named options measured on a model of their own: (flag, Args fields, what their memory costs)
+OPTIONS = {"merged": ("--merged-lora", dict(merged_lora=True), "one more bf16 copy of every adapted weight"),
+           "fp8": ("--fp8-rollout", dict(fp8_rollout=True), "one more byte per frozen weight of the blocks")}
+
+def option_rows(t: list, o, a: flowgrpo.Args, key: str):
+    """An option of OPTIONS (--merged-lora: merged_lora.py; --fp8-rollout: fp8_rollout.py) on a model of its own: the
+    rollout's transformer forwards (the floor's sizes), then the recipe end to end at its own micro-batch."""
+    flag, fields, cost = OPTIONS[key]
     _, peak = peak_flops(o)
-    a = dataclasses.replace(a, mixed_precision=True, merged_lora=True)
+    a = dataclasses.replace(a, mixed_precision=True, **fields)
     model = model_of(a.model, o.device)
-    engine = make_engine(a, model, merged_lora=True)
-    forward_rows(t, o, a, model, "the loop, --merged-lora", sorted({4, len(texts_of(a))} if CUDA else {2}), peak)
+    engine = make_engine(a, model, **fields)
+    with engine.rollout_weights():
+        forward_rows(t, o, a, model, f"the loop's rollout, {flag}", sorted({4, len(texts_of(a))} if CUDA else {2}),
+                     peak)
     ticks, mem, flops = end_to_end(o, a, model, engine, 1 + o.repeats)  # the first warms up, untimed
     total = [s.sum() for s in ticks[1:]]
-    row(t, "images/s per device, end to end (--merged-lora)", np.divide(len(texts_of(a)), total), "images/s",
-        "≥ 1.0 on an H200", f"{a.model}; micro-batch {a.micro_batch} (the recipe's), as the `recipe` row but merged")
-    row(t, "peak memory (--merged-lora)", [mem / 2**30], "GiB", "", "one more bf16 copy of every adapted weight")
+    row(t, f"images/s per device, end to end ({flag})", np.divide(len(texts_of(a)), total), "images/s",
+        "≥ 1.0 on an H200", f"{a.model}; micro-batch {a.micro_batch} (the recipe's), as the `recipe` row but {flag}")
+    row(t, f"peak memory ({flag})", [mem / 2**30], "GiB", "", cost)
 
 def offload_rows(t: list, o, a: flowgrpo.Args):
     """Parameter offload (FSDP2's CPUOffloadPolicy) on one micro-batch of the recipe's size: its peak and speed."""
@@ -313,8 +322,8 @@ def main(argv=None):
                    "(--micro-batch 0), recipe (its micro-batch), reuse (fitted, --reuse-rollout-forward: the update on "
                    "the rollout's kept forwards, every image in one optimizer step), floor (forwards, the loop ÷ "
                    "diffusers' bare), offload (FSDP2 parameter offload, one micro-batch; alone, a model of its own), compiled (--compile: the loop's "
-                   "forwards compiled, dynamo's graphs and breaks; alone), merged (--merged-lora: its forwards and the "
-                   "recipe end to end; alone)")
+                   "forwards compiled, dynamo's graphs and breaks; alone), merged (--merged-lora) and fp8 (--fp8-rollout): "
+                   "the option's rollout forwards and the recipe end to end; each alone")
     p.add_argument("--compile-backend", default="inductor", help="--rows compiled: torch.compile's backend (the dry "
                    "run's aot_eager: dynamo's graphs without inductor's C++ build)")
     p.add_argument("--memory-limit", type=float, default=0.0, help="--random-init: GiB the allocator is held to and "
@@ -357,7 +366,9 @@ def main(argv=None):
         reward = o.reward or (r.reward if r.reward == "ocr" else "jpeg_compressibility")
         a = dataclasses.replace(r, model=o.model, prompts_per_iteration=1, reward=reward, **toy)
         o.rows = o.rows.split(",")
-        {"offload": offload_rows, "compiled": compiled_rows, "merged": merged_rows}.get(",".join(o.rows), gpu_rows)(t, o, a)
+        alone = {"offload": offload_rows, "compiled": compiled_rows,
+                 **{key: functools.partial(option_rows, key=key) for key in OPTIONS}}
+        alone.get(",".join(o.rows), gpu_rows)(t, o, a)
     if o.markdown:
         rev = subprocess.run("git rev-parse --short HEAD || true", shell=True, cwd=ROOT, capture_output=True, text=True)
         command = f"python -m bench.gpu {' '.join(sys.argv[1:] if argv is None else argv)}"

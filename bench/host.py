@@ -72,6 +72,8 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
 
     loop, loop_step, plain = engine_model(), engine_model(), copy.deepcopy(bare)
     merged, merged_step = engine_model(merged_lora=True), engine_model(merged_lora=True)  # each layer one weight
+    fp8 = copy.deepcopy(bare)  # --fp8-rollout: the rollout's frozen layers in float8, inside the engine's rollout
+    fp8_engine = make_engine(dataclasses.replace(a, model="tiny"), fp8, fp8_rollout=True)
     plain.transformer.add_adapter(loop.transformer.peft_config["default"])  # the same LoRA, bf16, no engine
     plain.transformer.enable_gradient_checkpointing()
     x = bare.noise([torch.Generator().manual_seed(i) for i in range(batch)], side, side)
@@ -81,6 +83,10 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
         with torch.no_grad():
             return m.velocity(x, s, cond, 1.0, side, side)
 
+    def rollout(engine, m):
+        with engine.rollout_weights():
+            return forward(m)
+
     def step(m):
         m.velocity(x, s, cond, 1.0, side, side).float().square().mean().backward()
 
@@ -88,8 +94,8 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
     # and Module.train walks every module: 26 ms a switch of the loop's 8,297 (peft's), 3.6 ms of the bare 2,297
     timed = {"bare": lambda: forward(bare), "loop": lambda: forward(loop), "plain step": lambda: step(plain),
              "loop step": lambda: step(loop_step), "merged": lambda: forward(merged),
-             "merged step": lambda: step(merged_step)}
-    for m in (bare, loop, merged):
+             "merged step": lambda: step(merged_step), "fp8 rollout": lambda: rollout(fp8_engine, fp8)}
+    for m in (bare, loop, merged, fp8):
         m.transformer.eval()
     ops = {}
     for name, fn in timed.items():
@@ -105,25 +111,22 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
     r = measure(timed, o.repeats)
     n = {k: sum(v.values()) for k, v in ops.items()}
     what = f"Qwen-Image's {BLOCKS} blocks at 2 heads × 16, {batch} images {side}², one thread"
-    row(t, "host: time per forward, loop ÷ bare diffusers", np.divide(r["loop"], r["bare"]), "×", "≤ 1.25",
-        f"{what}; the recipe's LoRA r{a.lora_rank}, bf16 compute, checkpointing; {ms(r['loop'])} vs {ms(r['bare'])}")
-    extra = (ops["loop"] - ops["bare"]).most_common(4)
-    row(t, "host: aten ops per block, loop ÷ bare diffusers", [n["loop"] / n["bare"]], "×", "≤ 1.2",
-        f"{n['loop'] / BLOCKS:.0f} vs {n['bare'] / BLOCKS:.0f} per block; the most added: "
-        + ", ".join(f"{k} {v / BLOCKS:.0f}" for k, v in extra))
-    row(t, "host: time per forward + backward, loop ÷ plain LoRA step", np.divide(r["loop step"], r["plain step"]), "×",
-        "≤ 1.25", f"{what}; peft's LoRA in bf16 with checkpointing, no engine; {ms(r['loop step'])} vs "
-        f"{ms(r['plain step'])}")
-    row(t, "host: aten ops per forward + backward, loop ÷ plain LoRA step", [n["loop step"] / n["plain step"]], "×",
-        "≤ 1.2", f"{n['loop step'] / BLOCKS:.0f} vs {n['plain step'] / BLOCKS:.0f} per block")
-    row(t, "host: time per forward, loop --merged-lora ÷ bare diffusers", np.divide(r["merged"], r["bare"]), "×",
-        "≤ 1.25", f"{what}; the same LoRA merged into each weight; {ms(r['merged'])}")
-    row(t, "host: aten ops per block, loop --merged-lora ÷ bare diffusers", [n["merged"] / n["bare"]], "×", "≤ 1.2",
-        f"{n['merged'] / BLOCKS:.0f} vs {n['bare'] / BLOCKS:.0f} per block")
-    row(t, "host: time per forward + backward, loop --merged-lora ÷ plain LoRA step",
-        np.divide(r["merged step"], r["plain step"]), "×", "≤ 1.25", f"{what}; {ms(r['merged step'])}")
-    row(t, "host: aten ops per forward + backward, loop --merged-lora ÷ plain LoRA step",
-        [n["merged step"] / n["plain step"]], "×", "≤ 1.2", f"{n['merged step'] / BLOCKS:.0f} per block")
+    # (timed name, its label, the targets, what it is): each against bare diffusers' forward, or a plain LoRA step
+    for name, label, targets, how in (
+            ("loop", "loop", ("≤ 1.25", "≤ 1.2"), f"the recipe's LoRA r{a.lora_rank}, bf16 compute, checkpointing"),
+            ("loop step", "loop", ("≤ 1.25", "≤ 1.2"), "peft's LoRA in bf16 with checkpointing, no engine"),
+            ("merged", "loop --merged-lora", ("≤ 1.25", "≤ 1.2"), "the same LoRA merged into each weight"),
+            ("merged step", "loop --merged-lora", ("≤ 1.25", "≤ 1.2"), "the same LoRA merged into each weight"),
+            ("fp8 rollout", "the loop's rollout --fp8-rollout", ("", ""), "each frozen linear layer in float8, its "
+             "input quantised per token (on a CPU float8's matmul is no faster)")):
+        floor, call = ("plain step", "forward + backward") if name.endswith("step") else ("bare", "forward")
+        than = "plain LoRA step" if floor == "plain step" else "bare diffusers"
+        row(t, f"host: time per {call}, {label} ÷ {than}", np.divide(r[name], r[floor]), "×", targets[0],
+            f"{what}; {how}; {ms(r[name])} vs {ms(r[floor])}")
+        added = ", ".join(f"{k} {v / BLOCKS:.0f}" for k, v in (ops[name] - ops[floor]).most_common(4) if v >= BLOCKS)
+        row(t, f"host: aten ops {'per block' if floor == 'bare' else 'per ' + call}, {label} ÷ {than}",
+            [n[name] / n[floor]], "×", targets[1], f"{n[name] / BLOCKS:.0f} vs {n[floor] / BLOCKS:.0f} per block"
+            + (f"; the most added: {added}" if added else ""))
     if o.compile:
         row(t, "host: time per forward, loop --compile ÷ bare diffusers", np.divide(r["compiled"], r["bare"]), "×",
             "≤ 1.25", f"{what}; inductor; {ms(r['compiled'])}")

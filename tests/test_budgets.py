@@ -18,8 +18,9 @@ BUDGETS = {
     # said in one line like every other refusal; --micro-batch 0's check; -> 190: --prefix-kv-cache's refusal and
     # GARDO's proxies checked against --reward, NormGuard's needs; -> 215: the flags read in Args' groups (args.py), a
     # section of --help each, kept one under the other in the loop's order on a wide terminal; -> 217: --merged-lora's
-    # refusal (one process, bf16, a LoRA, sampling itself)
-    "startup.py": 217,
+    # refusal (one process, bf16, a LoRA, sampling itself); -> 220: --fp8-rollout's, the same needs, and its clash with
+    # --merged-lora. The next split is by concept: reading the command line (parse_args and its helpers, 75 lines)
+    "startup.py": 220,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
     # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
     "recipes.py": 225,
@@ -48,6 +49,7 @@ BUDGETS = {
     "ema.py": 150,  # the shadows of the trained weights: the EMA and the old policy, sharded as the weights
     "precision.py": 100,  # bf16 compute without FSDP2 on a world of one: working copies, input casts
     "merged_lora.py": 100,  # --merged-lora: each LoRA layer through one bf16 weight, base and adapter summed
+    "fp8_rollout.py": 100,  # --fp8-rollout: the rollout's frozen linear layers multiply in float8
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     "checkpoint.py": 250,  # the checkpoint format and its checks: meta.json, its manifest, resume
     "atomic_files.py": 100,  # files written atomically (a temporary name, renamed) and read back without a link
