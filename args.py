@@ -1,5 +1,5 @@
 """The flags of flowgrpo.py, each documented once: a dataclass per phase of the loop, in the order its reader meets
-them, each read by startup.parse_args as a section of `--help` (titled by its name without `Args`, its docstring
+them, each read by cli.parse_args as a section of `--help` (titled by its name without `Args`, its docstring
 below). The run's flags, `Args`, are all of them in one flat dataclass: the loop and every other file read them by name
 (`a.lr`), and a checkpoint keeps them flat.
 """

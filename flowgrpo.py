@@ -73,6 +73,7 @@ from tqdm import tqdm
 
 import algorithms
 import checkpoint
+import cli
 import engine as eng
 import memory
 import models
@@ -91,7 +92,7 @@ import startup
 from args import Args
 
 
-RECIPES = {name: startup.recipe_args(Args, name) for name in recipes.RECIPES}  # recipes.py
+RECIPES = {name: cli.recipe_args(Args, name) for name in recipes.RECIPES}  # recipes.py
 
 
 def batch_arithmetic(a: Args, world_size: int) -> dict:
@@ -335,7 +336,7 @@ if __name__ == "__main__":
     status = 0
     try:
         eng.handle_signals()  # SIGTERM as Ctrl-C, on every rank; SIGUSR1 prints the stacks
-        main(startup.parse_args(Args))
+        main(cli.parse_args(Args))
     # bad input, or a peer that failed (a server, a rollout rank): one line naming it (FLOWGRPO_TRACEBACK=1: the stack)
     except (ValueError, FileNotFoundError, reward_http.PeerError) as e:
         status = traceback.format_exc() if os.environ.get("FLOWGRPO_TRACEBACK") else f"flowgrpo.py: error: {e}"

@@ -1,23 +1,18 @@
-"""What a run checks before anything expensive starts: its flags read over a recipe's values, every impossible value
-or combination refused in one line naming the flag and the fix, and on `--resume` the checkpoint whose result-deciding
-flags (its fingerprint) match. `flowgrpo.main` calls `check_args` before it builds a model or joins a process group.
+"""What a run checks before anything expensive starts: every impossible value or combination of its flags refused in
+one line naming the flag and the fix, and on `--resume` the checkpoint whose result-deciding flags (its fingerprint)
+match. `flowgrpo.main` calls `check_args` before it builds a model or joins a process group.
 
-The loop's `Args` is passed in (the class to `parse_args`, an instance `a` elsewhere) and read by field name, so that
-this file imports nothing of the loop.
+The loop's `Args` (an instance `a`) is read by field name, so that this file imports nothing of the loop; cli.py reads
+the command line into it.
 """
-import contextlib
 import dataclasses
-import io
 import math
 import os
-import re
-import shutil
 import sys
-
-import tyro
 
 import algorithms
 import checkpoint
+import cli
 import memory
 import models
 import prompts as prompt_sets
@@ -34,74 +29,6 @@ HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb
              "activation_checkpointing", "compile", "shard_text_encoder", "sp", "rollout_ranks",
              "reuse_rollout_forward"}  # this one changes no bit of the updates
 SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
-
-
-def recipe_args(cls, name: str):
-    """Recipe `name` as an instance of `cls` (flowgrpo.Args): its values (recipes.py) over the class's defaults."""
-    return cls(**recipes.RECIPES[name], recipe=name)
-
-
-def parse_args(cls, argv: list[str] | None = None):
-    """The command line as an instance of `cls` (flowgrpo.Args), read in the groups it is made of (its dataclass
-    bases, args.py), each a section of `--help`. `--recipe` (or else `--model`; the last one given, as for every flag)
-    picks the recipe whose values become the defaults; the other flags override them."""
-    argv = sys.argv[1:] if argv is None else argv
-    name = _last_value(argv, "--recipe") or _last_value(argv, "--model") or "tiny"
-    default = recipe_args(cls, name if name in recipes.RECIPES else "tiny")
-    groups = [g for g in reversed(cls.__bases__) if dataclasses.is_dataclass(g)]  # in the order of cls's fields
-    # tyro's input: a field per group, named as its section of --help (ModelArgs: "model options", the class's
-    # docstring under the title), its flags unprefixed (--lr, not --update.lr), filled with the recipe's values
-    named = [(g.__name__.removesuffix("Args").lower(), tyro.conf.OmitArgPrefixes[g]) for g in groups]
-    form = dataclasses.make_dataclass(cls.__name__, named, frozen=True, namespace={"__doc__": cls.__doc__})
-    filled = form(*(g(**{f.name: getattr(default, f.name) for f in dataclasses.fields(g)}) for g in groups))
-    box = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(box), _columns_at_most(129):  # tyro's error box (--help goes to stdout)
-            parsed = tyro.cli(form, default=filled, args=argv)
-    except SystemExit as e:
-        if not e.code:
-            raise
-        raise ValueError(f"{_one_line(box.getvalue())} (`--help` lists every flag)") from None
-    return cls(**{k: v for part in vars(parsed).values() for k, v in vars(part).items()})
-
-
-@contextlib.contextmanager
-def _columns_at_most(n: int):
-    """The terminal's width as tyro reads it (shutil: $COLUMNS first), at most `n` inside. From 130 columns on, tyro
-    sets --help's sections side by side, placed by height; at most 129 keeps them one under the other, in Args'
-    order."""
-    before = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(min(shutil.get_terminal_size().columns, n))
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = before
-
-
-def _one_line(box: str) -> str:
-    """tyro's error box (a typo'd flag, a bad value: 9 to 16 lines) as one line: its message and the flags it
-    suggests, without the border, the rules, the suggestions' help text or the pointer to --help."""
-    kept, keep = [], "all"  # the first section whole; of a "Perhaps you meant" one, its flags (indented 4)
-    for line in box.splitlines()[1:-1]:  # the borders' first and last lines go
-        text = re.sub(r"^\s*│ ?|\s*│\s*$", "", line)
-        if set(text.strip()) <= {"─"}:
-            keep = "next"
-            continue
-        if keep == "next":
-            keep = "flags" if text.startswith("Perhaps") else "none"
-        if keep == "all" or (keep == "flags" and len(text) - len(text.lstrip()) <= 4):
-            kept.append(text.strip())
-    return " ".join(" ".join(kept).split()) or box.strip()[-300:]
-
-
-def _last_value(argv: list[str], flag: str) -> str | None:
-    """The value of the last `flag VALUE` or `flag=VALUE` in argv."""
-    values = [a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
-              if a.split("=")[0] == flag and ("=" in a or i + 1 < len(argv))]
-    return values[-1] if values else None
 
 
 def check_args(a) -> tuple[str, dict] | None:
@@ -152,7 +79,7 @@ def check_args(a) -> tuple[str, dict] | None:
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
          "checkpoint's tensor shapes and cannot change on --resume")
-    algorithms.check_flags(a, recipe_args(type(a), a.recipe))  # e.g. --clip-range with nft: refused, named
+    algorithms.check_flags(a, cli.recipe_args(type(a), a.recipe))  # e.g. --clip-range with nft: refused, named
     algorithms.ALGORITHMS[a.algorithm].check(a)
     models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
                             model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import cli
 import flowgrpo
 import recipes
 import rundir
@@ -100,7 +101,7 @@ def command(task, flags, seed: int, run_dir: str, iterations: int, eval_every: i
 
 def made_with_other_flags(run_dir: str, argv: list[str]) -> dict:
     """{flag: [found, wanted]} where the run in run_dir (its args.json) differs from what `argv` asks."""
-    wanted = dataclasses.asdict(startup.parse_args(flowgrpo.Args, argv))
+    wanted = dataclasses.asdict(cli.parse_args(flowgrpo.Args, argv))
     try:
         with open(os.path.join(run_dir, "args.json")) as f:
             found = json.load(f)
@@ -356,7 +357,7 @@ def main(argv=None) -> None:
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{flag} {path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist")
         for m in a.methods:  # what flowgrpo.py would refuse, refused before the first run
-            startup.check_args(startup.parse_args(flowgrpo.Args, command(task, METHODS[m], 0, os.path.join(out, "x"),
+            startup.check_args(cli.parse_args(flowgrpo.Args, command(task, METHODS[m], 0, os.path.join(out, "x"),
                                                                          a.iterations, a.eval_every, a.eval_images)))
         rundir.lock_run_dir(out, not os.path.exists(out))  # this comparison's, until it ends
         start = time.time()

@@ -14,13 +14,9 @@ BUDGETS = {
     "args.py": 300,  # every flag of the loop, documented once, in a dataclass per phase (a section of --help each)
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
-    # what a run checks before anything expensive starts; raised from 150: a parse error (tyro's box of 9 to 16 lines)
-    # said in one line like every other refusal; --micro-batch 0's check; -> 190: --prefix-kv-cache's refusal and
-    # GARDO's proxies checked against --reward, NormGuard's needs; -> 215: the flags read in Args' groups (args.py), a
-    # section of --help each, kept one under the other in the loop's order on a wide terminal; -> 217: --merged-lora's
-    # refusal (one process, bf16, a LoRA, sampling itself); -> 220: --fp8-rollout's, the same needs, and its clash with
-    # --merged-lora. The next split is by concept: reading the command line (parse_args and its helpers, 75 lines)
-    "startup.py": 220,
+    "startup.py": 150,  # what a run checks before anything expensive starts: each refusal in one line
+    # the command line read over a recipe's values, in Args' groups (a section of --help each), tyro's errors in one line
+    "cli.py": 100,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
     # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
     "recipes.py": 225,

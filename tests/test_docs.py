@@ -10,8 +10,8 @@ import re
 import subprocess
 import sys
 
+import cli
 import flowgrpo
-import startup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_LINES = 150  # a front page read in two minutes; the rest is docs/
@@ -243,7 +243,7 @@ def test_every_command_the_readme_and_the_manual_show_runs():
                            if w.startswith("--") and w not in known]
                 continue
             try:
-                startup.parse_args(flowgrpo.Args, argv)
+                cli.parse_args(flowgrpo.Args, argv)
             except (ValueError, SystemExit) as e:
                 failed.append(f"{page}: `{shown}`: {e}")
             continue

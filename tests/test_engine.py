@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import algorithms
 import checkpoint
+import cli
 import flowgrpo
 import models_qwen
 import startup
@@ -226,7 +227,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(straight, tmp
     proc.wait()
     assert list(ckpts.glob("iter_000001.tmp-*")) and not (ckpts / "iter_000001").exists()
     previous = str(ckpts / "iter_000000")
-    fp = startup.fingerprint(startup.parse_args(flowgrpo.Args, SMALL))
+    fp = startup.fingerprint(cli.parse_args(flowgrpo.Args, SMALL))
     assert checkpoint.resolve_resume("auto", str(run), fp)[0] == previous
     train(run, "--iterations", "2", "--resume", "auto")
     assert_same(lora(straight), lora(run), exact=True)
@@ -258,7 +259,7 @@ def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):
 # ---- bad --resume input fails at start-up, naming the file and the mismatch -------------------------
 def test_bad_resume_input(straight, tmp_path):
     good = os.path.join(straight, "checkpoints", "iter_000001")
-    fp = startup.fingerprint(startup.parse_args(flowgrpo.Args, SMALL))
+    fp = startup.fingerprint(cli.parse_args(flowgrpo.Args, SMALL))
     assert checkpoint.resolve_resume("auto", str(straight), fp)[0] == good
     with pytest.raises(FileNotFoundError, match="no checkpoint directory /no/such"):
         checkpoint.resolve_resume("/no/such", None, fp)
@@ -289,13 +290,13 @@ def test_bad_resume_input(straight, tmp_path):
     shutil.copy(os.path.join(good, "meta.json"), bad / "meta.json")
     # What flowgrpo.main checks first, before it builds anything (the CLI's line for such a refusal: the pickle test).
     with pytest.raises(ValueError, match="--lora-rank: checkpoint 8, this run 4"):
-        startup.check_args(startup.parse_args(flowgrpo.Args, [*SMALL, "--lora-rank", "4", "--resume", good]))
+        startup.check_args(cli.parse_args(flowgrpo.Args, [*SMALL, "--lora-rank", "4", "--resume", good]))
     with pytest.raises(ValueError, match="--iterations 2 leaves nothing to train after"):  # it ends iteration 1
-        startup.check_args(startup.parse_args(flowgrpo.Args, [*SMALL, "--iterations", "2", "--resume", good]))
+        startup.check_args(cli.parse_args(flowgrpo.Args, [*SMALL, "--iterations", "2", "--resume", good]))
 
 
 def resume_args(ckpt):
-    return startup.parse_args(flowgrpo.Args, [*SMALL, "--iterations", "3", "--resume", str(ckpt)])
+    return cli.parse_args(flowgrpo.Args, [*SMALL, "--iterations", "3", "--resume", str(ckpt)])
 
 
 def test_a_checkpoint_file_swapped_for_a_pickle_is_refused_before_it_is_read(straight, tmp_path):
@@ -405,7 +406,7 @@ def test_run_directories_never_mix_runs(straight, two_ranks, tmp_path, capsys):
     # A different seed would silently break exactness: refused (by what main checks first), naming the flag; allowed
     # only when named, and logged.
     with pytest.raises(ValueError, match="--seed: checkpoint 3, this run 4.*--allow-change"):
-        startup.check_args(startup.parse_args(flowgrpo.Args, [*SMALL, "--run-dir", str(run), "--resume", "auto",
+        startup.check_args(cli.parse_args(flowgrpo.Args, [*SMALL, "--run-dir", str(run), "--resume", "auto",
                                                               "--iterations", "4", "--seed", "4"]))
     # Resuming into a new directory branches the run there: the old directory is left as it was.
     branch = tmp_path / "branch"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import algorithms
+import cli
 import ema
 import engine as eng
 import flowgrpo
@@ -84,7 +85,7 @@ def test_recipes_take_two_optimizer_steps_and_help_shows_the_defaults_it_uses(ca
     the recipe that `--model` names (tiny when absent), each default once: the script's own parse, in this process
     (test_run_sh_recipes_launch runs `--help` through run.sh and flowgrpo.py)."""
     assert flowgrpo.RECIPES["qwen-image"].optimizer_steps == flowgrpo.RECIPES["tiny"].optimizer_steps == 2
-    assert flowgrpo.Args() == flowgrpo.RECIPES["tiny"] == startup.parse_args(flowgrpo.Args, [])  # a bare run: tiny
+    assert flowgrpo.Args() == flowgrpo.RECIPES["tiny"] == cli.parse_args(flowgrpo.Args, [])  # a bare run: tiny
     monkeypatch.setenv("COLUMNS", "200")
     bare, qwen = (help_text(capsys, flags) for flags in ([], ["--model", "qwen-image"]))
     assert "(default: tiny)" in option_help(bare, "--model") and "(default: qwen-image)" in option_help(qwen, "--model")
@@ -95,7 +96,7 @@ def test_recipes_take_two_optimizer_steps_and_help_shows_the_defaults_it_uses(ca
 def help_text(capsys, flags: list[str]) -> str:
     """What `flowgrpo.py *flags --help` prints (tyro prints it and exits 0)."""
     with pytest.raises(SystemExit) as e:
-        startup.parse_args(flowgrpo.Args, [*flags, "--help"])
+        cli.parse_args(flowgrpo.Args, [*flags, "--help"])
     assert e.value.code == 0
     return capsys.readouterr().out
 
@@ -206,7 +207,7 @@ def test_bad_input_is_refused_in_one_line_before_the_model_is_built(flags, needl
     run = tmp_path / "run"
     try:
         with pytest.raises((ValueError, FileNotFoundError)) as e:
-            flowgrpo.main(startup.parse_args(flowgrpo.Args, ["--model", "tiny", "--run-dir", str(run), *flags]))
+            flowgrpo.main(cli.parse_args(flowgrpo.Args, ["--model", "tiny", "--run-dir", str(run), *flags]))
     finally:  # as flowgrpo.py's __main__
         eng.shutdown()
         rundir.release_run_dirs()

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import algorithms
+import cli
 import engine as eng
 import flowgrpo
 import models
@@ -187,7 +188,7 @@ def test_what_the_family_cannot_do_is_refused_before_loading(model, change, need
 @pytest.mark.parametrize("model,rollout_kind", [("tiny", "local"), ("tiny-qwen-image-2.1", "vllm-omni")])
 def test_the_prefix_kv_cache_is_refused_where_there_is_none(model, rollout_kind):
     """--prefix-kv-cache at start-up, in one line: a family without a prefix-KV cache, or another sampler."""
-    args = dataclasses.replace(startup.recipe_args(flowgrpo.Args, model), prefix_kv_cache=True, rollout=rollout_kind,
+    args = dataclasses.replace(cli.recipe_args(flowgrpo.Args, model), prefix_kv_cache=True, rollout=rollout_kind,
                                rollout_url="http://localhost:1" if rollout_kind == "vllm-omni" else None)
     with pytest.raises(ValueError, match=rf"^--prefix-kv-cache needs --rollout local .* --model {model} with "
                                          rf"--rollout {rollout_kind} has none: run without it$"):
@@ -198,8 +199,8 @@ def test_the_prefix_kv_cache_is_refused_where_there_is_none(model, rollout_kind)
 
 def test_the_recipes_pass_start_up(tmp_path):
     """The one-GPU recipes (docs/algorithm.md §7): from text on the built-in prompts, editing on an edit set."""
-    startup.check_args(startup.recipe_args(flowgrpo.Args, "qwen-image-2.1"))
-    startup.check_args(dataclasses.replace(startup.recipe_args(flowgrpo.Args, "qwen-image-2.1-edit"),
+    startup.check_args(cli.recipe_args(flowgrpo.Args, "qwen-image-2.1"))
+    startup.check_args(dataclasses.replace(cli.recipe_args(flowgrpo.Args, "qwen-image-2.1-edit"),
                                            prompts=edit_prompts(tmp_path)))
 
 
@@ -207,7 +208,7 @@ def test_rollout_through_vllm_omni_is_refused_at_start_up_with_the_reason(tmp_pa
     """vLLM-Omni 0.30.0 ships no Qwen-Image 2.1 pipeline: `--rollout vllm-omni` is refused in one line naming that and
     the fix, before anything is built or any server is asked."""
     for name, prompts in (("qwen-image-2.1", "general"), ("qwen-image-2.1-edit", edit_prompts(tmp_path))):
-        args = dataclasses.replace(startup.recipe_args(flowgrpo.Args, name), rollout="vllm-omni",
+        args = dataclasses.replace(cli.recipe_args(flowgrpo.Args, name), rollout="vllm-omni",
                                    rollout_url="http://127.0.0.1:1", prompts=prompts)
         with pytest.raises(ValueError) as refusal:
             startup.check_args(args)

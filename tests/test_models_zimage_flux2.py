@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import algorithms
+import cli
 import engine as eng
 import flowgrpo
 import models
@@ -143,7 +144,7 @@ def test_what_a_family_cannot_do_is_refused_before_loading(model, change, needle
 @pytest.mark.parametrize("recipe", ["z-image", "z-image-turbo", "flux.2-klein-base", "flux.2-klein"])
 def test_the_public_recipes_pass_start_up(recipe):
     """Flow-Factory's configs as recipes (docs/algorithm.md §7): every value within start-up's checks."""
-    startup.check_args(startup.recipe_args(flowgrpo.Args, recipe))
+    startup.check_args(cli.recipe_args(flowgrpo.Args, recipe))
 
 
 def test_a_step_distilled_klein_takes_no_cfg(built):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cli
 import flowgrpo
 import models
 import prompts as prompt_sets
@@ -163,10 +164,10 @@ def test_the_adapter_puts_the_source_after_the_noisy_tokens(model):
 def test_start_up_refuses_prompts_without_sources_and_takes_the_recipe():
     """`--model nano-edit` alone is the recipe (the shipped prompt file, 16×16, the edit reward with its judge at 0)
     and passes the start-up checks; text-only prompts are refused in one line naming the fix."""
-    a = startup.parse_args(flowgrpo.Args, ["--model", "nano-edit"])
+    a = cli.parse_args(flowgrpo.Args, ["--model", "nano-edit"])
     assert (a.prompts, a.reward, a.height) == (ne.PROMPTS, "edit=1,edit_judge=0", 16)
     startup.check_args(a)
-    bad = startup.parse_args(flowgrpo.Args, ["--model", "nano-edit", "--prompts", "digits"])
+    bad = cli.parse_args(flowgrpo.Args, ["--model", "nano-edit", "--prompts", "digits"])
     with pytest.raises(ValueError, match="edits a source image.*\"image\""):
         startup.check_args(bad)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import algorithms
+import cli
 import flowgrpo
 import offpolicy
 import rollout
@@ -34,12 +35,12 @@ URL = ("--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9")  # check
 ])
 def test_impossible_combinations_are_refused_in_one_line(flags, needle):
     with pytest.raises(ValueError) as e:
-        startup.check_args(startup.parse_args(flowgrpo.Args, list(flags)))
+        startup.check_args(cli.parse_args(flowgrpo.Args, list(flags)))
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def args(**kw):
-    return dataclasses.replace(startup.parse_args(flowgrpo.Args, []), micro_batch=4, **kw)  # tiny_setup's chunk
+    return dataclasses.replace(cli.parse_args(flowgrpo.Args, []), micro_batch=4, **kw)  # tiny_setup's chunk
 
 
 def test_decoupled_weights_are_exactly_one_where_the_weights_did_not_move():

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import atomic_files
 import checkpoint
+import cli
 import engine as eng
 import flowgrpo
 import rewards
@@ -132,7 +133,7 @@ def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(traine
             out = cli(*flags)  # 600 s: a hang fails
             assert out.returncode == 1 and f"{bad}/{needle}" in out.stderr.splitlines()[-1], out.stderr[-2000:]
             assert "Traceback" not in out.stderr
-        error = raised_within(startup.check_args, startup.parse_args(flowgrpo.Args, [*TINY, *map(str, flags)]),
+        error = raised_within(startup.check_args, cli.parse_args(flowgrpo.Args, [*TINY, *map(str, flags)]),
                               seconds=120)
         assert isinstance(error, ValueError) and f"{bad}/{needle}" in str(error), error
 
@@ -183,7 +184,7 @@ def test_a_changed_prompt_file_is_named_on_resume(trained):
     run, flags = trained
     prompts = Path(flags[1])
     original = prompts.read_text()
-    args = startup.parse_args(flowgrpo.Args, [*TINY, *flags, "--resume", str(run / "checkpoints" / "iter_000001"),
+    args = cli.parse_args(flowgrpo.Args, [*TINY, *flags, "--resume", str(run / "checkpoints" / "iter_000001"),
                                               "--iterations", "4"])
     try:
         prompts.write_text(original.replace("thing 3", "thing 33"))

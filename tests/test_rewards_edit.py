@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+import cli
 import flowgrpo
 import models
 import rewards
@@ -261,7 +262,7 @@ def test_the_qwen_image_edit_recipe_starts_with_an_edit_prompt_set(tmp_path):
     targets name modules of the edit transformer; a source of another aspect ratio is refused at start-up, where the
     public converter letterboxes it (docs/algorithm.md §7)."""
     recipe = flowgrpo.RECIPES["qwen-image-edit"]
-    assert startup.parse_args(flowgrpo.Args, ["--model", "qwen-image-edit"]) == recipe
+    assert cli.parse_args(flowgrpo.Args, ["--model", "qwen-image-edit"]) == recipe
     assert (recipe.group_size, recipe.prompts_per_iteration, recipe.num_steps, recipe.window, recipe.window_range,
             recipe.cfg_scale, recipe.noise_level, recipe.std, recipe.reward) == (
         16, 32, 12, 3, (0, 6), 4.0, 0.7, "group", "pickscore")

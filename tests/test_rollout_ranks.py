@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import checkpoint
+import cli
 import flowgrpo
 import rollout_ranks
 import startup
@@ -162,5 +163,5 @@ def test_a_send_to_a_frozen_rollout_rank_says_it_waits(monkeypatch, capsys):
 def test_impossible_splits_are_refused_in_one_line(monkeypatch, world, flags, needle):
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(ValueError) as e:
-        startup.check_args(startup.parse_args(flowgrpo.Args, list(flags)))
+        startup.check_args(cli.parse_args(flowgrpo.Args, list(flags)))
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

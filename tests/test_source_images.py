@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image, ImageFile
 
+import cli
 import flowgrpo
 import prompts as prompt_sets
 import rewards
@@ -141,8 +142,8 @@ def test_a_source_whose_pixels_changed_is_named_on_resume(tmp_path):
              "--micro-batch", "2", "--eval-every", "0", "--run-dir", str(run)]
     main_here(*flags, "--iterations", "1")
     resume = [*flags, "--iterations", "2", "--resume", "auto"]
-    assert startup.check_args(startup.parse_args(flowgrpo.Args, resume))  # unchanged: resumes
+    assert startup.check_args(cli.parse_args(flowgrpo.Args, resume))  # unchanged: resumes
     write_png(tmp_path / "sources" / "1.png", 32, 32, seed=7)  # the same name and size, other pixels
     with pytest.raises(ValueError, match=r"its training prompts differ from those of .*iter_000000 \(their SHA-256\)"):
-        startup.check_args(startup.parse_args(flowgrpo.Args, resume))
-    assert startup.check_args(startup.parse_args(flowgrpo.Args, [*resume, "--allow-change", "prompts"]))
+        startup.check_args(cli.parse_args(flowgrpo.Args, resume))
+    assert startup.check_args(cli.parse_args(flowgrpo.Args, [*resume, "--allow-change", "prompts"]))

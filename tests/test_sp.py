@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import distribute_tensor
 
 import algorithms
+import cli
 import engine as eng
 import flowgrpo
 import models
@@ -203,7 +204,7 @@ def _worker(rank: int, port: int, out: str, runs: list) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     for argv in runs:  # in the process group joined above, as under torchrun
-        flowgrpo.main(startup.parse_args(flowgrpo.Args, argv))
+        flowgrpo.main(cli.parse_args(flowgrpo.Args, argv))
     eng.shutdown()
     eng.exit_process(0)  # as flowgrpo.py ends (engine.exit_process: why)
 

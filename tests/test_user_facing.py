@@ -16,11 +16,11 @@ import pytest
 import torch
 from PIL import Image
 
+import cli
 import engine as eng
 import flowgrpo
 import rundir
 import runlog
-import startup
 from tiny_setup import main_here
 from tasks import nano, nano_compare
 
@@ -65,7 +65,7 @@ def test_help_names_every_built_in_prompt_set_and_what_eval_images_are(capsys, m
     """flowgrpo.py's parse of `--help`, in this process (tests/test_loop.py::test_run_sh_recipes_launch runs it)."""
     monkeypatch.setenv("COLUMNS", "200")
     with pytest.raises(SystemExit) as e:
-        startup.parse_args(flowgrpo.Args, ["--help"])
+        cli.parse_args(flowgrpo.Args, ["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "(ocr, general, digits)" in out and "image i shows eval prompt i mod" in out, out
 
@@ -193,7 +193,7 @@ def test_a_finished_run_is_reused_only_if_made_with_the_same_flags(tmp_path, mon
     argv = nano_compare.command(nano, ("--window", "2"), 0, run, 3, 10, 200)
     os.makedirs(os.path.join(run, "lora"))
     Path(run, "metrics.jsonl").write_text('{"iteration": 0}\n' * 3)
-    made = dataclasses.asdict(startup.parse_args(flowgrpo.Args, argv)) | {"run_id": "x", "batch_arithmetic": {}}
+    made = dataclasses.asdict(cli.parse_args(flowgrpo.Args, argv)) | {"run_id": "x", "batch_arithmetic": {}}
     Path(run, "args.json").write_text(json.dumps(made))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished run was run again"))
     assert nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200) == run
@@ -316,7 +316,7 @@ def test_a_flag_the_parser_refuses_is_one_line(tmp_path):
                        (["--group-size"], "Missing value for argument '--group-size'. Expected 1 values."),
                        (["--model", "tinyy"], "invalid choice 'tinyy' for argument '--model'. Expected one of")]:
         with pytest.raises(ValueError) as refused:
-            startup.parse_args(flowgrpo.Args, argv)
+            cli.parse_args(flowgrpo.Args, argv)
         assert str(refused.value).startswith(said) and "\n" not in str(refused.value), str(refused.value)
 
 

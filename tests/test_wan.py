@@ -17,6 +17,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image, ImageSequence
 
 import algorithms
+import cli
 import engine as eng
 import flowgrpo
 import models
@@ -189,7 +190,7 @@ def test_video_samples_are_an_animated_gif_and_a_first_frame_grid(tmp_path):
 ])
 def test_video_flags_are_refused_before_anything_is_built(flags, needle):
     with pytest.raises(ValueError, match=needle):
-        startup.check_args(startup.parse_args(flowgrpo.Args, flags))
+        startup.check_args(cli.parse_args(flowgrpo.Args, flags))
 
 
 # 18 iterations of the recipe, not its 30, at seed 2: the rise (mean motion reward of the last 3 iterations − of the

@@ -13,6 +13,7 @@ import psutil
 import torch
 
 import algorithms
+import cli
 import engine as eng
 import flowgrpo
 import models
@@ -33,7 +34,7 @@ def main_here(*argv) -> list[dict]:
     try:
         with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            return flowgrpo.main(startup.parse_args(flowgrpo.Args, ["--no-wandb", *map(str, argv)]))
+            return flowgrpo.main(cli.parse_args(flowgrpo.Args, ["--no-wandb", *map(str, argv)]))
     finally:
         eng.shutdown()
         rundir.release_run_dirs()
