@@ -70,7 +70,8 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
     "GARDO": ("--algorithm", "gardo", "--reward", "digit=1,digit_judge=0,digit_knn=0,digit_bayes=0", "--gardo-proxies",
               "digit_knn", "digit_bayes", "--kl-beta", "0.04"),
 }
-METHODS["DiffusionNFT + NormGuard"] = (*METHODS["DiffusionNFT"], "--normguard", "1")
+METHODS |= {f"{name} + NormGuard": (*METHODS[name], "--normguard", "1")  # NormGuard on every velocity-local method
+            for name in ("DiffusionNFT", "AWM", "DGPO", "Online DPO")}
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
