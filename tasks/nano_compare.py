@@ -200,6 +200,7 @@ def plot_hacking(path: str, runs: dict) -> None:
             ax.plot(grid_x, ys.mean(0), color=f"C{i}", lw=1.6, label=f"{name} ({len(cs)})")
             ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=f"C{i}", alpha=0.1)
         ax.set(xlabel=AXES["passes"], title=label)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")  # full numbers run into each other
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
