@@ -71,7 +71,8 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
     "GARDO": ("--algorithm", "gardo", "--reward", "digit=1,digit_judge=0,digit_knn=0,digit_bayes=0", "--gardo-proxies",
               "digit_knn", "digit_bayes", "--kl-beta", "0.04"),
 }
-METHODS["DiffusionNFT + NormGuard"] = (*METHODS["DiffusionNFT"], "--normguard", "1")
+METHODS |= {f"{name} + NormGuard": (*METHODS[name], "--normguard", "1")  # NormGuard on every velocity-local method
+            for name in ("DiffusionNFT", "AWM", "DGPO", "Online DPO")}
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
@@ -200,6 +201,7 @@ def plot_hacking(path: str, runs: dict) -> None:
             ax.plot(grid_x, ys.mean(0), color=f"C{i}", lw=1.6, label=f"{name} ({len(cs)})")
             ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=f"C{i}", alpha=0.1)
         ax.set(xlabel=AXES["passes"], title=label)
+        ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")  # full numbers run into each other
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=7)
     fig.tight_layout()

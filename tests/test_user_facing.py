@@ -216,6 +216,21 @@ def test_a_runs_final_evaluation_is_kept_and_read_back(tmp_path):
     assert calls == [50, 20] and sorted(os.listdir(tmp_path)) == ["final-20.json", "final-50.json"]
 
 
+def test_the_hacking_table_reads_where_the_reward_peaks_and_what_the_judge_lost(tmp_path):
+    """`--hacking`'s table and curves on two made-up runs of one method: one whose reward rises to the end while its
+    judge falls from 0.8 to 0.6 (hacking), one whose reward peaks at iteration 20; mean ± std over the two."""
+    def run(reward, judge, ratio):
+        return {"reward_mean": np.array(reward), "judge": np.array(judge), "diversity": np.array([0.14, 0.12, 0.10]),
+                "velocity_norm_ratio": np.array([1.0, 1.1, ratio]), "iterations": np.array([0, 20, 40]),
+                "passes": np.array([100.0, 2000.0, 4000.0])}
+    runs = {"X": [run([0.5, 0.7, 0.9], [0.5, 0.8, 0.6], 1.2), run([0.5, 0.8, 0.7], [0.5, 0.7, 0.7], 1.0)]}
+    row = nano_compare.hacking_table(runs)[2].split(" | ")
+    assert row[2] == "0.850 ± 0.050 (40, 20)" and row[3] == "65.0% ± 5.0%", row  # the reward's peak, the judge there
+    assert row[7] == "-10.0% ± 10.0%" and row[10] == "1.100 ± 0.100 |", row  # final − peak of the judge; final ratio
+    nano_compare.plot_hacking(str(tmp_path / "h.png"), runs)
+    assert (tmp_path / "h.png").stat().st_size > 0
+
+
 def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path, capsys):
     """`grid` through the script, `evaluate` through its main in this process: exit 2 and one line."""
     out = subprocess.run([sys.executable, "-m", "tasks.nano", "grid", str(tmp_path)], cwd=ROOT, env=ENV, capture_output=True,
