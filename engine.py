@@ -122,7 +122,7 @@ class Engine:
         self.rank, self.world_size, self.device = init_distributed(model.device)  # the model's device, as asked
         self.mesh = seqpar.device_mesh(self.world_size, sp, self.device)  # (dp, 1, sp); FSDP2 shards over all of it
         self.dp_rank, self.dp_size = self.mesh.get_local_rank("dp"), self.mesh.size(0)
-        self.model, self.max_grad_norm, self.skipped_steps = model, max_grad_norm, 0
+        self.model, self.max_grad_norm, self.skipped_steps, self.referencing = model, max_grad_norm, 0, False
         net = model.transformer
         # 1. What is trained. Every rank initialises the same adapter (LoRA B = 0: the policy starts as the
         #    base model). LoRA comes first so that checkpointing, compile and sharding all see its layers.
@@ -277,9 +277,11 @@ class Engine:
         if self.lora_config is None:
             raise ValueError("--kl-beta > 0 needs a LoRA (the reference is the network with the adapter off)")
         self.model.transformer.disable_adapters()
+        self.referencing = True  # read by regularisers.Watched: a reference pass the loss and NormGuard can share
         try:
             yield
         finally:
+            self.referencing = False
             self.model.transformer.enable_adapters()
 
     # --- collectives -------------------------------------------------------------------------

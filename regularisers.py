@@ -31,25 +31,37 @@ def norm_hinge(v: torch.Tensor, v_ref: torch.Tensor, *, weight: float, margin: f
     return weight * torch.relu(ratio - 1.0 - margin).mean(), ratio.detach()
 
 
+def same_inputs(a: tuple, b: tuple) -> bool:
+    """Whether two velocity calls' (x, σ, cond, cfg_scale, height, width) give the same velocity: x and σ equal, the same
+    conditioning object, CFG and size."""
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] is b[2] and a[3:] == b[3:]
+
+
 class Watched:
     """The model as an update's losses see it. With --normguard > 0 every velocity computed with gradients (the trained
     policy's forward; the old policy's and the reference's run without) is followed by the reference's at the same
     inputs (the adapter off, no gradient: after the forward, as Flow-GRPO's KL term) and its hinge is kept until the
-    update adds it to that loss term before the backward (`added`). With 0 it is the model: nothing is computed or
-    added. Anything else is the model's."""
+    update adds it to that loss term before the backward (`added`). Where the loss runs the reference at those inputs
+    itself (a KL to the base model: DGPO's before the forward, DiffusionNFT's after), the two share one pass:
+    the same inputs, the same bits. With 0 it is the model: nothing is computed or added. Anything else is the model's."""
 
     def __init__(self, model, engine, a):
         self.model, self.engine, self.a = model, engine, a
-        self.pending, self.ratios = None, []
+        self.pending, self.ratios, self.known = None, [], None
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def velocity(self, x, t, cond, cfg_scale, height, width):
-        v = self.model.velocity(x, t, cond, cfg_scale, height, width)
+        args = (x, t, cond, cfg_scale, height, width)
+        if self.a.normguard > 0 and self.engine.referencing:  # a reference pass, the loss's or the hinge's: one per inputs
+            if self.known is None or not same_inputs(self.known[0], args):
+                self.known = (args, self.model.velocity(*args))
+            return self.known[1]
+        v = self.model.velocity(*args)
         if torch.is_grad_enabled() and self.a.normguard > 0:
             with torch.no_grad(), self.engine.reference():
-                v_ref = self.model.velocity(x, t, cond, cfg_scale, height, width)
+                v_ref = self.velocity(*args)
             penalty, ratio = norm_hinge(v, v_ref, weight=self.a.normguard, margin=self.a.normguard_margin)
             self.pending = penalty if self.pending is None else self.pending + penalty
             self.ratios.append(ratio)
@@ -57,7 +69,7 @@ class Watched:
 
     def added(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` plus the hinge of the forwards since the last call (the loss itself when there were none)."""
-        pending, self.pending = self.pending, None
+        pending, self.pending, self.known = self.pending, None, None
         return loss if pending is None else loss + pending
 
     def stats(self) -> dict:

@@ -288,6 +288,27 @@ def test_both_regularisers_run_through_the_loop_and_log_the_velocity_norm_ratio(
         main_here("--run-dir", tmp_path / "y", "--normguard", 1, "--reuse-rollout-forward")
 
 
+@pytest.mark.parametrize("flags,kinds", [
+    (("--algorithm", "dgpo", "--micro-batch", 8), 3),  # the old policy's, the reference's (before), the trained one's
+    (("--algorithm", "nft"), 3),  # the old policy's, the trained one's, the reference's (after)
+    ((), 2)], ids=["dgpo", "nft", "grpo"])  # Flow-GRPO's: the reference's (before, on an equal slice), the trained one's
+def test_normguard_shares_the_losss_reference_pass_to_the_bit(tmp_path, monkeypatch, flags, kinds):
+    """Where a loss runs the reference itself (a KL to the base model) at a trained forward's inputs, NormGuard's hinge
+    reads that pass instead of running its own: the same LoRA and logged values to the bit, and the training passes
+    `kinds` forwards per trained one instead of kinds + 1. The control: every reference pass computed (nothing shared),
+    as before they were shared."""
+    argv = ("--iterations", 2, "--normguard", 1, "--kl-beta", 0.02, "--eval-every", 0, *flags)
+    shared = main_here("--run-dir", tmp_path / "shared", *argv)
+    monkeypatch.setattr(reg, "same_inputs", lambda *inputs: False)
+    unshared = main_here("--run-dir", tmp_path / "unshared", *argv)
+    assert [without_perf(r) for r in shared] == [without_perf(r) for r in unshared]
+    ours, theirs = lora(tmp_path / "shared"), lora(tmp_path / "unshared")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs), max((ours[k] - theirs[k]).abs().max() for k in theirs)
+    passes = [(s["perf/train_passes"], u["perf/train_passes"]) for s, u in zip(shared, unshared)]
+    print(f"\ntraining passes per iteration (shared, unshared): {passes}")
+    assert all(s * (kinds + 1) == u * kinds for s, u in passes), passes
+
+
 def test_every_recipe_leaves_the_regularisers_off_and_gardos_passes_its_checks(tmp_path, monkeypatch):
     for name, a in flowgrpo.RECIPES.items():
         assert a.normguard == 0 and (a.algorithm == "gardo") == name.endswith("-gardo-ocr"), name
