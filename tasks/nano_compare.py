@@ -77,7 +77,6 @@ METHODS |= {f"{name} + NormGuard": (*METHODS[name], "--normguard", "1")  # NormG
 METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam) for name, base, lam in
             (("Flow-GRPO", "Flow-GRPO, full mode", "0.1"), ("DiffusionNFT", "DiffusionNFT", "0.1"),
              ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"))}
-METHODS["Flow-GRPO + NormGuard, margin 0.05"] = ("--normguard", "1", "--normguard-margin", "0.05")
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
