@@ -76,7 +76,7 @@ METHODS |= {f"{name} + NormGuard": (*METHODS[name], "--normguard", "1")  # NormG
 # NormGuard's λ below 1 (issue 45): λ 1 ends the norm ratio below 1 on nano (0.89 Flow-GRPO) at a cost in judge points
 METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam) for name, base, lam in
             (("Flow-GRPO", "Flow-GRPO, full mode", "0.1"), ("DiffusionNFT", "DiffusionNFT", "0.1"),
-             ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"))}
+             ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"), ("DiffusionNFT", "DiffusionNFT", "0.01"))}
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
