@@ -239,8 +239,10 @@ def main(a: Args) -> list[dict]:
     rollouts = offpolicy.Rollouts(plan, publish, scorer, engine, a.off_policy, a.iterations)
     if ckpt:
         rollouts.load(ckpt, functools.partial(plan, scorer=None, images=False))  # --off-policy 1: the one in flight
-    # the run's judges: its rewards at weight 0, which only people read (GARDO's proxies, also at 0, gate its KL)
-    judges = [k for k, w in rewards.weights(a.reward).items() if w == 0 and k not in a.gardo_proxies]
+    # the run's judges: its rewards at weight 0, which only people read (GARDO's proxies, also at 0, gate its KL: proxies
+    # only where --algorithm reads them, not where a GARDO recipe's run switched to another algorithm)
+    proxies = a.gardo_proxies if "gardo_proxies" in algo.flags else ()
+    judges = [k for k, w in rewards.weights(a.reward).items() if w == 0 and k not in proxies]
     log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb, judges=judges)
     if rank == 0:  # the run directory exists from here on (a start that failed before left none to name)
         print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))

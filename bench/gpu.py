@@ -192,25 +192,29 @@ def compiled_rows(t: list, o, a: flowgrpo.Args):
     row(t, "--compile: dynamo graphs", [counters["stats"]["unique_graphs"]], "graphs", "", f"{len(model.blocks)} "
         "blocks, every size measured (a new size: a new graph); no graph break (asserted)")
 
-# the engine's named options measured on a model of their own: (flag, Args fields, what their memory costs)
-OPTIONS = {"merged": ("--merged-lora", dict(merged_lora=True), "one more bf16 copy of every adapted weight"),
-           "fp8": ("--fp8-rollout", dict(fp8_rollout=True), "one more byte per frozen weight of the blocks")}
+# the engine's named options measured on a model of their own: (flag, the engine's keywords, the loop's flags that go
+# with it, what its memory costs); --fp8-rollout's decoupled correction is the proximal pass Flow-GRPO needs with it
+OPTIONS = {"merged": ("--merged-lora", dict(merged_lora=True), {}, "one more bf16 copy of every adapted weight"),
+           "fp8": ("--fp8-rollout", dict(fp8_rollout=True), dict(stale_correction="decoupled"),
+                   "one more byte per frozen weight of the blocks")}
 
 def option_rows(t: list, o, a: flowgrpo.Args, key: str):
     """An option of OPTIONS (--merged-lora: merged_lora.py; --fp8-rollout: fp8_rollout.py) on a model of its own: the
-    rollout's transformer forwards (the floor's sizes), then the recipe end to end at its own micro-batch."""
-    flag, fields, cost = OPTIONS[key]
+    rollout's transformer forwards (the floor's sizes), then the recipe end to end at the micro-batch fitted to the
+    device with the option (the `fitted` row's, which it is to be read against)."""
+    flag, fields, loop_flags, cost = OPTIONS[key]
     _, peak = peak_flops(o)
-    a = dataclasses.replace(a, mixed_precision=True, **fields)
-    model = model_of(a.model, o.device)
+    a = dataclasses.replace(a, mixed_precision=True, **fields, **loop_flags)
+    model, texts = model_of(a.model, o.device), texts_of(a)
     engine = make_engine(a, model, **fields)
     with engine.rollout_weights():
-        forward_rows(t, o, a, model, f"the loop's rollout, {flag}", sorted({4, len(texts_of(a))} if CUDA else {2}),
-                     peak)
+        forward_rows(t, o, a, model, f"the loop's rollout, {flag}", sorted({4, len(texts)} if CUDA else {2}), peak)
+    a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, len(texts), [(p, {}) for p in texts]))
     ticks, mem, flops = end_to_end(o, a, model, engine, 1 + o.repeats)  # the first warms up, untimed
     total = [s.sum() for s in ticks[1:]]
-    row(t, f"images/s per device, end to end ({flag})", np.divide(len(texts_of(a)), total), "images/s",
-        "≥ 1.0 on an H200", f"{a.model}; micro-batch {a.micro_batch} (the recipe's), as the `recipe` row but {flag}")
+    row(t, f"images/s per device, end to end ({flag})", np.divide(len(texts), total), "images/s", "≥ 1.0 on an H200",
+        f"{a.model}; micro-batch {a.micro_batch} (fitted with the option)"
+        + "".join(f", --{k.replace('_', '-')} {v}" for k, v in loop_flags.items()))
     row(t, f"peak memory ({flag})", [mem / 2**30], "GiB", "", cost)
 
 def offload_rows(t: list, o, a: flowgrpo.Args):

@@ -23,6 +23,7 @@ import algorithms
 import checkpoint
 import flowgrpo
 import models_wan
+import recipes
 import regularisers as reg
 import runlog
 import scheduler as sch
@@ -251,6 +252,22 @@ def test_a_gardo_runs_judges_leave_out_its_proxies(tmp_path, monkeypatch, capsys
     assert len(captions) == 4 and all(f"\n{judge} " in c and f"\n{proxy} " not in c for c in captions), captions
     assert panels and all(p == [judge] for p in panels), panels
     assert {f"reward/{proxy}/mean", f"eval/{proxy}/mean", f"reward/{judge}/mean"} <= rows[0].keys()
+
+
+def test_a_gardo_recipe_run_with_another_algorithm_has_no_proxies(tmp_path, monkeypatch, capsys):
+    """A GARDO recipe's run switched to --algorithm grpo carries the recipe's --gardo-proxies (equal to the recipe's,
+    so not refused as given), which grpo never reads: its weight-0 rewards are all judges again, as in any grpo run.
+    (A GARDO recipe of the tiny model, added to the table for the test; the public one needs SD3.5's weights.)"""
+    flags = dict(zip(GARDO[::2], GARDO[1::2]))
+    recipe = dict(recipes.RECIPES["tiny"], algorithm="gardo", reward=flags["--reward"], kl_beta=0.04,
+                  gardo_proxies=("jpeg_compressibility",))
+    monkeypatch.setitem(recipes.RECIPES, "tiny-gardo", recipe)
+    capsys.readouterr()
+    main_here("--recipe", "tiny-gardo", "--algorithm", "grpo", "--iterations", 1, "--run-dir", tmp_path / "run",
+              "--prompts-per-iteration", 2, "--group-size", 4, "--micro-batch", 4, "--eval-every", 1,
+              "--eval-images", 4)
+    said = capsys.readouterr().out
+    assert "jpeg_compressibility, the judge" in said and "jpeg_incompressibility, the judge" in said, said
 
 
 # ---- NormGuard ----------------------------------------------------------------------------------------------------
