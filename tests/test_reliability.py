@@ -37,7 +37,7 @@ TINY = ["--model", "tiny", "--group-size", "2", "--prompts-per-iteration", "2", 
         "--eval-every", "0", "--no-wandb", "--seed", "5"]
 
 
-def cli(*flags, wait=True, launcher=(sys.executable,), env=None):
+def launch(*flags, wait=True, launcher=(sys.executable,), env=None):
     cmd = [*launcher, str(ROOT / "flowgrpo.py"), *TINY, *map(str, flags)]
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -46,7 +46,7 @@ def cli(*flags, wait=True, launcher=(sys.executable,), env=None):
 
 
 def here(*flags) -> list[dict]:
-    """`cli(*flags)` in this process (tiny_setup.main_here), raising what the CLI would say in a line; its rows."""
+    """`launch(*flags)` in this process (tiny_setup.main_here), raising what the CLI would say in a line; its rows."""
     return main_here(*TINY, *flags)
 
 
@@ -60,7 +60,7 @@ def test_two_runs_started_at_once_into_one_new_run_dir_exactly_one_proceeds(tmp_
     iteration was logged. The first to start claims it with an OS lock; the other is refused (naming the holder, or,
     if it starts after the first ended, the run the directory holds)."""
     run = tmp_path / "run"
-    procs = [cli("--run-dir", run, "--iterations", 1, wait=False) for _ in range(2)]
+    procs = [launch("--run-dir", run, "--iterations", 1, wait=False) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert sorted(p.returncode for p in procs) == [0, 1], [err[-2000:] for _, err in outs]
     refused = next(err for p, (_, err) in zip(procs, outs) if p.returncode)
@@ -75,7 +75,7 @@ def test_a_held_run_dir_is_refused_at_once_naming_the_holder_and_freed_when_it_d
     holder = subprocess.Popen([sys.executable, "-c", code, str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        out = cli("--run-dir", run, "--iterations", 1)
+        out = launch("--run-dir", run, "--iterations", 1)
         named = f"host {socket.gethostname()}, PID {holder.pid}"
         assert out.returncode == 1 and named in out.stderr, out.stderr[-2000:]
         assert "batch arithmetic" not in out.stdout  # refused before anything was built
@@ -130,7 +130,7 @@ def test_a_fifo_or_a_link_to_dev_zero_in_a_checkpoint_is_refused_not_read(traine
         plant(str(bad / victim))
         flags = ["--resume", bad, "--run-dir", tmp_path / "r", "--iterations", 4, *trained[1]]
         if victim == "rng_rank0.safetensors":
-            out = cli(*flags)  # 600 s: a hang fails
+            out = launch(*flags)  # 600 s: a hang fails
             assert out.returncode == 1 and f"{bad}/{needle}" in out.stderr.splitlines()[-1], out.stderr[-2000:]
             assert "Traceback" not in out.stderr
         error = raised_within(startup.check_args, cli.parse_args(flowgrpo.Args, [*TINY, *map(str, flags)]),
@@ -246,7 +246,7 @@ def test_sigterm_stops_every_rank_like_ctrl_c_and_removes_the_exchange_directory
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     exchange = tmp_path / "shm"
     exchange.mkdir()
-    trainer = cli("--run-dir", tmp_path / "run", "--optimizer-steps", 1, "--rollout", "vllm-omni", "--rollout-url",
+    trainer = launch("--run-dir", tmp_path / "run", "--optimizer-steps", 1, "--rollout", "vllm-omni", "--rollout-url",
                   f"http://127.0.0.1:{server.server_address[1]}", wait=False,
                   launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
                   env=ENV | {"FLOWGRPO_ROLLOUT_DIR": str(exchange), "FLOWGRPO_ROLLOUT_TIMEOUT": "600"})
@@ -333,7 +333,7 @@ def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previou
     disk.mkdir()
     script = ('mount -t tmpfs -o size=4m tmpfs "$1" || exit 99; shift; "$@"; status=$?; '
               f'cp -r {disk}/run {out_dir}; exit $status')
-    out = cli("--run-dir", disk / "run", "--iterations", 20, "--checkpoint-every", 1, "--keep-checkpoints", 20,
+    out = launch("--run-dir", disk / "run", "--iterations", 20, "--checkpoint-every", 1, "--keep-checkpoints", 20,
               launcher=["unshare", "-m", "sh", "-c", script, "sh", str(disk), sys.executable])
     if out.returncode == 99:
         pytest.skip(f"cannot mount a tmpfs here: {out.stderr[-300:]}")
