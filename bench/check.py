@@ -58,8 +58,8 @@ STEPS = [
      [*GPU, "--random-init", "--rows", "compiled", "--repeats", "2"],
      [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 45),
 ]
-# the second command (--more), 10 minutes: the speed options' rows first (--merged-lora, --fp8-rollout: the principal
-# issue's), the other families (bench/families.py), the two steps moved out of STEPS. A lent machine's call of 10
+# the second command (--more), 10 minutes: the speed options' rows first (--merged-lora, --fp8-rollout: the way to the
+# goal of 1 image/s), the other families (bench/families.py), the two steps moved out of STEPS. A lent machine's call of 10
 # minutes, start-up included, may cut the last step (offload): what it measured until then stays in OUT
 MORE = [
     ("merged", "--merged-lora: the adapter in each bf16 weight, its forwards and the recipe at the fitted micro-batch",

@@ -209,7 +209,8 @@ def option_rows(t: list, o, a: flowgrpo.Args, key: str):
     engine = make_engine(a, model, **fields)
     with engine.rollout_weights():
         forward_rows(t, o, a, model, f"the loop's rollout, {flag}", sorted({4, len(texts)} if CUDA else {2}), peak)
-    a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, len(texts), [(p, {}) for p in texts]))
+    a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, len(texts), [(p, {}) for p in texts],
+                                                      o.memory_limit))
     ticks, mem, flops = end_to_end(o, a, model, engine, 1 + o.repeats)  # the first warms up, untimed
     total = [s.sum() for s in ticks[1:]]
     row(t, f"images/s per device, end to end ({flag})", np.divide(len(texts), total), "images/s", "≥ 1.0 on an H200",

@@ -73,7 +73,7 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
 }
 METHODS |= {f"{name} + NormGuard": (*METHODS[name], "--normguard", "1")  # NormGuard on every velocity-local method
             for name in ("DiffusionNFT", "AWM", "DGPO", "Online DPO")}
-# NormGuard's λ below 1 (issue 45): λ 1 ends the norm ratio below 1 on nano (0.89 Flow-GRPO) at a cost in judge points
+# NormGuard's λ below 1: λ 1 ends the norm ratio below 1 on nano (0.89 Flow-GRPO) at a cost in judge points
 METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam) for name, base, lam in
             (("Flow-GRPO", "Flow-GRPO, full mode", "0.1"), ("DiffusionNFT", "DiffusionNFT", "0.1"),
              ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"), ("DiffusionNFT", "DiffusionNFT", "0.01"))}
@@ -364,7 +364,7 @@ def main(argv=None) -> None:
                 raise ValueError(f"{flag} {path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist")
         for m in a.methods:  # what flowgrpo.py would refuse, refused before the first run
             startup.check_args(cli.parse_args(flowgrpo.Args, command(task, METHODS[m], 0, os.path.join(out, "x"),
-                                                                         a.iterations, a.eval_every, a.eval_images)))
+                                                                     a.iterations, a.eval_every, a.eval_images)))
         rundir.lock_run_dir(out, not os.path.exists(out))  # this comparison's, until it ends
         start = time.time()
         measured = compare(task, out, a.seeds, a.iterations, a.eval_every, a.eval_images,

@@ -407,7 +407,7 @@ def test_run_directories_never_mix_runs(straight, two_ranks, tmp_path, capsys):
     # only when named, and logged.
     with pytest.raises(ValueError, match="--seed: checkpoint 3, this run 4.*--allow-change"):
         startup.check_args(cli.parse_args(flowgrpo.Args, [*SMALL, "--run-dir", str(run), "--resume", "auto",
-                                                              "--iterations", "4", "--seed", "4"]))
+                                                          "--iterations", "4", "--seed", "4"]))
     # Resuming into a new directory branches the run there: the old directory is left as it was.
     branch = tmp_path / "branch"
     train(branch, "--iterations", "4", "--resume", run / "checkpoints" / "iter_000002", "--seed", "4",

@@ -185,7 +185,7 @@ def test_a_changed_prompt_file_is_named_on_resume(trained):
     prompts = Path(flags[1])
     original = prompts.read_text()
     args = cli.parse_args(flowgrpo.Args, [*TINY, *flags, "--resume", str(run / "checkpoints" / "iter_000001"),
-                                              "--iterations", "4"])
+                                          "--iterations", "4"])
     try:
         prompts.write_text(original.replace("thing 3", "thing 33"))
         with pytest.raises(ValueError, match=r"--prompts .*prompts.txt: its training prompts differ from those of "):
