@@ -73,10 +73,15 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
 }
 METHODS |= {f"{name} + NormGuard": (*METHODS[name], "--normguard", "1")  # NormGuard on every velocity-local method
             for name in ("DiffusionNFT", "AWM", "DGPO", "Online DPO")}
-# NormGuard's λ below 1: λ 1 ends the norm ratio below 1 on nano (0.89 Flow-GRPO) at a cost in judge points
+# NormGuard's λ per method: λ 1 ends the norm ratio below 1 on nano (0.89 Flow-GRPO) at a cost in judge points, but
+# leaves online DPO's at 1.07 (its gradient norms are hundreds of times AWM's): lower λ for the others, 10 for DPO
 METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam) for name, base, lam in
             (("Flow-GRPO", "Flow-GRPO, full mode", "0.1"), ("DiffusionNFT", "DiffusionNFT", "0.1"),
-             ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"), ("DiffusionNFT", "DiffusionNFT", "0.01"))}
+             ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"), ("DiffusionNFT", "DiffusionNFT", "0.01"),
+             ("AWM", "AWM", "0.1"), ("DGPO", "DGPO", "0.1"), ("Online DPO", "Online DPO", "10"))}
+# a margin: the hinge acts only above 1.05, where λ 0.1 alone ended DiffusionNFT's ratio at 0.97 for 2 judge points
+METHODS["DiffusionNFT + NormGuard λ 0.1, margin 0.05"] = (*METHODS["DiffusionNFT"], "--normguard", "0.1",
+                                                         "--normguard-margin", "0.05")
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
