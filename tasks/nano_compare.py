@@ -79,9 +79,9 @@ METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam)
             (("Flow-GRPO", "Flow-GRPO, full mode", "0.1"), ("DiffusionNFT", "DiffusionNFT", "0.1"),
              ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"), ("DiffusionNFT", "DiffusionNFT", "0.01"),
              ("AWM", "AWM", "0.1"), ("DGPO", "DGPO", "0.1"), ("Online DPO", "Online DPO", "10"))}
-# a margin: the hinge acts only above 1.05, where λ 0.1 alone ended DiffusionNFT's ratio at 0.97 for 2 judge points
-METHODS["DiffusionNFT + NormGuard λ 0.1, margin 0.05"] = (*METHODS["DiffusionNFT"], "--normguard", "0.1",
-                                                         "--normguard-margin", "0.05")
+# a margin: the hinge acts only above 1.05, where λ 0.1 alone ended the ratio at 0.97 (DiffusionNFT), 0.95 (AWM)
+METHODS |= {f"{name} + NormGuard λ 0.1, margin 0.05": (*METHODS[name], "--normguard", "0.1", "--normguard-margin",
+                                                       "0.05") for name in ("DiffusionNFT", "AWM")}
 AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer passes (rollout + training)",
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
@@ -202,7 +202,8 @@ def plot_hacking(path: str, runs: dict) -> None:
     import matplotlib.pyplot as plt
     keys = {"reward_mean": "reward (eval images)", "judge": "held-out judge", "diversity": "diversity (pixel std)",
             "velocity_norm_ratio": "‖v_θ‖ / ‖v_ref‖"}
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4), dpi=100)
+    lines = -(-len(runs) // 3)  # the legend below the panels, three methods a line (inside a panel it hid a curve)
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4 + 0.3 * lines), dpi=100)
     for ax, (key, label) in zip(axes, keys.items()):
         for i, (name, cs) in enumerate(runs.items()):
             grid_x = np.linspace(max(c["passes"][0] for c in cs), min(c["passes"][-1] for c in cs), 50)
@@ -212,8 +213,8 @@ def plot_hacking(path: str, runs: dict) -> None:
         ax.set(xlabel=AXES["passes"], title=label)
         ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")  # full numbers run into each other
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, (0.3 * lines + 0.1) / (4 + 0.3 * lines), 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
