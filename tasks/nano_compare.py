@@ -210,6 +210,9 @@ def plot_hacking(path: str, runs: dict) -> None:
             ys = np.array([np.interp(grid_x, c["passes"], c[key]) for c in cs])
             ax.plot(grid_x, ys.mean(0), color=f"C{i}", lw=1.6, label=f"{name} ({len(cs)})")
             ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=f"C{i}", alpha=0.1)
+        if all(np.isnan(c[key]).all() for cs in runs.values() for c in cs):
+            ax.text(0.5, 0.5, "not logged by this task's evaluations", ha="center", transform=ax.transAxes)
+            ax.set(xticks=[], yticks=[])
         ax.set(xlabel=AXES["passes"], title=label)
         ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:.0f}k")  # full numbers run into each other
         ax.grid(alpha=0.3)
@@ -220,6 +223,8 @@ def plot_hacking(path: str, runs: dict) -> None:
 
 
 def pm(values, fmt="{:.1%}") -> str:
+    if np.isnan(np.asarray(values, dtype=float)).all():  # not logged (nano-compose's evaluations: no diversity)
+        return "—"
     return f"{fmt.format(np.mean(values))} ± {fmt.format(np.std(values))}"
 
 

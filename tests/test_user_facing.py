@@ -218,7 +218,8 @@ def test_a_runs_final_evaluation_is_kept_and_read_back(tmp_path):
 
 def test_the_hacking_table_reads_where_the_reward_peaks_and_what_the_judge_lost(tmp_path):
     """`--hacking`'s table and curves on two made-up runs of one method: one whose reward rises to the end while its
-    judge falls from 0.8 to 0.6 (hacking), one whose reward peaks at iteration 20; mean ± std over the two."""
+    judge falls from 0.8 to 0.6 (hacking), one whose reward peaks at iteration 20; mean ± std over the two; then the
+    same without a diversity logged."""
     def run(reward, judge, ratio):
         return {"reward_mean": np.array(reward), "judge": np.array(judge), "diversity": np.array([0.14, 0.12, 0.10]),
                 "velocity_norm_ratio": np.array([1.0, 1.1, ratio]), "iterations": np.array([0, 20, 40]),
@@ -229,6 +230,12 @@ def test_the_hacking_table_reads_where_the_reward_peaks_and_what_the_judge_lost(
     assert row[7] == "-10.0% ± 10.0%" and row[10] == "1.100 ± 0.100 |", row  # final − peak of the judge; final ratio
     nano_compare.plot_hacking(str(tmp_path / "h.png"), runs)
     assert (tmp_path / "h.png").stat().st_size > 0
+    for r in runs["X"]:  # a task whose evaluations log no diversity (nano-compose's): those columns say so, not nan
+        r["diversity"] = np.full(3, np.nan)
+    row = nano_compare.hacking_table(runs)[2].split(" | ")
+    assert row[8] == row[9] == "—" and row[3] == "65.0% ± 5.0%", row
+    nano_compare.plot_hacking(str(tmp_path / "h2.png"), runs)
+    assert (tmp_path / "h2.png").stat().st_size > 0
 
 
 def test_nano_grid_and_evaluate_name_a_run_without_a_lora_in_one_line(tmp_path, capsys):
