@@ -10,8 +10,8 @@ splits; `digits` (the nano task's ten prompts) is evaluated on its training prom
 `compose` (the nano-compose task's) is a shipped `.jsonl` with its own split.
 
 Editing: a `.jsonl` line may carry a source image, `{"prompt": ..., "image": "relative/path.png"}` (relative to the
-file), checked as the file is read (`_source_image`, source_images.py: nothing decoded); it travels in the metadata, as an
-absolute path with its content's SHA-256, to the edit model's rollout and to every reward.
+file), checked as the file is read (`source_images.from_prompt_line`: nothing decoded); it travels in the metadata,
+as an absolute path with its content's SHA-256, to the edit model's rollout and to every reward.
 """
 import json
 import os
@@ -101,7 +101,7 @@ BUILTIN = {
 
 def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> list[tuple[str, dict]]:
     """All (prompt, metadata) pairs of a `.txt` or `.jsonl` file, in file order; `size`: the run's (height, width),
-    which a source image's aspect ratio must match (`_source_image`)."""
+    which a source image's aspect ratio must match (`source_images.from_prompt_line`)."""
     path = Path(path)
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts: {path}: expected a .txt or .jsonl file or one of {sorted(BUILTIN)}")
@@ -133,28 +133,9 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ValueError(f'{path}:{n}: each line must be a JSON object with a non-empty string "prompt"')
         if "image" in row:
-            row |= _source_image(path, n, row["image"], size)
+            row |= source_images.from_prompt_line(path, n, row["image"], size)
         out.append((row.pop("prompt").strip(), row))
     return out
-
-def _source_image(path: Path, n: int, name, size: tuple[int, int] | None) -> dict:
-    """Line n's source image: {"image": its absolute path, "image_sha256": its content's}, once source_images.check has read
-    its header (nothing decoded) and its aspect ratio is the run's `size` (height, width): the edit model resizes it
-    to the output size, so another ratio would distort. The content's hash is in the metadata so that the prompts'
-    hash in a checkpoint covers it: `--resume` names a source changed since."""
-    where = f"--prompts: {path}:{n}: source image"
-    if not isinstance(name, str) or not 0 < len(name) <= 4096 or "\0" in name:
-        raise ValueError(f'{where} must be a path of 1 to 4096 characters without NUL (relative to the prompt file), '
-                         f"got {str(name)[:80]!r}{' (cut)' if len(str(name)) > 80 else ''}")
-    file = os.path.join(path.parent.resolve(), name)
-    try:
-        w, h, digest = source_images.check(file)
-    except ValueError as e:
-        raise ValueError(f"{where} {name[:200]} {e} (paths are relative to the prompt file)") from None
-    if size and w * size[0] != h * size[1]:
-        raise ValueError(f"{where} {name} is {w}×{h}, not the run's aspect ratio (--width {size[1]} --height "
-                         f"{size[0]}): crop it to {size[1]}:{size[0]}, or set --height/--width to its ratio")
-    return {"image": os.path.realpath(file), "image_sha256": digest}
 
 def load_prompts(spec: str, size: tuple[int, int] | None = None) -> PromptSet:
     """A built-in set by name (`ocr`, `general`) or a `.txt`/`.jsonl` file (eval split: module docstring); `size`:

@@ -1,15 +1,16 @@
 """An edit prompt's source image (`"image"` in a .jsonl line: a path), read within bounds wherever it is read: at
-start-up (`check`, from prompts.py: nothing decoded) and wherever its pixels are needed (`read`: the rewards and the
-judge that compare a result with it, nano-edit's judge, a run's grids). One opener for both, so that a file swapped
-after start-up meets the same bounds where it is read: the path opened without waiting (a FIFO is refused, not read
-from) as a regular file of at most MAX_BYTES; a PNG's chunks walked before Pillow reads any, their text at most
-TEXT_BYTES (Pillow reads a text chunk whole before it checks its own limit: 3.5 GB for one of 1 GiB); the image's
-format, size (at most SOURCE_PIXELS) and mode read from its header before a pixel is decoded. `check` also gives the
-file's SHA-256, which a checkpoint's hash of its prompts covers, so that a source whose pixels changed between a
-checkpoint and `--resume` is named."""
+start-up (`from_prompt_line` and its `check`, from prompts.py: nothing decoded; the ratio the run's) and wherever its
+pixels are needed (`read`: the rewards and the judge that compare a result with it, nano-edit's judge, a run's grids).
+One opener for both, so that a file swapped after start-up meets the same bounds where it is read: the path opened
+without waiting (a FIFO is refused, not read from) as a regular file of at most MAX_BYTES; a PNG's chunks walked before
+Pillow reads any, their text at most TEXT_BYTES (Pillow reads a text chunk whole before it checks its own limit: 3.5 GB
+for one of 1 GiB); the image's format, size (at most SOURCE_PIXELS) and mode read from its header before a pixel is
+decoded. `check` also gives the file's SHA-256, which a checkpoint's hash of its prompts covers, so that a source whose
+pixels changed between a checkpoint and `--resume` is named."""
 import hashlib
 import os
 import stat
+from pathlib import Path
 
 from PIL import Image, PngImagePlugin
 
@@ -107,3 +108,24 @@ def read(path: str, mode: str = "RGB") -> Image.Image:
     except (OSError, ValueError, SyntaxError) as e:  # also a body that does not decode (truncated, corrupt)
         raise ValueError(f"source image {path} {e if isinstance(e, ValueError) else 'does not decode'}: it was "
                          "readable when the run started; was it changed since?") from None
+
+
+def from_prompt_line(path: Path, n: int, name, size: tuple[int, int] | None) -> dict:
+    """Line n of prompt file `path` (prompts.py reads it): its source image `name` as {"image": its absolute path,
+    "image_sha256": its content's}, once `check` has read its header (nothing decoded) and its aspect ratio is the
+    run's `size` (height, width): the edit model resizes it to the output size, so another ratio would distort. The
+    content's hash is in the metadata so that the prompts' hash in a checkpoint covers it: `--resume` names a source
+    changed since."""
+    where = f"--prompts: {path}:{n}: source image"
+    if not isinstance(name, str) or not 0 < len(name) <= 4096 or "\0" in name:
+        raise ValueError(f'{where} must be a path of 1 to 4096 characters without NUL (relative to the prompt file), '
+                         f"got {str(name)[:80]!r}{' (cut)' if len(str(name)) > 80 else ''}")
+    file = os.path.join(path.parent.resolve(), name)
+    try:
+        w, h, digest = check(file)
+    except ValueError as e:
+        raise ValueError(f"{where} {name[:200]} {e} (paths are relative to the prompt file)") from None
+    if size and w * size[0] != h * size[1]:
+        raise ValueError(f"{where} {name} is {w}×{h}, not the run's aspect ratio (--width {size[1]} --height "
+                         f"{size[0]}): crop it to {size[1]}:{size[0]}, or set --height/--width to its ratio")
+    return {"image": os.path.realpath(file), "image_sha256": digest}

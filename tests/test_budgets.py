@@ -65,10 +65,10 @@ BUDGETS = {
     "reward_judge.py": 250,  # the vision-language judge: its tasks, their scores, its client; an edit's source image
     "reward_http.py": 420,  # HTTP transport: a client with a deadline, retries and bounded replies
     "reward_server.py": 420,  # the bounded reward server
-    # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler; raised from 200: an edit
-    # set's source images are checked as they are read (source_images.py's bounds, the ratio, a bar on a long set)
-    "prompts.py": 210,
-    "source_images.py": 150,  # an edit prompt's source image read within bounds wherever it is read; its content's hash
+    "prompts.py": 200,  # prompt sets (built-in, .txt, .jsonl with its own held-out split) and the seeded sampler
+    # an edit prompt's source image read within bounds wherever it is read (a prompt line's: its ratio the run's); its
+    # content's hash
+    "source_images.py": 150,
     "runlog.py": 300,  # what a run leaves for people: metrics, curves, grids, the closing summary
     # a run directory belongs to one run: claimed, locked, refused to another, resumed; raised from 200 for what a run
     # stopped by Ctrl-C or SIGTERM keeps there and says (the last trained iteration checkpointed on the way out)

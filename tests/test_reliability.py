@@ -247,9 +247,9 @@ def test_sigterm_stops_every_rank_like_ctrl_c_and_removes_the_exchange_directory
     exchange = tmp_path / "shm"
     exchange.mkdir()
     trainer = launch("--run-dir", tmp_path / "run", "--optimizer-steps", 1, "--rollout", "vllm-omni", "--rollout-url",
-                  f"http://127.0.0.1:{server.server_address[1]}", wait=False,
-                  launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
-                  env=ENV | {"FLOWGRPO_ROLLOUT_DIR": str(exchange), "FLOWGRPO_ROLLOUT_TIMEOUT": "600"})
+                     f"http://127.0.0.1:{server.server_address[1]}", wait=False,
+                     launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+                     env=ENV | {"FLOWGRPO_ROLLOUT_DIR": str(exchange), "FLOWGRPO_ROLLOUT_TIMEOUT": "600"})
     try:
         for _ in range(3000):  # 300 s
             if HungRollout.posted.wait(0.1) or trainer.poll() is not None:
@@ -334,7 +334,7 @@ def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previou
     script = ('mount -t tmpfs -o size=4m tmpfs "$1" || exit 99; shift; "$@"; status=$?; '
               f'cp -r {disk}/run {out_dir}; exit $status')
     out = launch("--run-dir", disk / "run", "--iterations", 20, "--checkpoint-every", 1, "--keep-checkpoints", 20,
-              launcher=["unshare", "-m", "sh", "-c", script, "sh", str(disk), sys.executable])
+                 launcher=["unshare", "-m", "sh", "-c", script, "sh", str(disk), sys.executable])
     if out.returncode == 99:
         pytest.skip(f"cannot mount a tmpfs here: {out.stderr[-300:]}")
     lines = out.stderr.strip().splitlines()
