@@ -66,10 +66,10 @@ METHODS = {  # name -> flowgrpo.py flags on top of the task's recipe; a later al
     "DPO, reference never copied": ("--algorithm", "dpo", "--dpo-beta", "100", "--train-timesteps", "9", "--old-every",
                                     "10000000"),
     # the regularisers against reward hacking (docs/algorithm.md §17): NormGuard's hinge at its chosen λ 1, margin 0;
-    # GARDO with the public KL β 0.04 and threshold 3e-4, nano's proxies (two classifiers on the reward's features)
+    # GARDO with the public KL β 0.04 and threshold 3e-4, the task's proxies (other readers of the reward's features)
     "Flow-GRPO + NormGuard": ("--normguard", "1"),
-    "GARDO": ("--algorithm", "gardo", "--reward", "digit=1,digit_judge=0,digit_knn=0,digit_bayes=0", "--gardo-proxies",
-              "digit_knn", "digit_bayes", "--kl-beta", "0.04"),
+    "GARDO": lambda task: ("--algorithm", "gardo", "--reward", recipes.RECIPES[task.MODEL]["reward"] + "".join(
+        f",{p}=0" for p in proxies(task)), "--gardo-proxies", *proxies(task), "--kl-beta", "0.04"),
 }
 METHODS |= {f"{name} + NormGuard": (*METHODS[name], "--normguard", "1")  # NormGuard on every velocity-local method
             for name in ("DiffusionNFT", "AWM", "DGPO", "Online DPO")}
@@ -86,6 +86,19 @@ AXES = {"rollout_passes": "rollout transformer passes", "passes": "transformer p
         "seconds": "CPU seconds of the iterations (all threads)"}  # not wall time: a shared machine's load varies
 # args.json's entries that say where and how a run was recorded, not what it computed
 UNCOMPARED = {"run_dir", "run_id", "resumes", "batch_arithmetic", "wandb"}
+
+
+def proxies(task) -> tuple[str, ...]:
+    """The task's proxy rewards for GARDO's gate (its module's PROXIES), refused where it has none."""
+    if not getattr(task, "PROXIES", ()):
+        raise ValueError(f"GARDO on {task.MODEL}: the task has no proxy rewards for its gate (PROXIES in its module): "
+                         "compare another method there")
+    return task.PROXIES
+
+
+def flags_of(task, name: str) -> tuple[str, ...]:
+    """A method's flowgrpo.py flags on `task`: its row, made for the task where the row is a function of it."""
+    return METHODS[name](task) if callable(METHODS[name]) else METHODS[name]
 
 
 def run_path(out: str, name: str, seed: int) -> str:
@@ -373,16 +386,17 @@ def main(argv=None) -> None:
         for flag, path in (("--plot", plot_path), ("--markdown", a.markdown), ("--hacking", a.hacking)):  # written after every run: checked now
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{flag} {path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist")
-        for m in a.methods:  # what flowgrpo.py would refuse, refused before the first run
-            startup.check_args(cli.parse_args(flowgrpo.Args, command(task, METHODS[m], 0, os.path.join(out, "x"),
+        methods = {m: flags_of(task, m) for m in a.methods}
+        for flags in methods.values():  # what flowgrpo.py would refuse, refused before the first run
+            startup.check_args(cli.parse_args(flowgrpo.Args, command(task, flags, 0, os.path.join(out, "x"),
                                                                      a.iterations, a.eval_every, a.eval_images)))
         rundir.lock_run_dir(out, not os.path.exists(out))  # this comparison's, until it ends
         start = time.time()
-        measured = compare(task, out, a.seeds, a.iterations, a.eval_every, a.eval_images,
-                           {m: METHODS[m] for m in a.methods}, a.jobs, a.per_prompt)
+        measured = compare(task, out, a.seeds, a.iterations, a.eval_every, a.eval_images, methods, a.jobs,
+                           a.per_prompt)
     except ValueError as e:
         ap.exit(2, f"{ap.prog}: error: {str(e).replace('--run-dir', '--out')}\n")
-    lines = table(task, {m: METHODS[m] for m in a.methods}, measured)
+    lines = table(task, methods, measured)
     plot(plot_path, measured)
     if task.CATEGORIES:
         plot_categories(plot_path.removesuffix(".png") + "_categories.png", task, measured)

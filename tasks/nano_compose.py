@@ -1,6 +1,6 @@
 """The nano-compose task: GenEval's questions at toy size, drawn with real handwritten digits in colour.
 
-    python -m tasks.nano_compose judge [--per-category 500]   # judge and reward: held-out renders, noise, wrong prompts
+    python -m tasks.nano_compose judge [--per-category 500]   # judge, reward, proxies: renders, noise, wrong prompts
     python -m tasks.nano_compose prompts [--out FILE]          # write the prompt set (train, held out, with categories)
     python -m tasks.nano_compose pretrain [--out DIR]          # the base: VAE, then transformer; its gates' figures
     python -m tasks.nano_compose evaluate [--model-path DIR]   # the judge per category on held-out prompts and seeds
@@ -100,9 +100,9 @@ _CHROMA = np.array([PALETTE[c] for c in NAMES], dtype=np.float64) / 255  # (5, 3
 
 
 def read(images: np.ndarray, reader: str) -> list[list[dict]]:
-    """Every image's digits (`find` at the reader's threshold), each with the judge's `digit` or the reward's `p`
-    (10,) digit probabilities, its `chroma` (3,) (the ink's mean colour, brightness-weighted, peak 1), `colour` (the
-    nearest palette name) and `centre` (y, x)."""
+    """Every image's digits (`find` at the reader's threshold), each with the judge's `digit` or, for the reward and
+    GARDO's proxies (PROXIES), `p` (10,) digit probabilities from that reader's classifier, its `chroma` (3,) (the
+    ink's mean colour, brightness-weighted, peak 1), `colour` (the nearest palette name) and `centre` (y, x)."""
     found = [find(im, INK if reader == "judge" else REWARD_INK) for im in images]
     flat = [(im, o) for im, objs in zip(images, found) for o in objs]
     if not flat:
@@ -111,7 +111,8 @@ def read(images: np.ndarray, reader: str) -> list[list[dict]]:
     if reader == "judge":
         read_out = judge.predict(np.stack([crop(im, o, 12, True) for im, o in flat]))
     else:
-        read_out = reward.predict_proba(np.stack([crop(im, o, 8, False) for im, o in flat]))
+        reads = reward if reader == "reward" else proxies()[reader]
+        read_out = reads.predict_proba(np.stack([crop(im, o, 8, False) for im, o in flat]))
     for (im, o), r in zip(flat, read_out):
         o["digit" if reader == "judge" else "p"] = int(r) if reader == "judge" else r
         px = im[o["mask"]].astype(np.float64)  # (P, 3)
@@ -123,13 +124,9 @@ def read(images: np.ndarray, reader: str) -> list[list[dict]]:
 
 
 @functools.lru_cache(maxsize=1)
-def classifiers():
-    """(judge, reward), fitted on crops of the train glyphs alone as `find` and `crop` make them (white, at every
-    size; a glyph `find` splits is left out): an RBF SVM on crops stretched to 12×12 and a logistic regression on
-    square crops averaged to 8×8. Deterministic; seconds, once per process."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.svm import SVC
-    from threadpoolctl import threadpool_limits
+def train_crops() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The train glyphs alone as `find` and `crop` make them (white, at every size; a glyph `find` splits is left
+    out): (crops stretched to 12×12, square crops averaged to 8×8, labels), what every reader is fitted on."""
     g, images, labels = glyphs(False), [], []
     for s in sorted({*GLYPH_SIZES, *NUMBER_SIZES}):
         for k, ink in enumerate(g[s][0]):
@@ -139,11 +136,30 @@ def classifiers():
             labels.append(g["labels"][k])
     found = [find(im) for im in images]
     kept = [(im, objs[0], y) for im, objs, y in zip(images, found, labels) if len(objs) == 1]
-    y = np.array([k[2] for k in kept])
+    x12, x8 = (np.stack([crop(im, o, side, side == 12) for im, o, _ in kept]) for side in (12, 8))
+    return x12, x8, np.array([k[2] for k in kept])
+
+
+@functools.lru_cache(maxsize=1)
+def classifiers():
+    """(judge, reward): an RBF SVM on the 12×12 crops and a logistic regression on the 8×8 ones. Deterministic;
+    seconds, once per process."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.svm import SVC
+    from threadpoolctl import threadpool_limits
+    x12, x8, y = train_crops()
     with threadpool_limits(1):  # small problems: more BLAS threads only wait on each other
-        judge = SVC(kernel="rbf", C=10.0, gamma="scale").fit(np.stack([crop(im, o, 12, True) for im, o, _ in kept]), y)
-        reward = LogisticRegression(max_iter=5000).fit(np.stack([crop(im, o, 8, False) for im, o, _ in kept]), y)
-    return judge, reward
+        return SVC(kernel="rbf", C=10.0, gamma="scale").fit(x12, y), LogisticRegression(max_iter=5000).fit(x8, y)
+
+
+@functools.lru_cache(maxsize=1)
+def proxies() -> dict:
+    """GARDO's proxy readers on nano-compose (--gardo-proxies): a 5-nearest-neighbour vote and Gaussian naive Bayes on
+    the reward's own 8×8 crops, so they share its blind spots, as proxies do; the judge reads other features."""
+    from sklearn.naive_bayes import GaussianNB
+    from sklearn.neighbors import KNeighborsClassifier
+    _, x8, y = train_crops()
+    return {"compose_knn": KNeighborsClassifier(5).fit(x8, y), "compose_bayes": GaussianNB().fit(x8, y)}
 
 
 # ---- the judge and the reward ------------------------------------------------------------------------
@@ -193,10 +209,11 @@ def reward_one(objs: list[dict], spec: dict) -> float:
     return float(best)
 
 
-def reward_scores(images: np.ndarray, prompts: list[str]) -> np.ndarray:
-    """The reward (`reward_one`) of each image for its prompt, (N,) in [0, 1]."""
+def reward_scores(images: np.ndarray, prompts: list[str], reader: str = "reward") -> np.ndarray:
+    """The reward (`reward_one`) of each image for its prompt, (N,) in [0, 1]; a proxy's with `reader` one of
+    PROXIES."""
     specs = [parse(p) for p in prompts]
-    return np.array([reward_one(objs, s) for objs, s in zip(read(images, "reward"), specs)])
+    return np.array([reward_one(objs, s) for objs, s in zip(read(images, reader), specs)])
 
 
 def compose():
@@ -212,7 +229,15 @@ def compose_judge():
     return lambda images, prompts, metadata: judge_scores(images, prompts)
 
 
-REWARDS = {"compose": (compose, parse), "compose_judge": (compose_judge, parse)}  # rewards.py's registry reads it
+def proxy(name: str):
+    """`--reward compose_knn` / `compose_bayes`: the reward's program (`reward_one`), that proxy reading the digits."""
+    proxies()
+    return lambda images, prompts, metadata: reward_scores(images, prompts, name)
+
+
+PROXIES = ("compose_knn", "compose_bayes")  # GARDO's proxy rewards here (tasks/nano_compare.py's GARDO row)
+REWARDS = {"compose": (compose, parse), "compose_judge": (compose_judge, parse),  # rewards.py's registry reads it
+           **{name: (functools.partial(proxy, name), parse) for name in PROXIES}}
 
 
 # ---- the base (tasks/nano_compose_pretrain.py trains it): evaluation, grid ---------------------------
@@ -295,8 +320,9 @@ def condition(prompt: str) -> tuple:
 
 
 def measure(per_category: int = 500, seed: int = 1) -> dict:
-    """The judge and the reward on `per_category` renders of each category (its held-out prompts in turn, held-out
-    glyphs), on uniform noise, and against a wrong prompt of the same category (one with another condition)."""
+    """The judge, the reward and GARDO's proxies on `per_category` renders of each category (its held-out prompts in
+    turn, held-out glyphs), on uniform noise, and against a wrong prompt of the same category (one with another
+    condition)."""
     held_out, every = prompt_sets()[1], all_prompts()
     rng = np.random.default_rng(seed)
     result = {}
@@ -309,8 +335,9 @@ def measure(per_category: int = 500, seed: int = 1) -> dict:
                 pass
             wrong.append(q)
         noise = rng.integers(0, 256, images.shape, dtype=np.uint8)
-        result[category] = {f"{name}{suffix}": float(fn(x, ps).mean()) for name, fn in (
-            ("judge", judge_scores), ("reward", reward_scores)) for suffix, x, ps in (
+        readers = [("judge", judge_scores), ("reward", reward_scores),
+                   *((p, functools.partial(reward_scores, reader=p)) for p in PROXIES)]
+        result[category] = {f"{name}{suffix}": float(fn(x, ps).mean()) for name, fn in readers for suffix, x, ps in (
             ("", images, prompts), ("_wrong", images, wrong), ("_noise", noise, prompts))}
     return result
 
@@ -327,7 +354,8 @@ def main(argv=None) -> None:
     e.add_argument("--model-path", help="a directory `pretrain` wrote (default: the shipped one)")
     for q in (p, e):
         q.add_argument("--per-category", type=int, default=50, help="held-out images per category")
-    j = sub.add_parser("judge", help="the judge and the reward on held-out renders, noise and wrong prompts")
+    j = sub.add_parser("judge", help="the judge, the reward and GARDO's proxies on held-out renders, noise and wrong "
+                       "prompts")
     j.add_argument("--per-category", type=int, default=500, help="renders of each category")
     j.add_argument("--seed", type=int, default=1)
     w = sub.add_parser("prompts", help="write the prompt set: train and held out, each line with its category")

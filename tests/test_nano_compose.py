@@ -77,6 +77,9 @@ def test_the_judge_and_the_reward_on_held_out_renders_noise_and_wrong_prompts():
     for category, f in figures.items():
         assert f["judge"] >= 0.9 and f["judge_noise"] == 0 and f["judge_wrong"] <= 0.05, (category, f)
         assert f["reward"] >= 0.7 and f["reward_noise"] <= 0.01 and f["reward_wrong"] <= 0.3, (category, f)
+        for proxy in nc.PROXIES:  # GARDO's: the reward's program with other readers of its crops (kNN 0.86-0.98 here,
+            # naive Bayes 0.56-0.83 on 40 renders a category at seed 1; wrong prompts 0-0.23)
+            assert f[proxy] >= 0.5 and f[f"{proxy}_noise"] <= 0.01 and f[f"{proxy}_wrong"] <= 0.3, (category, proxy, f)
 
 
 def test_the_reward_is_smooth_where_the_judge_is_binary():
@@ -183,14 +186,34 @@ def test_the_vae_trains_on_the_decoder_before_its_clamp():
 
 def test_the_comparison_rows_cover_every_algorithm():
     """The comparison's rows (nano_compose.COMPARED, chosen to fit its budget) exist and include every --algorithm: a
-    later algorithm is a row of nano_compare.METHODS and belongs here too. But GARDO: its KL's gate needs proxy rewards
-    that training may see, and nano-compose has none but its judge (nano's row uses two classifiers of its own)."""
+    later algorithm is a row of nano_compare.METHODS and belongs here too. But GARDO, whose proxy rewards here came
+    after the comparison's runs: its row runs on the task (the next test), outside COMPARED."""
     import algorithms
     from tasks import nano_compare
     assert set(nc.COMPARED) <= set(nano_compare.METHODS) and nano_compare.TASKS["nano-compose"] is nc
-    flags = [nano_compare.METHODS[m] for m in nc.COMPARED]
+    flags = [nano_compare.flags_of(nc, m) for m in nc.COMPARED]
     named = {f[f.index("--algorithm") + 1] if "--algorithm" in f else "grpo" for f in flags}
     assert named == set(algorithms.ALGORITHMS) - {"gardo"}, named
+
+
+def test_gardos_row_takes_each_tasks_proxies_and_is_refused_where_a_task_has_none(capsys, tmp_path):
+    """The comparison's GARDO row is made for its task: nano's flags as its finished runs were made (so they are
+    reused), nano-compose's with its own proxies, which start-up accepts; nano-edit has none, refused in one line."""
+    import cli
+    from tasks import nano_compare
+    assert nano_compare.flags_of(nano, "GARDO") == (
+        "--algorithm", "gardo", "--reward", "digit=1,digit_judge=0,digit_knn=0,digit_bayes=0", "--gardo-proxies",
+        "digit_knn", "digit_bayes", "--kl-beta", "0.04")
+    flags = nano_compare.flags_of(nc, "GARDO")
+    args = cli.parse_args(flowgrpo.Args, nano_compare.command(nc, flags, 0, str(tmp_path / "run"), 80, 10, 130))
+    startup.check_args(args)
+    assert args.reward == "compose=1,compose_judge=0,compose_knn=0,compose_bayes=0", args.reward
+    assert args.gardo_proxies == nc.PROXIES and args.algorithm == "gardo", args
+    with pytest.raises(SystemExit) as e:
+        nano_compare.main(["--task", "nano-edit", "--methods", "GARDO", "--out", str(tmp_path / "compare")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "GARDO on nano-edit: the task has no proxy rewards" in err, err
+    assert not (tmp_path / "compare").exists()
 
 
 

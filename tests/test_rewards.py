@@ -89,8 +89,8 @@ def test_start_up_checks_build_no_models():
 # ---------------------------------------------------------------- spec parsing and output checks
 
 @pytest.mark.parametrize("spec, message", [
-    ("foo", "unknown reward 'foo'; valid: aesthetic, brightness, clipscore, compose, compose_judge, digit, digit_bayes, "
-             "digit_judge, digit_knn, edit, edit_judge, jpeg_compressibility"),
+    ("foo", "unknown reward 'foo'; valid: aesthetic, brightness, clipscore, compose, compose_bayes, compose_judge, "
+             "compose_knn, digit, digit_bayes, digit_judge, digit_knn, edit, edit_judge, jpeg_compressibility"),
     ("ocr=1.0,bar=2", "unknown reward 'bar'"),
     ("ocr=heavy", "bad weight 'heavy'"),
     ("ocr=nan", "bad weight 'nan'"),
