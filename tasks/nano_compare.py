@@ -79,7 +79,9 @@ METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam)
             (("Flow-GRPO", "Flow-GRPO, full mode", "0.1"), ("DiffusionNFT", "DiffusionNFT", "0.1"),
              ("Flow-GRPO", "Flow-GRPO, full mode", "0.01"), ("DiffusionNFT", "DiffusionNFT", "0.01"),
              ("AWM", "AWM", "0.1"), ("DGPO", "DGPO", "0.1"), ("Online DPO", "Online DPO", "10"),
-             ("Flow-GRPO-Fast", "Flow-GRPO-Fast (--branch)", "0.1"))}  # Fast: its norm swung to 1.4 on nano-compose
+             # Fast: its norm swung to 1.4 on nano-compose; λ 0.1 overshot (0.82) without stopping its collapse
+             ("Flow-GRPO-Fast", "Flow-GRPO-Fast (--branch)", "0.1"),
+             ("Flow-GRPO-Fast", "Flow-GRPO-Fast (--branch)", "0.01"))}
 # a margin: the hinge acts only above 1.05, where λ 0.1 alone ended the ratio at 0.97 (DiffusionNFT), 0.95 (AWM)
 METHODS |= {f"{name} + NormGuard λ 0.1, margin 0.05": (*METHODS[name], "--normguard", "0.1", "--normguard-margin",
                                                        "0.05") for name in ("DiffusionNFT", "AWM")}

@@ -196,6 +196,18 @@ def test_the_comparison_rows_cover_every_algorithm():
     assert named == set(algorithms.ALGORITHMS) - {"gardo"}, named
 
 
+def test_every_row_of_the_comparison_passes_start_up_on_the_task(tmp_path):
+    """Each row of nano_compare.METHODS, not only the ones a default comparison runs, is flags flowgrpo.py accepts on
+    nano-compose (where the reward-hacking rows ran): a mistyped row fails here, not after an afternoon's runs."""
+    import cli
+    from tasks import nano_compare
+    for name in nano_compare.METHODS:
+        flags = nano_compare.flags_of(nc, name)
+        args = cli.parse_args(flowgrpo.Args, nano_compare.command(nc, flags, 0, str(tmp_path / "run"), 160, 20, 130))
+        startup.check_args(args)
+        assert args.model == "nano-compose" and args.iterations == 160, (name, args.model, args.iterations)
+
+
 def test_gardos_row_takes_each_tasks_proxies_and_is_refused_where_a_task_has_none(capsys, tmp_path):
     """The comparison's GARDO row is made for its task: nano's flags as its finished runs were made (so they are
     reused), nano-compose's with its own proxies, which start-up accepts; nano-edit has none, refused in one line."""
