@@ -81,7 +81,8 @@ METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam)
              ("AWM", "AWM", "0.1"), ("DGPO", "DGPO", "0.1"), ("Online DPO", "Online DPO", "10"),
              # Fast: its norm swung to 1.4 on nano-compose; λ 0.1 overshot (0.82) without stopping its collapse
              ("Flow-GRPO-Fast", "Flow-GRPO-Fast (--branch)", "0.1"),
-             ("Flow-GRPO-Fast", "Flow-GRPO-Fast (--branch)", "0.01"))}
+             ("Flow-GRPO-Fast", "Flow-GRPO-Fast (--branch)", "0.01"),
+             ("Flow-DPPO", "Flow-DPPO (mask 1e-5)", "0.01"))}  # Flow-GRPO's loss: its λ that held the ratio near 1
 # GARDO's gate, KL and resets on Flow-GRPO-Fast's sampler, which collapsed on nano-compose at 2× the recipe
 METHODS["GARDO on Flow-GRPO-Fast"] = lambda task: (*METHODS["GARDO"](task), *METHODS["Flow-GRPO-Fast (--branch)"])
 # a margin: the hinge acts only above 1.05, where λ 0.1 alone ended the ratio at 0.97 (DiffusionNFT), 0.95 (AWM)
