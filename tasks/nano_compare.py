@@ -85,6 +85,8 @@ METHODS |= {f"{name} + NormGuard λ {lam}": (*METHODS[base], "--normguard", lam)
              ("Flow-DPPO", "Flow-DPPO (mask 1e-5)", "0.01"))}  # Flow-GRPO's loss: its λ that held the ratio near 1
 # GARDO's gate, KL and resets on Flow-GRPO-Fast's sampler, which collapsed on nano-compose at 2× the recipe
 METHODS["GARDO on Flow-GRPO-Fast"] = lambda task: (*METHODS["GARDO"](task), *METHODS["Flow-GRPO-Fast (--branch)"])
+# and a KL to the base model alone on Fast's sampler (GARDO's β, no gate, no resets): a pull GARDO's resets do not keep
+METHODS["Flow-GRPO-Fast + KL 0.04"] = (*METHODS["Flow-GRPO-Fast (--branch)"], *METHODS["full mode + KL 0.04"])
 # a margin: the hinge acts only above 1.05, where λ 0.1 alone ended the ratio at 0.97 (DiffusionNFT), 0.95 (AWM)
 METHODS |= {f"{name} + NormGuard λ 0.1, margin 0.05": (*METHODS[name], "--normguard", "0.1", "--normguard-margin",
                                                        "0.05") for name in ("DiffusionNFT", "AWM")}
