@@ -1,5 +1,5 @@
 """The registry of `--model` names: what each is (its family's adapter, its pipeline, its size multiples) before
-anything loads, the start-up checks of the model flags, and `load_model`.
+anything loads, and `load_model` (the start-up checks of the model flags, which read this table, are model_checks.py).
 
 One adapter per family, each a small class in a file of its own around that family's diffusers pipeline (the base class
 and the shared tiny parts in models_base.py): Qwen-Image with `tiny` (models_qwen.py; the laptop tasks' `nano*` in
@@ -10,14 +10,9 @@ image, and editing under the `-edit` names). Each family has a `tiny` variant: t
 configs and random weights, built in code from a seed, no downloads. Importing this module loads neither diffusers nor
 transformers (`--help` stays fast).
 """
-import functools
-import math
 import os
 
-import torch
-
 import atomic_files
-import model_files
 from models_base import Adapter, Spec
 from models_flux import Flux
 from models_flux2 import Flux2Klein, Flux2KleinDistilled
@@ -61,67 +56,7 @@ MODELS = tuple(SPECS)
 TINY = tuple(m for m in MODELS if m.startswith("tiny"))
 
 
-# ---- start-up checks: from names and files only, before anything is loaded ---------------------------
-
-def check_resolution(model: str, height: int, width: int) -> None:
-    """Image sides must be positive multiples of the model's `multiple`; checked before anything is built."""
-    multiple = SPECS[model].multiple
-    for flag, side in (("--height", height), ("--width", width)):
-        if side <= 0 or side % multiple:
-            raise ValueError(f"{flag} must be a positive multiple of {multiple} for --model {model} "
-                             f"(VAE downsampling × 2×2 patches), got {side}")
-
-
-def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, guidance: float | None,
-                     model_path: str | None, sp: int = 1, num_frames: int = 1) -> None:
-    """Refuse flags that cannot apply to `model`, each error naming the flag and a valid choice."""
-    if model not in SPECS:
-        raise ValueError(f"--model must be one of {MODELS}, got {model!r}")
-    spec = SPECS[model]
-    check_resolution(model, height, width)
-    if spec.guidance_embedding and cfg_scale > 1:
-        raise ValueError(f"--cfg-scale must be 1 for --model {model}: it is guidance-distilled and has no second CFG "
-                         f"pass; set its guidance embedding with --guidance (the recipe's 3.5), got {cfg_scale}")
-    if not spec.guidance_embedding and guidance is not None:
-        raise ValueError(f"--guidance applies only to models with a guidance embedding (tiny-flux, flux.1-dev); "
-                         f"--model {model} takes --cfg-scale instead")
-    if cfg_scale > 1 and getattr(spec.adapter, "step_distilled", False):  # models_flux2.Flux2KleinDistilled
-        raise ValueError(f"--cfg-scale must be 1 for --model {model}: it is step-distilled and its pipeline runs no CFG "
-                         f"(its base model takes CFG), got {cfg_scale}")
-    check_frames(model, num_frames)
-    if model_path is not None or spec.trained_parts:  # nano's default is the shipped directory: check it too
-        check_model_path(model, model_path or adapter_class(model).default_path)
-    transformer = functools.partial(meta_transformer, model, model_path)  # built only by a family with a rope table
-    spec.adapter.check_size(model, spec, transformer, height, width, num_frames)
-    if sp > 1:
-        check_sequence_parallel(model, model_path, sp, height, width, num_frames)
-
-
-def check_sequence_parallel(model: str, path: str | None, sp: int, height: int, width: int,
-                            num_frames: int = 1) -> None:
-    """--sp N (sequence_parallel.py), in a family that has it, needs a multiple of N ranks (WORLD_SIZE, which torchrun
-    sets; 1 without it), checked first. It gives each rank of a group 1/N of every sequence the transformer splits and,
-    inside attention, 1/N of its heads: N must divide each of them (the heads from the transformer's config, when it
-    is on this machine; else its loading fails on them). A refusal names an --sp that passes both checks."""
-    spec = SPECS[model]
-    counts = spec.adapter.sp_sequences(model, spec, height, width, num_frames)  # refuses a family without SP
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world % sp:
-        raise ValueError(f"--sp {sp} must divide the number of ranks, {world} (WORLD_SIZE; 1 without torchrun): "
-                         f"launch a multiple of {sp} processes, e.g. `torchrun --nproc_per_node={sp} flowgrpo.py … "
-                         f"--sp {sp}`")
-    transformer = meta_transformer(model, path)
-    if transformer is not None:
-        counts[f"attention heads ({type(transformer).__name__})"] = transformer.config.num_attention_heads
-    bad = [f"{n} {what}" for what, n in counts.items() if n % sp]
-    flags = {"--height": height, "--width": width} | ({"--num-frames": num_frames} if spec.frame_multiple else {})
-    fits = math.gcd(world, *counts.values())  # the largest --sp that divides every count and the ranks
-    fix = f"choose --sp {fits}, which divides each" if fits > 1 else "run without --sp"
-    if bad:
-        raise ValueError(f"--sp {sp} must divide every count it splits, but --model {model} at "
-                         f"{' '.join(f'{f} {n}' for f, n in flags.items())} has {', '.join(bad)}: {fix} (the tokens "
-                         f"also change with {', '.join(flags)})")
-
+# ---- the frames a model makes (also checked at start-up, model_checks.py) ------------------------------
 
 def check_frames(model: str, num_frames: int) -> None:
     """An image model makes 1 frame; a video model 1 + k·frame_multiple (its VAE's temporal factor)."""
@@ -131,84 +66,6 @@ def check_frames(model: str, num_frames: int) -> None:
     if k and (num_frames < 1 or (num_frames - 1) % k):
         raise ValueError(f"--num-frames must be {k}·n + 1 (1, {k + 1}, {2 * k + 1}, …) for --model {model}: its VAE "
                          f"compresses each {k} frames after the first into one latent frame, got {num_frames}")
-
-
-def check_model_path(model: str, path: str) -> None:
-    """A local --model-path must be a diffusers pipeline directory of `model`'s family (its model_index.json
-    names the pipeline class); anything else that does not exist locally is taken for a hub id. A model whose
-    Spec lists `trained_parts` (nano) takes a local directory holding just those."""
-    parts = SPECS[model].trained_parts
-    missing = [p for p in parts if not os.path.lexists(os.path.join(path, p, "config.json"))]
-    if parts and missing:
-        raise ValueError(f"--model-path {path}: no {'/, '.join(missing)}/ with a config.json; --model {model} reads "
-                         f"the directory that `python -m {adapter_class(model).pretrained_by} --out DIR` writes")
-    for part in parts:
-        check_trained_part(model, path, part)
-    if parts:
-        return
-    index = os.path.join(path, "model_index.json")
-    if os.path.exists(path) and not os.path.lexists(index):
-        raise ValueError(f"--model-path {path}: not a diffusers pipeline directory (no model_index.json)")
-    if not os.path.exists(path):
-        if path.startswith(("/", "./", "../", "~")) or path.count("/") != 1:
-            raise ValueError(f"--model-path {path}: no such directory, and not a hub id of the form org/name")
-        return
-    try:
-        found = model_files.read_config(index)["_class_name"]
-    except ValueError as e:
-        raise ValueError(f"--model-path {path}: model_index.json {e}") from None
-    want = SPECS[model].pipeline
-    if found != want:
-        fits = [m for m, s in SPECS.items() if s.pipeline == found and not s.trained_parts]
-        raise ValueError(f"--model-path {path} holds a {found}, but --model {model} needs a {want}"
-                         + (f": use --model {' or '.join(fits)}" if fits else ""))
-
-
-def check_trained_part(model: str, path: str, part: str) -> None:
-    """A trained part (nano's vae/, transformer/) checked from its files before anything loads (model_files.check_part)."""
-    try:
-        model_files.check_part(path, part, adapter_class(model).trained_classes[part])
-    except ValueError as e:
-        cls = adapter_class(model)
-        raise ValueError(f"--model-path {path}: {e}: rerun `python -m {cls.pretrained_by} --out {path}`, or use "
-                         f"the shipped {os.path.relpath(cls.default_path)} (no --model-path)") from None
-
-
-def check_lora_targets(model: str, path: str | None, targets) -> None:
-    """Each --lora-targets name must match a module of the transformer (peft's rule: the whole name, or its end after
-    a dot), checked on a weightless copy (meta device) built from the transformer's config, before anything loads."""
-    names = transformer_module_names(model, path)
-    unknown = [t for t in targets if names is not None and not any(n == t or n.endswith("." + t) for n in names)]
-    if unknown:
-        raise ValueError(f"--lora-targets {' '.join(unknown)}: no module of --model {model}'s transformer has that "
-                         f"name; its default targets are {' '.join(adapter_class(model).lora_targets)}")
-
-
-def transformer_module_names(model: str, path: str | None) -> tuple[str, ...] | None:
-    """The transformer's module names, from its config alone (None when the config is not on this machine: a hub id
-    not yet downloaded, for which loading then names the problem)."""
-    transformer = meta_transformer(model, path)
-    return None if transformer is None else tuple(n for n, _ in transformer.named_modules())
-
-
-@functools.lru_cache(maxsize=8)
-def meta_transformer(model: str, path: str | None) -> torch.nn.Module | None:
-    """The transformer built from its config alone (bounded: read_config), weightless (meta device); None when the
-    config is not here."""
-    if path is None and model.startswith("tiny"):
-        with torch.device("meta"):
-            return adapter_class(model).build_tiny(0).transformer
-    path = path or adapter_class(model).default_path
-    config = os.path.join(path, "transformer", "config.json")
-    if not os.path.isdir(path):
-        from huggingface_hub import try_to_load_from_cache
-        config = try_to_load_from_cache(path, "transformer/config.json")
-    if not isinstance(config, str) or not os.path.lexists(config):
-        return None
-    try:
-        return model_files.build_weightless(model_files.read_config(config))
-    except ValueError as e:
-        raise ValueError(f"--model-path {path}: transformer/config.json {e}") from None
 
 
 # ---- loading ----------------------------------------------------------------------------------------

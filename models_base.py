@@ -130,7 +130,7 @@ class Adapter:
     def check_size(cls, model: str, spec: Spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
         """Refuse, at start-up, a size beyond the transformer's position table (a family whose table bounds it defines
         this; others compute positions at any size). `transformer()`: the transformer built weightless from its
-        config, None when that is not on this machine (models.meta_transformer); called only where needed."""
+        config, None when that is not on this machine (model_checks.meta_transformer); called only where needed."""
 
     def image_seq_len(self, height: int, width: int) -> int:
         """Image tokens the transformer sees (what the dynamic sigma shift depends on)."""

@@ -87,7 +87,7 @@ class Flux(Adapter):
 
     def velocity(self, x, sigma, cond: dict, cfg_scale: float, height: int, width: int) -> torch.Tensor:
         """v(x, σ) (B, S, C·4): one transformer call with the guidance embedding, as the pipeline makes it.
-        cond: `embeds`, `pooled`. Two-pass CFG does not apply (models.check_model_args refuses it)."""
+        cond: `embeds`, `pooled`. Two-pass CFG does not apply (model_checks.check_model_args refuses it)."""
         if cfg_scale > 1:
             raise ValueError(f"--cfg-scale must be 1 for FLUX (guidance-distilled), got {cfg_scale}")
         batch = x.shape[0]

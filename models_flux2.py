@@ -75,7 +75,8 @@ class Flux2Klein(Adapter):
     pipeline_class = "Flux2KleinPipeline"
     default_path = "black-forest-labs/FLUX.2-klein-base-9B"
     omni_pipeline_class = "omni.pipeline_2026.FlowGRPOFlux2KleinPipeline"
-    step_distilled = False  # the distilled checkpoints take no CFG (models.check_model_args refuses --cfg-scale > 1)
+    # the distilled checkpoints take no CFG (model_checks.check_model_args refuses --cfg-scale > 1)
+    step_distilled = False
     # Flow-Factory's FLUX.2 klein LoRA targets (models/flux/flux2_klein.py): both streams' attention and MLPs, and the
     # single-stream blocks' fused qkv+MLP input and output projections
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",

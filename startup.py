@@ -14,6 +14,7 @@ import algorithms
 import checkpoint
 import cli
 import memory
+import model_checks
 import models
 import prompts as prompt_sets
 import recipes
@@ -81,11 +82,11 @@ def check_args(a) -> tuple[str, dict] | None:
          "checkpoint's tensor shapes and cannot change on --resume")
     algorithms.check_flags(a, cli.recipe_args(type(a), a.recipe))  # e.g. --clip-range with nft: refused, named
     algorithms.ALGORITHMS[a.algorithm].check(a)
-    models.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
-                            model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)
+    model_checks.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
+                                  model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)
     if not a.full_finetune:
         need(a.lora_targets, "--lora-targets must name at least one module of the transformer (or --full-finetune)")
-        models.check_lora_targets(a.model, a.model_path, a.lora_targets)
+        model_checks.check_lora_targets(a.model, a.model_path, a.lora_targets)
     rewards.check_reward_spec(a.reward, video=a.num_frames > 1)
     unknown = [p for p in a.gardo_proxies if p not in rewards.weights(a.reward)]
     need(not unknown, f"--gardo-proxies {unknown}: not rewards of --reward {a.reward!r} (add them at weight 0)")

@@ -314,7 +314,7 @@ class FlowGRPOSD3Pipeline(FlowGRPOSampler, StableDiffusion3Pipeline):
 def flux_velocity(pipe, a: SimpleNamespace, img_ids, source=None):
     """v(x, t) (B·n, S, 4C) as FLUX's `diffuse` computes it: one pass with the guidance embedding; Kontext's on
     [x, source] (B·n, 2S, 4C) with the source's ids after x's, its output's first S tokens."""
-    if a.do_true_cfg:  # the trainer never asks for it (models.check_model_args: --cfg-scale 1 for FLUX)
+    if a.do_true_cfg:  # the trainer never asks for it (model_checks.check_model_args: --cfg-scale 1 for FLUX)
         raise ValueError(f"{type(pipe).__name__} samples with the guidance embedding only: no true_cfg_scale > 1 with "
                          "a negative prompt")
     pipe.transformer.do_true_cfg = False

@@ -28,9 +28,10 @@ BUDGETS = {
     # pass shared with a loss's own at the same inputs (DGPO's KL: 128 of 512 training passes an iteration on nano)
     "regularisers.py": 220,
     "scheduler.py": 350,  # the sampling step with log-prob, sigma schedules, ODE solvers, windows
-    # the registry of --model names, their start-up checks, loading; raised from 250 for the table's rows (a line per
-    # --model name: 23 of them with the 2026 families) and the step-distilled models' --cfg-scale refusal
-    "models.py": 275,
+    "models.py": 250,  # the registry of --model names (a row per name, 23 with the 2026 families), loading, save-tiny
+    # the start-up checks of the model flags, from the registry, the files and a weightless transformer: each refusal
+    # in one line
+    "model_checks.py": 200,
     "models_base.py": 250,  # what every adapter shares
     "model_files.py": 150,  # a model directory's files read within bounds before anything is built from them
     "models_qwen.py": 200, "models_sd3.py": 200, "models_flux.py": 200, "models_wan.py": 200,  # one family each

@@ -1,6 +1,6 @@
 """Model input that used to end in a traceback or a hang is refused at start-up in one line naming the file or flag
-and the fix (models.check_model_args, check_model_path): nano's files damaged or swapped, configs whose sizes would
-build a huge model, a video or image beyond the transformer's position table, --sp without the ranks it needs."""
+and the fix (model_checks.check_model_args, check_model_path): nano's files damaged or swapped, configs whose sizes
+would build a huge model, a video or image beyond the transformer's position table, --sp without the ranks it needs."""
 import json
 import os
 import re
@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
+import model_checks
 import models
 import models_nano
 
@@ -71,10 +72,10 @@ def damage(directory, case: str) -> None:
 def test_a_damaged_nano_directory_is_one_line_naming_the_file(nano, case, file, problem):
     """Before: tracebacks from diffusers at load (one naming diffusion_pytorch_model.bin for a FIFO or /dev/zero in
     place of the .safetensors), a KeyError, hours building 10⁶ layers, 4 GiB read; a FIFO is never opened blocking."""
-    models.check_model_path("nano", str(nano))  # the intact copy passes
+    model_checks.check_model_path("nano", str(nano))  # the intact copy passes
     damage(nano, case)
     with pytest.raises(ValueError) as e:
-        models.check_model_path("nano", str(nano))
+        model_checks.check_model_path("nano", str(nano))
     message = str(e.value)
     assert message.startswith(f"--model-path {nano}: {file} {problem}"), message
     assert message.endswith(f"rerun `python -m tasks.nano pretrain --out {nano}`, or use the shipped assets/nano "
@@ -115,12 +116,12 @@ def test_a_pipeline_directorys_configs_are_bounded_before_they_are_read_or_built
     path = wan_pipeline(tmp_path / "deep", num_layers=10**6)
     with pytest.raises(ValueError, match=rf"^--model-path {path}: transformer/config.json has num_layers 1000000, "
                                          "more than 256$"):
-        models.check_model_args("wan2.1-t2v-1.3b", **ARGS | dict(model_path=path, num_frames=9))
+        model_checks.check_model_args("wan2.1-t2v-1.3b", **ARGS | dict(model_path=path, num_frames=9))
     path = wan_pipeline(tmp_path / "big")
     with open(os.path.join(path, "model_index.json"), "r+b") as f:
         f.truncate(2 << 20)
     with pytest.raises(ValueError, match=rf"^--model-path {path}: model_index.json holds 2097152 bytes, more than"):
-        models.check_model_args("wan2.1-t2v-1.3b", **ARGS | dict(model_path=path, num_frames=9))
+        model_checks.check_model_args("wan2.1-t2v-1.3b", **ARGS | dict(model_path=path, num_frames=9))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -132,14 +133,14 @@ def test_a_pipeline_directorys_configs_are_bounded_before_they_are_read_or_built
 def test_a_video_beyond_wans_rotary_table_is_refused_at_start_up(flags, message):
     """Before: the start-up checks passed and the first transformer call of the rollout crashed on the table."""
     with pytest.raises(ValueError, match=re.escape(message)):
-        models.check_model_args("tiny-wan", **ARGS | flags)
-    models.check_model_args("tiny-wan", **ARGS | dict(height=512, width=512, num_frames=253))  # the largest
+        model_checks.check_model_args("tiny-wan", **ARGS | flags)
+    model_checks.check_model_args("tiny-wan", **ARGS | dict(height=512, width=512, num_frames=253))  # the largest
 
 
 def test_wans_limits_are_its_rotary_tables_own():
     """At the largest size accepted (64 latent frames, 64 × 64 patches) the table covers every axis; one more latent
     frame, row or column of patches does not (diffusers raises: the crash the start-up check now prevents)."""
-    rope = models.meta_transformer("tiny-wan", None).rope
+    rope = model_checks.meta_transformer("tiny-wan", None).rope
     cos, _ = rope(torch.empty(1, 16, 64, 128, 128, device="meta"))  # (F', H/4, W/4) latents of 253 × 512 × 512
     assert cos.shape[1] == 64 * 64 * 64, cos.shape
     for grid in ((65, 2, 2), (1, 130, 2), (1, 2, 130)):
@@ -151,8 +152,8 @@ def test_an_image_beyond_qwen_images_rotary_table_is_refused_at_start_up():
     """QwenEmbedRope holds 4096 positions: a side of 4096 patches leaves 2·1024 for the text after it (its 1024 tokens,
     padded for --sp); at 6146 patches not even 1024 are left: the table ends and the attention would crash."""
     with pytest.raises(ValueError, match=re.escape("--width must be at most 32768 for --model tiny, got 32776")):
-        models.check_model_args("tiny", **ARGS | dict(width=32776))
-    models.check_model_args("tiny", **ARGS | dict(height=32768))
+        model_checks.check_model_args("tiny", **ARGS | dict(width=32776))
+    model_checks.check_model_args("tiny", **ARGS | dict(height=32768))
     rope = QwenEmbedRope(theta=10000, axes_dim=[8, 4, 4], scale_rope=True)
     _, text = rope([(1, 4096, 1)], device="cpu", max_txt_seq_len=2048)
     assert text.shape[0] == 2048, text.shape
@@ -166,7 +167,7 @@ def test_sp_on_one_process_is_refused_for_its_ranks_first_naming_torchrun(monkey
     with pytest.raises(ValueError, match=re.escape("--sp 2 must divide the number of ranks, 1 (WORLD_SIZE; 1 without "
                                                    "torchrun): launch a multiple of 2 processes, e.g. `torchrun "
                                                    "--nproc_per_node=2 flowgrpo.py … --sp 2`")):
-        models.check_model_args("tiny", **ARGS | dict(sp=2))
+        model_checks.check_model_args("tiny", **ARGS | dict(sp=2))
 
 
 @pytest.mark.parametrize("model,world,sp,fix", [("tiny-wan", 4, 4, "choose --sp 2, which divides each"),
@@ -176,6 +177,6 @@ def test_the_heads_and_tokens_refusal_suggests_an_sp_that_passes(monkeypatch, mo
     monkeypatch.setenv("WORLD_SIZE", str(world))
     args = ARGS | dict(num_frames=9 if model == "tiny-wan" else 1)
     with pytest.raises(ValueError, match=re.escape(fix)) as e:
-        models.check_model_args(model, **args | dict(sp=sp))
+        model_checks.check_model_args(model, **args | dict(sp=sp))
     suggested = re.search(r"choose --sp (\d+)", str(e.value))
-    models.check_model_args(model, **args | dict(sp=int(suggested[1]) if suggested else 1))  # passes
+    model_checks.check_model_args(model, **args | dict(sp=int(suggested[1]) if suggested else 1))  # passes

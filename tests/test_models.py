@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import model_checks
 import models
 import models_qwen
 import rollout
@@ -81,7 +82,7 @@ def test_rollout_is_chunk_invariant_and_records_the_window(model):
 
 def test_bad_resolution_and_model_name(model):
     with pytest.raises(ValueError, match="--height"):
-        models.check_resolution("tiny", 36, 32)
+        model_checks.check_resolution("tiny", 36, 32)
     with pytest.raises(ValueError, match="--model"):
         models.load_model("sd9", None, "cpu")
 
@@ -92,7 +93,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_importing_models_loads_neither_diffusers_nor_transformers():
     """`flowgrpo.py --help` must not pay for diffusers or transformers: models*.py import them only to build or load
     (models.py imports every family's file)."""
-    code = ("import sys, models; models.check_model_args('flux.1-dev', height=512, width=512, "
+    code = ("import sys, model_checks; model_checks.check_model_args('flux.1-dev', height=512, width=512, "
             "cfg_scale=1.0, guidance=3.5, model_path=None); print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('diffusers', 'transformers', 'peft')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -14,6 +14,7 @@ import algorithms
 import cli
 import engine as eng
 import flowgrpo
+import model_checks
 import models
 import models_qwen21
 import rollout
@@ -182,7 +183,7 @@ def test_resume_through_the_cli_is_bit_for_bit(small_sources, tmp_path, edit):
 def test_what_the_family_cannot_do_is_refused_before_loading(model, change, needle):
     kw = dict(height=512, width=512, cfg_scale=1.0, guidance=None, model_path=None) | change
     with pytest.raises(ValueError, match=needle):
-        models.check_model_args(model, **kw)
+        model_checks.check_model_args(model, **kw)
 
 
 @pytest.mark.parametrize("model,rollout_kind", [("tiny", "local"), ("tiny-qwen-image-2.1", "vllm-omni")])

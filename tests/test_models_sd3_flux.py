@@ -9,6 +9,7 @@ import torch
 import algorithms
 import engine as eng
 import flowgrpo
+import model_checks
 import models
 import rollout
 import scheduler as sch
@@ -50,7 +51,8 @@ def test_tiny_is_deterministic_from_its_seed_and_saves_and_reloads(built, name, 
     # the directory is of this family: another family's --model refuses it by its model_index.json alone
     other_family = "tiny-flux" if name == "tiny-sd3" else "tiny-sd3"
     with pytest.raises(ValueError, match=f"--model-path .* holds a {model.pipeline_class}.*use --model {name}"):
-        models.check_model_args(other_family, height=H, width=W, cfg_scale=1.0, guidance=None, model_path=directory)
+        model_checks.check_model_args(other_family, height=H, width=W, cfg_scale=1.0, guidance=None,
+                                      model_path=directory)
 
 
 @pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
@@ -135,7 +137,7 @@ def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(name, tmp_path):
 def test_flags_that_do_not_apply_are_refused_before_loading(model, change, needle):
     kw = dict(height=512, width=512, cfg_scale=1.0, guidance=None, model_path=None) | change
     with pytest.raises(ValueError, match=needle):
-        models.check_model_args(model, **kw)
+        model_checks.check_model_args(model, **kw)
 
 
 def test_model_path_of_another_family_is_refused_from_its_index(tmp_path):
@@ -143,11 +145,11 @@ def test_model_path_of_another_family_is_refused_from_its_index(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
     with pytest.raises(ValueError, match="holds a QwenImagePipeline, but --model flux.1-dev needs a FluxPipeline: "
                                          "use --model tiny or qwen-image"):
-        models.check_model_args("flux.1-dev", height=512, width=512, cfg_scale=1.0, guidance=3.5,
-                                model_path=str(tmp_path))
+        model_checks.check_model_args("flux.1-dev", height=512, width=512, cfg_scale=1.0, guidance=3.5,
+                                      model_path=str(tmp_path))
     (tmp_path / "model_index.json").unlink()
     with pytest.raises(ValueError, match="not a diffusers pipeline directory"):
-        models.check_model_args("flux.1-dev", height=512, width=512, cfg_scale=1.0, guidance=3.5,
-                                model_path=str(tmp_path))
-    models.check_model_args("flux.1-dev", height=512, width=512, cfg_scale=1.0, guidance=3.5,
-                            model_path="black-forest-labs/FLUX.1-dev")  # a hub id: checked when it loads
+        model_checks.check_model_args("flux.1-dev", height=512, width=512, cfg_scale=1.0, guidance=3.5,
+                                      model_path=str(tmp_path))
+    model_checks.check_model_args("flux.1-dev", height=512, width=512, cfg_scale=1.0, guidance=3.5,
+                                  model_path="black-forest-labs/FLUX.1-dev")  # a hub id: checked when it loads

@@ -10,6 +10,7 @@ import algorithms
 import cli
 import engine as eng
 import flowgrpo
+import model_checks
 import models
 import rollout
 import scheduler as sch
@@ -84,7 +85,8 @@ def test_tiny_is_deterministic_saves_and_reloads(built, name, tmp_path):
     for k, v in model.encode(PROMPTS).items():
         assert torch.equal(again.encode(PROMPTS)[k], v), k
     with pytest.raises(ValueError, match=f"holds a {model.pipeline_class}, but --model tiny needs a QwenImagePipeline"):
-        models.check_model_args("tiny", height=H, width=W, cfg_scale=1.0, guidance=None, model_path=str(tmp_path / name))
+        model_checks.check_model_args("tiny", height=H, width=W, cfg_scale=1.0, guidance=None,
+                                      model_path=str(tmp_path / name))
 
 
 @pytest.mark.parametrize("name,window", [(name, window) for name in NAMES for window in (0, 2)])
@@ -137,8 +139,9 @@ def test_resume_through_the_cli_is_bit_for_bit(name, tmp_path):
 def test_what_a_family_cannot_do_is_refused_before_loading(model, change, needle):
     kw = dict(height=512, width=512, cfg_scale=1.0, guidance=None, model_path=None) | change
     with pytest.raises(ValueError, match=needle):
-        models.check_model_args(model, **kw)
-    models.check_model_args("flux.2-klein-base", height=512, width=512, cfg_scale=4.0, guidance=None, model_path=None)
+        model_checks.check_model_args(model, **kw)
+    model_checks.check_model_args("flux.2-klein-base", height=512, width=512, cfg_scale=4.0, guidance=None,
+                                  model_path=None)
 
 
 @pytest.mark.parametrize("recipe", ["z-image", "z-image-turbo", "flux.2-klein-base", "flux.2-klein"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flowgrpo
-import models
+import model_checks
 import rewards
 import rollout
 import startup
@@ -70,7 +70,7 @@ def test_pretraining_on_a_few_steps_lowers_its_losses_and_loads_as_nano(tmp_path
     assert "vae: steps 30" in run.stdout and "transformer: steps 20" in run.stdout and "base model:" in run.stdout
     tiny_setup.check_pretrained("nano", out, "a handwritten digit 3", 16)
     with pytest.raises(ValueError, match="--model-path .*: no vae/, transformer/ with a config.json"):
-        models.check_model_path("nano", str(tmp_path))
+        model_checks.check_model_path("nano", str(tmp_path))
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import cli
 import flowgrpo
+import model_checks
 import models
 import prompts as prompt_sets
 import recipes
@@ -184,7 +185,7 @@ def test_pretraining_on_a_few_steps_writes_a_model_that_loads(tmp_path):
     ceiling = next(v for k, v in report.items() if k.startswith("vae"))
     assert set(ceiling) == set(ne.INSTRUCTIONS) and min(ceiling.values()) > 0.3, ceiling
     assert report["transformer"]["steps"] == 3 and report["base model"]["images"] == 27
-    models.check_model_args("nano-edit", height=16, width=16, cfg_scale=1.0, guidance=None, model_path=str(out))
+    model_checks.check_model_args("nano-edit", height=16, width=16, cfg_scale=1.0, guidance=None, model_path=str(out))
     assert models.load_model("nano-edit", str(out), "cpu").transformer.dtype == torch.float32
 
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 import cli
 import flowgrpo
-import models
+import model_checks
 import rewards
 import runlog
 import startup
@@ -251,7 +251,7 @@ def test_the_kontext_recipe_starts_with_an_edit_prompt_set(tmp_path):
     recipe = flowgrpo.RECIPES["flux.1-kontext-dev"]
     assert (recipe.group_size, recipe.prompts_per_iteration, recipe.num_steps, recipe.guidance) == (21, 48, 6, 2.5)
     startup.check_args(dataclasses.replace(recipe, prompts=edit_set(tmp_path)))
-    models.check_lora_targets("tiny-flux-kontext", None, recipe.lora_targets)
+    model_checks.check_lora_targets("tiny-flux-kontext", None, recipe.lora_targets)
     assert "proj_mlp" in recipe.lora_targets
 
 
@@ -269,7 +269,7 @@ def test_the_qwen_image_edit_recipe_starts_with_an_edit_prompt_set(tmp_path):
     startup.check_args(dataclasses.replace(recipe, prompts=edit_set(tmp_path)))
     layout = flowgrpo.batch_arithmetic(recipe, world_size=8)
     assert (layout["images_per_rank"], layout["micro_batches_per_optimizer_step"]) == (64, 2), layout
-    models.check_lora_targets("tiny-qwen-image-edit", None, recipe.lora_targets)
+    model_checks.check_lora_targets("tiny-qwen-image-edit", None, recipe.lora_targets)
     with pytest.raises(ValueError, match="aspect ratio") as refusal:
         startup.check_args(dataclasses.replace(recipe, prompts=edit_set(tmp_path / "wide", 512, 768)))
     assert "\n" not in str(refusal.value)
