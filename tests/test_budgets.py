@@ -114,12 +114,30 @@ def test_every_file_is_within_its_budget():
     assert not over, over
 
 
-def tracked_text_files() -> list[str]:
+def tracked_files() -> list[str]:
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     if not files:  # a copy of the tree without git: every file but caches
         files = [os.path.relpath(os.path.join(d, f), ROOT) for d, dirs, names in os.walk(ROOT) for f in names
                  if not any(part.startswith(".") or part == "__pycache__" for part in os.path.relpath(d, ROOT).split(os.sep))]
-    return [f for f in files if f.endswith((".py", ".md", ".sh", ".txt", ".toml", ".ini", "run"))]
+    return files
+
+
+def tracked_text_files() -> list[str]:
+    return [f for f in tracked_files() if f.endswith((".py", ".md", ".sh", ".txt", ".toml", ".ini", "run"))]
+
+
+# A lent GPU machine is sent the working tree and `.whl` (`bash run.sh gpu-wheels`: the packages its image lacks),
+# 64 MiB at most together. The archive measured 38.0 MiB on 2026-12-05 (pip's pinned versions); 40 leaves room for it.
+SENT_MIB, WHEELS_MIB = 64, 40
+
+
+def test_a_gpu_machine_can_be_sent_the_tree_and_its_wheels():
+    """The GPU check (bench/check.py) needs the tree and the wheels on a machine that reaches no package index; what
+    grows here is the shipped weights and figures, so the tree keeps within what the wheels leave of the 64 MiB."""
+    sizes = {f: os.path.getsize(os.path.join(ROOT, f)) for f in tracked_files() if os.path.isfile(os.path.join(ROOT, f))}
+    largest = ", ".join(f"{f} {n / 2**20:.1f}" for f, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
+    total = sum(sizes.values()) / 2**20
+    assert total <= SENT_MIB - WHEELS_MIB, f"the tree is {total:.1f} MiB, over {SENT_MIB - WHEELS_MIB} (largest: {largest})"
 
 
 def test_the_repository_refers_to_nothing_outside_itself():
