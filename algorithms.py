@@ -74,13 +74,13 @@ def old_weights(engine, a, iteration: int):
 # ---- advantages, and how they become weights (tests/test_loop.py checks them by hand) ----------------------------
 
 def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: float) -> tuple[torch.Tensor, float]:
-    """A_i = (r_i − mean of i's group) / (σ + 1e-4), clipped; σ = std of the whole batch or of i's group.
-    r, group: (N,) over the whole iteration (all ranks). Returns (A (N,), fraction of zero-std groups)."""
+    """A_i = (r_i − mean of i's group) / (σ + 1e-4), clipped; σ = std of the whole batch or of i's group (÷ n; ÷ n − 1
+    for global-unbiased). r, group: (N,) over the iteration (all ranks). Returns (A (N,), fraction of zero-std groups)."""
     r = r.double()
     adv, zero = torch.zeros_like(r), 0
     for g in group.unique():
         idx = group == g
-        sigma = r.std(unbiased=False) if std == "global" else r[idx].std(unbiased=False)
+        sigma = (r[idx] if std == "group" else r).std(unbiased=std == "global-unbiased")
         adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4)
         zero += int(r[idx].std(unbiased=False) == 0)
     return adv.clamp(-clip, clip).float(), zero / len(group.unique())

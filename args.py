@@ -121,8 +121,9 @@ class UpdateArgs:
     KL, §17), or DiffusionNFT, AWM, DGPO on ODE images, or online Diffusion-DPO on SDE ones"""
     adv_clip: float = 5.0
     """advantages are clipped to [−adv_clip, adv_clip] (> 0)"""
-    std: Literal["global", "group"] = "global"
-    """normalise advantages by the whole batch's reward std or by each group's"""
+    std: Literal["global", "group", "global-unbiased"] = "global"
+    """normalise advantages by the whole batch's reward std or by each group's (population std); global-unbiased: the
+    batch's with Bessel's n − 1, as miles_diffusion divides"""
     zero_advantage: Literal["drop", "keep"] = "drop"
     """images whose advantage is exactly 0: left out of their optimizer step's loss mean, or trained with A = 0"""
     clip_range: float = 1e-3

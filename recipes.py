@@ -209,13 +209,17 @@ RECIPES: dict[str, dict] = {
     "flux.2-klein": dict(FLOW_FACTORY, model="flux.2-klein", height=384, width=384, num_steps=4, eval_steps=10,
                          noise_level=0.5, window_range=(1, 3), lora_targets=LORA_TARGETS["tiny-flux.2-klein"],
                          checkpoint_every=20, eval_every=20),
-    # Qwen-Image 2.1 on one GPU: Flow-Factory's public edit config (examples/grpo/lora/qwen_image_2_1/default.yaml at
-    # 5f6cda1), CFG-distilled (no CFG), noise 1.0, activation checkpointing; its text-to-image twin takes the same
-    # values on the built-in prompts (no public text-to-image config was readable here: a default, §7)
+    # Qwen-Image 2.1 on one GPU. Editing: Flow-Factory's public edit config (examples/grpo/lora/qwen_image_2_1/
+    # default.yaml at 5f6cda1), CFG-distilled (no CFG), noise 1.0, activation checkpointing
     "qwen-image-2.1-edit": dict(FLOW_FACTORY, model="qwen-image-2.1-edit", height=384, width=384, num_steps=10,
                                 eval_steps=40, noise_level=1.0, lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"],
                                 activation_checkpointing=True, checkpoint_every=20, eval_every=20),
-    "qwen-image-2.1": dict(FLOW_FACTORY, model="qwen-image-2.1", height=384, width=384, num_steps=10, eval_steps=40,
-                           noise_level=1.0, lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"],
-                           activation_checkpointing=True, checkpoint_every=20, eval_every=20),
+    # from text: miles_diffusion's (scripts/run_diffusion_grpo_qwenimage21_pickscore_1gpu_v2.py at 6120710), 16 × 16
+    # images 512², 10 steps, no CFG, noise 1.2 on steps 3 and 4, its unbiased global std; its evaluation is opt-in
+    "qwen-image-2.1": dict(model="qwen-image-2.1", iterations=200, prompts="general", reward="pickscore", group_size=16,
+                           prompts_per_iteration=16, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=20,
+                           noise_level=1.2, window=2, window_range=(3, 5), std="global-unbiased",
+                           zero_advantage="keep", clip_range=1e-4, lr=1e-4, lora_rank=64, lora_alpha=128,
+                           lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"], mixed_precision=True,
+                           activation_checkpointing=True, checkpoint_every=10, eval_every=20),
 }

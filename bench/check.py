@@ -71,7 +71,7 @@ MORE = [
      "micro-batch", *family("z-image", "fitted,recipe", ["--repeats", "1"]), 150),
     ("flux2-klein", "FLUX.2 [klein] 9B's recipe (Flow-Factory's), random weights at the real width (9.1 B), fitted and "
      "its own micro-batch", *family("flux.2-klein", "fitted,recipe", ["--repeats", "1"]), 150),
-    ("qwen21-recipe", "Qwen-Image 2.1's one-GPU recipe at its own micro-batch (1)",
+    ("qwen21-recipe", "Qwen-Image 2.1's one-GPU recipe at its own micro-batch (4)",
      *family("qwen-image-2.1", "recipe", ["--repeats", "1"]), 60),
     ("plain", "the update ÷ plain PyTorch's, 4 of 60 blocks at the real width, fp32",
      [*GPU_BENCH, "--device", "cuda", "--plain", "--repeats", "2"], [*GPU_BENCH, "--plain", "--quick"],

@@ -7,6 +7,11 @@ The public functions are re-typed below in this project's own code, each naming 
   MIX   Tencent-Hunyuan/MixGRPO, commit e5cdd6a427778d8c8b2e7a48ce16972141adbe7c
   DANCE XueZeyue/DanceGRPO, commit 15cc71d53cc2e6e18a68ee607d5fb6ba9a99e344
   UNIRL Tencent-Hunyuan/UniRL, commit 1cc88b62c2d756049d059378838b62ec60976529
+  MILES radixark/miles_diffusion: the Qwen-Image 2.1 recipe, scripts/run_diffusion_grpo_qwenimage21_pickscore_1gpu_v2.py
+        at 6120710d1ef8d7e0d8c972dda6c699ef51675cd5, with the versions of the files it runs read from a code index:
+        miles/backends/fsdp_utils/loss_hub/advantages.py at 0c748a398e8751e40c671a7bb9da701fc9a53a14 and
+        miles/rollout/step_strategy_hub.py at 019b606ca00dc50b6a54572bbcec09a9f3bb26f9 (its loss, loss_hub/flow_grpo.py,
+        is FG's per pair, summed and divided by the optimizer step's pairs: FG's accumulated mean here)
 A stand-in transformer (a linear velocity with a trained "adapter") gives both sides the very same velocities: what
 is compared is everything after the transformer (step math, advantages, ratios, clip, KL, zero-advantage handling,
 GRPO-Guard, gradient accumulation, EMA, MixGRPO-Flash's step selection).
@@ -31,16 +36,19 @@ import rollout
 import scheduler as sch
 from tiny_setup import random_walk
 
-PUBLIC_RECIPES = ["qwen-image", "sd3.5-medium", "flux.1-dev", "sd3.5-medium-guard"]
+PUBLIC_RECIPES = ["qwen-image", "sd3.5-medium", "flux.1-dev", "sd3.5-medium-guard", "qwen-image-2.1"]
 SCHEDULERS = {"qwen-image": models_qwen.QWEN_SCHEDULER, "sd3.5-medium": models_sd3.SD3_SCHEDULER,
-              "flux.1-dev": models_flux.FLUX_SCHEDULER}
-LATENT = {"qwen-image": (16, 8), "sd3.5-medium": (4, 4, 4), "flux.1-dev": (16, 8)}  # packed tokens or (C, h, w)
+              "flux.1-dev": models_flux.FLUX_SCHEDULER, "qwen-image-2.1": models_qwen.QWEN_SCHEDULER}
+LATENT = {"qwen-image": (16, 8), "sd3.5-medium": (4, 4, 4), "flux.1-dev": (16, 8),  # packed tokens or (C, h, w)
+          "qwen-image-2.1": (16, 8)}
 # What each public script does that a recipe must reproduce: the script, whether it drops A = 0 samples, how many
 # micro-batches per optimizer step per GPU its EMA fires on (its gradient accumulation), from the config it names.
 PUBLIC = {"qwen-image": dict(script="scripts/train_qwenimage.py", drops=False, ema_repeat=None),
           "sd3.5-medium": dict(script="scripts/train_sd3.py", drops=True, ema_repeat=2),
           "flux.1-dev": dict(script="scripts/train_flux.py", drops=False, ema_repeat=6),
-          "sd3.5-medium-guard": dict(script="scripts/train_sd3_GRPO_Guard.py", drops=True, ema_repeat=4)}
+          "sd3.5-medium-guard": dict(script="scripts/train_sd3_GRPO_Guard.py", drops=True, ema_repeat=4),
+          "qwen-image-2.1": dict(script="MILES scripts/run_diffusion_grpo_qwenimage21_pickscore_1gpu_v2.py", drops=False,
+                                 ema_repeat=None, advantages=lambda r, a: miles_advantages(r.tolist(), a.group_size))}
 
 
 # ---- the public functions, re-typed -------------------------------------------------------------------------------
@@ -77,6 +85,24 @@ def fg_advantages(prompts, rewards, global_std):
         std = np.std(rewards, axis=0, keepdims=True) if global_std else np.std(group, axis=0, keepdims=True)
         advantages[prompts == prompt] = (group - np.mean(group, axis=0, keepdims=True)) / (std + 1e-4)
     return torch.as_tensor(advantages)
+
+
+def miles_advantages(rewards, n_samples_per_prompt):
+    """MILES loss_hub/advantages.py (`grpo_normalize_rewards` with --globalize-reward-std alone, std normalisation on):
+    per prompt (n_samples_per_prompt consecutive samples) r − its mean, over the whole batch's torch std, which divides
+    by n − 1, + 1e-4; float32. (Its clamp at --diffusion-adv-clip-max, 5, comes later, in the trainer, as FG's.)"""
+    rewards_flat = torch.tensor(rewards, dtype=torch.float)
+    rewards = rewards_flat.view(-1, n_samples_per_prompt)
+    rewards = rewards - rewards.mean(dim=-1, keepdim=True)
+    return (rewards / (rewards_flat.std() + 1e-4)).flatten()
+
+
+def miles_sde_window(window_size, window_range, num_steps, seed):
+    """MILES step_strategy_hub.py (`sde_window`): W consecutive steps, the first drawn by numpy's integers in [lo,
+    hi − W] (its high bound exclusive) from the request's seed."""
+    lo, hi = window_range if window_range else (0, num_steps)
+    start = int(np.random.default_rng(seed).integers(lo, hi - window_size + 1))
+    return list(range(start, start + window_size))
 
 
 def fg_kept(advantages):
@@ -262,7 +288,8 @@ def test_public_recipe_computes_the_public_scripts_loss(recipe):
 
     # advantages and zero-advantage weights (loop phase 4), against the stat tracker and the filter
     adv, _ = algorithms.group_advantages(r_all, torch.arange(n) // 6, std=a.std, clip=a.adv_clip)
-    theirs = fg_advantages([f"prompt {i // 6}" for i in range(n)], r_all.numpy(), global_std=a.std == "global")
+    theirs = pub["advantages"](r_all, a) if "advantages" in pub else fg_advantages(
+        [f"prompt {i // 6}" for i in range(n)], r_all.numpy(), global_std=a.std == "global")
     close(recipe, "advantage", adv, theirs.clamp(-a.adv_clip, a.adv_clip))
     weights = algorithms.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, 2)
     kept = fg_kept(theirs) if pub["drops"] else torch.ones(n, dtype=torch.bool)
@@ -335,6 +362,27 @@ def test_public_recipe_computes_the_public_scripts_loss(recipe):
     clipfrac = torch.cat(clipped).mean().item()
     print(f"\n{recipe}: {len(clipped)} public micro-batch·step losses, clip fraction {clipfrac:.2f}")
     assert 0.1 < clipfrac < 0.9, f"{recipe}: the inputs should clip some ratios and not others (clipfrac {clipfrac})"
+
+
+def test_qwen_image_2_1_recipe_trains_miless_steps_with_its_advantages():
+    """The two things miles_diffusion's recipe does that no FG script does: its window (2 steps in [3, 5): steps 3 and 4
+    whatever the seed) and its batch std with n − 1, which `--std global-unbiased` reproduces on its 16 × 16 images
+    and flow_grpo's population std (`global`) does not: advantages 1 − √(255/256) ≈ 0.2% larger."""
+    a = flowgrpo.RECIPES["qwen-image-2.1"]
+    for seed in range(50):
+        ours = sch.trained_steps(a.num_steps, a.window, a.window_range, seed, iteration=seed, schedule=a.window_schedule)
+        assert ours == miles_sde_window(a.window, a.window_range, a.num_steps, seed) == [3, 4], (seed, ours)
+    n = a.prompts_per_iteration * a.group_size
+    r = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    r[:a.group_size] = 0.5  # a group whose advantages are all exactly 0
+    theirs = miles_advantages(r.tolist(), a.group_size).clamp(-a.adv_clip, a.adv_clip)
+    group = torch.arange(n) // a.group_size
+    close("qwen-image-2.1", "advantage", algorithms.group_advantages(r, group, std=a.std, clip=a.adv_clip)[0], theirs)
+    population = algorithms.group_advantages(r, group, std="global", clip=a.adv_clip)[0]
+    gap = (population / theirs)[theirs != 0]
+    expected = math.sqrt(n / (n - 1))
+    assert torch.allclose(gap, torch.full_like(gap, expected), rtol=2e-4), \
+        f"population ÷ Bessel std advantages: {gap.min():.6f}..{gap.max():.6f}, expected {expected:.6f}"
 
 
 def test_keep_recipes_take_the_public_loss_on_the_very_same_micro_batch():
