@@ -215,7 +215,7 @@ RECIPES: dict[str, dict] = {
                                 eval_steps=40, noise_level=1.0, lora_targets=LORA_TARGETS["tiny-qwen-image-2.1"],
                                 activation_checkpointing=True, checkpoint_every=20, eval_every=20),
     # from text: miles_diffusion's (scripts/run_diffusion_grpo_qwenimage21_pickscore_1gpu_v2.py at 6120710), 16 × 16
-    # images 512², 10 steps, no CFG, noise 1.2 on steps 3 and 4, its unbiased global std; its evaluation is opt-in
+    # images 512², 10 steps, no CFG, noise 1.2 on steps 3 and 4, its unbiased global std; evaluation (opt-in there): 20
     "qwen-image-2.1": dict(model="qwen-image-2.1", iterations=200, prompts="general", reward="pickscore", group_size=16,
                            prompts_per_iteration=16, micro_batch=4, height=512, width=512, num_steps=10, eval_steps=20,
                            noise_level=1.2, window=2, window_range=(3, 5), std="global-unbiased",
