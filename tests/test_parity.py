@@ -367,7 +367,7 @@ def test_public_recipe_computes_the_public_scripts_loss(recipe):
 def test_qwen_image_2_1_recipe_trains_miless_steps_with_its_advantages():
     """The two things miles_diffusion's recipe does that no FG script does: its window (2 steps in [3, 5): steps 3 and 4
     whatever the seed) and its batch std with n − 1, which `--std global-unbiased` reproduces on its 16 × 16 images
-    and flow_grpo's population std (`global`) does not: advantages 1 − √(255/256) ≈ 0.2% larger."""
+    and flow_grpo's population std (`global`) does not: its advantages √(256/255) − 1 ≈ 0.2% larger."""
     a = flowgrpo.RECIPES["qwen-image-2.1"]
     for seed in range(50):
         ours = sch.trained_steps(a.num_steps, a.window, a.window_range, seed, iteration=seed, schedule=a.window_schedule)
