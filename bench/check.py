@@ -14,6 +14,7 @@ check cut short keeps everything measured until then. The summary closes with th
 0 only if all did.
 """
 import argparse
+import ast
 import os
 import platform
 import re
@@ -37,7 +38,27 @@ def family(name: str, rows: str, gpu_extra=()) -> tuple[list[str], list[str]]:
 
 
 SUMMARY = "OUT/summary.md"  # OUT: the folder named on the command line
-TESTS = [PY, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rP"]  # -rP: what passing tests print
+# -v -s: each test's verdict and what it prints (the Wan2.1 recipe's rows) reach the log as they come, not at the end
+TESTS = [PY, "-m", "pytest", "-v", "-s", "-n", "0", "-p", "no:cacheprovider"]
+# tests/test_gpu.py's tests run the most important first, so that a step cut at its bound loses the least (the first GPU
+# run cut it after 12 of 18, in the file's order, before the Wan2.1 recipe at its real width, the last there)
+FIRST_TESTS = ("test_wan_recipe_memory_and_speed_at_the_real_width",
+               "test_first_update_is_exactly_on_policy_at_the_recipe_dtypes",
+               "test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes",
+               "test_velocity_takes_sigma_from_the_cpu_to_the_models_device")
+
+
+def gpu_tests(path: str = "tests/test_gpu.py") -> list[str]:
+    """The test functions of `path` as pytest node ids: FIRST_TESTS in their order, then every other one in the file's
+    (pytest runs node ids in the order given)."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+    if set(FIRST_TESTS) - set(names):
+        raise SystemExit(f"bench/check.py: FIRST_TESTS names {sorted(set(FIRST_TESTS) - set(names))}, not in {path}")
+    first = {name: i for i, name in enumerate(FIRST_TESTS)}
+    return [f"{path}::{name}" for name in sorted(names, key=lambda name: first.get(name, len(first)))]
+
+
 # (name, what it shows, the GPU command, the dry run's, bound in seconds): the bounds sum to 9 minutes. Qwen-Image 2.1
 # (the first of the 2026 families on one GPU) took its 70 s from plain and offload, which no check has yet run to their
 # end within their bounds (BENCHMARKS.md): they moved, bounds and all, to MORE rather than every bound being cut
@@ -47,9 +68,11 @@ STEPS = [
      [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor"], 180),
     ("qwen21", "Qwen-Image 2.1's one-GPU recipe at the fitted micro-batch, random weights at the real width (7.1 B)",
      *family("qwen-image-2.1", "fitted", ["--repeats", "1"]), 70),
-    ("tests", "tests/test_gpu.py", [*TESTS, "tests/test_gpu.py"],
-     [*TESTS, "tests/test_gpu.py", "-k", "sigma and tiny-sd3"], 140),
-    ("sp", "--sp 2 ÷ --sp 1 at 1024², one GPU standing for rank 0 of 2", [*GPU, "--sp", "2", "--profile", "--repeats", "2"],
+    ("tests", "tests/test_gpu.py, the Wan2.1 recipe at its real width and the first updates on CUDA first",
+     [*TESTS, *gpu_tests()], [*TESTS, *gpu_tests(), "-k", "sigma and tiny-sd3"], 140),
+    # (without --profile: the first runs' profiles found the split host-bound at this size, BENCHMARKS.md; two more
+    # steps under the profiler, one a side, and their tables are time the rows need)
+    ("sp", "--sp 2 ÷ --sp 1 at 1024², one GPU standing for rank 0 of 2", [*GPU, "--sp", "2", "--repeats", "2"],
      [*TOY, "--sp", "2"], 50),
     ("limit60", "the recipe with the allocator held to 60 GiB (an 80-GB GPU less the text encoder)",
      [*GPU, "--random-init", "--rows", "fitted", "--memory-limit", "60", "--repeats", "1"],
@@ -119,8 +142,19 @@ def report(log_path: str) -> str:
     """A step's table rows (bench/gpu.py's), a test run's outcome lines, or its last lines."""
     text = open(log_path, errors="replace").read()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| measurement")]
-    outcome = [line for line in text.splitlines() if re.match(r"(FAILED|ERROR) ", line)
-               or re.search(r"\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s", line)]
+    outcome, node = [], None
+    for line in text.splitlines():  # pytest -v -s: a test's node id, what it prints, then its verdict
+        if re.match(r"\S+::\S+", line):
+            node, _, line = line.partition(" ")
+        verdict = re.match(r"(PASSED|FAILED|ERROR|SKIPPED)\b", line)
+        if node and verdict:
+            outcome.append(f"- {node}: {verdict[1]}")
+            node = None
+        elif re.match(r"(FAILED|ERROR) ", line) or re.search(r"\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s",
+                                                             line):  # the short summary's failures, the closing count
+            outcome.append(line)
+    if node:  # a test without a verdict: the one running when the bound cut the step
+        outcome.append(f"- {node}: running when the step ended")
     rows = (["| measurement | median | min | max | unit | target / expected | note |", "|---" * 7 + "|"] + rows
             if rows else [])
     return "\n".join(rows + outcome) or "last lines:\n```\n" + "\n".join(text.splitlines()[-12:]) + "\n```"

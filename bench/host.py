@@ -9,11 +9,13 @@ negligible width (2 heads × 16), where a forward's time is dispatch, and the at
 The loop's side is the qwen-image recipe's model as the engine leaves it on one rank (LoRA r64 on its targets, bf16
 compute, activation checkpointing), and the same with --merged-lora; the floor is the same weights in diffusers' hands;
 for forward + backward, the same LoRA added by peft to the bare model, trained in bf16, checkpointed alike (a plain
-LoRA step)."""
+LoRA step). And the same forward + backward on one rank of 2 (a process whose collectives do nothing stands for it):
+FSDP2 sharding over 2 ranks, and --sp 2's split of each image's tokens on top: what the split path adds per block."""
 import argparse
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -33,7 +35,7 @@ import rollout_backends
 import scheduler as sch
 from bench.overhead import HEAD, make_engine, measure, ms, row, texts_of
 
-BLOCKS = 60  # Qwen-Image's depth
+BLOCKS, SIDE = 60, 64  # Qwen-Image's depth; the images' side
 
 
 class CountOps(TorchDispatchMode):
@@ -61,7 +63,18 @@ def deep_narrow_model(blocks: int = BLOCKS) -> models_qwen.QwenImage:
     return models_qwen.QwenImage(pipe, "cpu", torch.bfloat16)
 
 
-def host_rows(t: list, o, batch: int = 4, side: int = 64):
+def inputs(m, batch: int = 4) -> tuple:
+    """Every row's call: `batch` images at SIDE² with σ 0.5 and a short prompt."""
+    x = m.noise([torch.Generator().manual_seed(i) for i in range(batch)], SIDE, SIDE)
+    return x, torch.full((batch,), 0.5), m.conditioning(["a sign that says hello"] * batch, " ", 1.0)
+
+
+def step(m, x, s, cond):
+    """A forward and backward: the update's call."""
+    m.velocity(x, s, cond, 1.0, SIDE, SIDE).float().square().mean().backward()
+
+
+def host_rows(t: list, o, batch: int = 4):
     a = flowgrpo.RECIPES["qwen-image"]
     bare = deep_narrow_model()
 
@@ -76,25 +89,22 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
     fp8_engine = make_engine(dataclasses.replace(a, model="tiny"), fp8, fp8_rollout=True)
     plain.transformer.add_adapter(loop.transformer.peft_config["default"])  # the same LoRA, bf16, no engine
     plain.transformer.enable_gradient_checkpointing()
-    x = bare.noise([torch.Generator().manual_seed(i) for i in range(batch)], side, side)
-    s, cond = torch.full((batch,), 0.5), bare.conditioning(["a sign that says hello"] * batch, " ", 1.0)
+    x, s, cond = inputs(bare, batch)
 
     def forward(m):
         with torch.no_grad():
-            return m.velocity(x, s, cond, 1.0, side, side)
+            return m.velocity(x, s, cond, 1.0, SIDE, SIDE)
 
     def rollout(engine, m):
         with engine.rollout_weights():
             return forward(m)
 
-    def step(m):
-        m.velocity(x, s, cond, 1.0, side, side).float().square().mean().backward()
-
     # A model each for forwards (eval) and steps (train), set once: the loop switches modes once a phase, not a call,
     # and Module.train walks every module: 26 ms a switch of the loop's 8,297 (peft's), 3.6 ms of the bare 2,297
-    timed = {"bare": lambda: forward(bare), "loop": lambda: forward(loop), "plain step": lambda: step(plain),
-             "loop step": lambda: step(loop_step), "merged": lambda: forward(merged),
-             "merged step": lambda: step(merged_step), "fp8 rollout": lambda: rollout(fp8_engine, fp8)}
+    timed = {"bare": lambda: forward(bare), "loop": lambda: forward(loop), "merged": lambda: forward(merged),
+             **{name: functools.partial(step, m, x, s, cond) for name, m in (
+                 ("plain step", plain), ("loop step", loop_step), ("merged step", merged_step))},
+             "fp8 rollout": lambda: rollout(fp8_engine, fp8)}
     for m in (bare, loop, merged, fp8):
         m.transformer.eval()
     ops = {}
@@ -106,11 +116,11 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
     if o.compile:  # the loop's engine with --compile (inductor): what is left of the host's work once blocks are fused
         compiled, compiled_step = engine_model(compile=True), engine_model(compile=True)
         compiled.transformer.eval()
-        timed |= {"compiled": lambda: forward(compiled), "compiled step": lambda: step(compiled_step)}
-        forward(compiled), step(compiled_step)  # traced and compiled here, outside the timing
+        timed |= {"compiled": lambda: forward(compiled), "compiled step": lambda: step(compiled_step, x, s, cond)}
+        forward(compiled), step(compiled_step, x, s, cond)  # traced and compiled here, outside the timing
     r = measure(timed, o.repeats)
     n = {k: sum(v.values()) for k, v in ops.items()}
-    what = f"Qwen-Image's {BLOCKS} blocks at 2 heads × 16, {batch} images {side}², one thread"
+    what = f"Qwen-Image's {BLOCKS} blocks at 2 heads × 16, {batch} images {SIDE}², one thread"
     # (timed name, its label, the targets, what it is): each against bare diffusers' forward, or a plain LoRA step
     for name, label, targets, how in (
             ("loop", "loop", ("≤ 1.25", "≤ 1.2"), f"the recipe's LoRA r{a.lora_rank}, bf16 compute, checkpointing"),
@@ -132,6 +142,46 @@ def host_rows(t: list, o, batch: int = 4, side: int = 64):
             "≤ 1.25", f"{what}; inductor; {ms(r['compiled'])}")
         row(t, "host: time per forward + backward, loop --compile ÷ plain LoRA step",
             np.divide(r["compiled step"], r["plain step"]), "×", "≤ 1.25", f"{what}; {ms(r['compiled step'])}")
+    return ops["loop step"]
+
+
+def worker(flag: str, marker: str, *launcher: str) -> dict:
+    """`python [launcher] -m bench.host FLAG`, one thread a process: the JSON its main rank printed after `marker`."""
+    cmd = [sys.executable, *launcher, "-m", "bench.host", flag]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+    return json.loads(out.stdout.split(marker, 1)[1].splitlines()[0])
+
+
+def split_worker() -> None:
+    """Rank 0 of 2 through a process group whose collectives do nothing (bench/gpu.py's --sp-fake): the aten operations
+    of host_rows' forward + backward (the recipe's LoRA, bf16, checkpointing) where FSDP2 shards over 2 ranks, and where
+    --sp 2 also splits each image's tokens (Ulysses' all-to-alls, diffusers' context parallelism)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    os.environ.update(RANK="0", WORLD_SIZE="2")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    a, counts = dataclasses.replace(flowgrpo.RECIPES["qwen-image"], model="tiny"), {}
+    for name, sp in (("fsdp2", 1), ("sp2", 2)):
+        m = deep_narrow_model()
+        make_engine(a, m, sp=sp)
+        x, s, cond = inputs(m)
+        step(m, x, s, cond)  # warm
+        with CountOps() as counter:
+            step(m, x, s, cond)
+        counts[name] = dict(counter.ops)
+    print("SPLIT", json.dumps(counts))
+
+
+def split_rows(t: list, one: collections.Counter):
+    """A rank of 2's aten operations per forward + backward ÷ one process's (`one`: host_rows' loop step)."""
+    counts = worker("--split-worker", "SPLIT")
+    for name, label, than, floor in (("fsdp2", "a rank of 2 (FSDP2)", "one process", one),
+                                     ("sp2", "an --sp 2 rank", "a rank of 2", collections.Counter(counts["fsdp2"]))):
+        ops = collections.Counter(counts[name])
+        added = ", ".join(f"{k} {v / BLOCKS:.0f}" for k, v in (ops - floor).most_common(4) if v >= BLOCKS)
+        row(t, f"host: aten ops per forward + backward, {label} ÷ {than}", [ops.total() / floor.total()], "×", "",
+            f"{ops.total() / BLOCKS:.0f} vs {floor.total() / BLOCKS:.0f} per block; the most added: {added}")
 
 
 def gather_worker() -> None:
@@ -165,12 +215,7 @@ def gather_worker() -> None:
 
 def gather_rows(t: list):
     """Engine.rollout_weights at 2 ranks: bytes gathered per image, kept ÷ gathered at every step, the same images."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bench.host",
-           "--gather-worker"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.split("GATHER", 1)[1].splitlines()[0])
+    r = worker("--gather-worker", "GATHER", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     assert r["same"], "the rollout on kept weights differs from the one gathering at every step"
     row(t, "rollout: bytes gathered per image at 2 ranks, weights kept ÷ gathered at every step", [r["keep"] / r["step"]],
         "×", "≪ 1: a rollout's gathers, not each call's", f"tiny recipe, 8 images a rank in chunks of 4, {r['calls']} "
@@ -185,12 +230,13 @@ def main(argv=None):
     p.add_argument("--markdown", help="also write the table to this file")
     p.add_argument("--compile", action="store_true", help="also the loop with --compile (inductor; compiling takes minutes)")
     p.add_argument("--gather-worker", action="store_true", help=argparse.SUPPRESS)  # one rank of gather_rows
+    p.add_argument("--split-worker", action="store_true", help=argparse.SUPPRESS)  # split_rows' rank of 2
     o, t = p.parse_args(argv), list(HEAD)
     o.repeats = o.repeats or (1 if o.quick else 9)
     torch.set_num_threads(1)
-    if o.gather_worker:
-        return gather_worker()
-    host_rows(t, o)
+    if o.gather_worker or o.split_worker:
+        return gather_worker() if o.gather_worker else split_worker()
+    split_rows(t, host_rows(t, o))
     gather_rows(t)
     if o.markdown:
         open(o.markdown, "w").write("\n".join([*t, ""]))

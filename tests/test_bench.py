@@ -1,6 +1,7 @@
 """bench/overhead.py, bench/check.py's dry run (bench/gpu.py's rows at toy size) and bench/soak.py at their smallest sizes,
 bench/host.py's rows, and bench/gpu.py's FLOP formula against torch's counter. No timing thresholds: these check that
 every row is produced and every figure is a finite positive number, not how fast anything is. Each runs as a script."""
+import ast
 import dataclasses
 import math
 import os
@@ -117,6 +118,26 @@ def test_the_gpu_checks_dry_run_passes_every_step_and_writes_as_it_goes(check):
     assert sum(s[4] for s in bench_check.STEPS) == 540  # the one command: 9 minutes of a lent machine
 
 
+def test_the_gpu_checks_tests_step_runs_every_gpu_test_the_most_important_first(tmp_path):
+    """The tests step names every test of tests/test_gpu.py once, FIRST_TESTS first (the first GPU run cut the step
+    before its last test, the Wan2.1 recipe at its real width); a cut step's summary still says which tests passed, which
+    failed, which printed rows, and which was running when its bound came."""
+    tree = ast.parse(open(os.path.join(bench_check.ROOT, "tests", "test_gpu.py")).read())
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    ids = bench_check.gpu_tests()
+    assert sorted(i.split("::")[1] for i in ids) == sorted(names)
+    assert [i.split("::")[1] for i in ids[:len(bench_check.FIRST_TESTS)]] == list(bench_check.FIRST_TESTS)
+    node = "tests/test_gpu.py::test_first_update_is_exactly_on_policy_at_the_recipe_dtypes"
+    (tmp_path / "tests.log").write_text(  # pytest -v -s, cut at the bound during the fourth test
+        f"collecting ... collected 20 items\n\n{ids[0]} \n{overhead.HEAD[0]}\n{overhead.HEAD[1]}\n"
+        "| wan2.1-t2v-1.3b recipe: peak memory, rollout | 30 | 30 | 30 | GiB |  | a micro-batch of 8 videos |\nPASSED\n"
+        f"{node}[cuda-plain] FAILED\n{node}[cuda-fsdp2] SKIPPED (needs a CUDA GPU)\n{node}[cpu-plain] ")
+    assert bench_check.report(str(tmp_path / "tests.log")).splitlines()[2:] == [
+        "| wan2.1-t2v-1.3b recipe: peak memory, rollout | 30 | 30 | 30 | GiB |  | a micro-batch of 8 videos |",
+        f"- {ids[0]}: PASSED", f"- {node}[cuda-plain]: FAILED", f"- {node}[cuda-fsdp2]: SKIPPED",
+        f"- {node}[cpu-plain]: running when the step ended"]
+
+
 @pytest.mark.parametrize("step", [*ROWS, *(f"more/{k}" for k in MORE_ROWS)])
 def test_the_gpu_checks_dry_run_rows(check, step):
     """The GPU benchmark's paths (random-weight model, text encoder bypassed) at toy size: the recipe at the fitted
@@ -136,7 +157,8 @@ def test_host_rows_and_the_ops_they_count():
     """bench/host.py at its smallest: its rows; and, since aten operations and bytes are counted, not timed, bounds that
     fails the day the host's work per block comes back (FSDP2's hooks and copies on one rank made it 2.4× diffusers'
     forward, 443 against 182 per block; peft's LoRA alone, 10 layers a block, 1.55×; --merged-lora, 182: 1.0×, and
-    771 against 1084 for forward + backward, 0.71×; --fp8-rollout's rollout in eager, 384: 2.11×)."""
+    771 against 1084 for forward + backward, 0.71×; --fp8-rollout's rollout in eager, 384: 2.11×; a rank of 2, 1.12×,
+    and an --sp 2 rank on top, 1.10×)."""
     rows = table_rows(run_bench("--quick", module="bench.host"))
     assert list(rows) == ["host: time per forward, loop ÷ bare diffusers", "host: aten ops per block, loop ÷ bare "
                           "diffusers", "host: time per forward + backward, loop ÷ plain LoRA step",
@@ -147,6 +169,8 @@ def test_host_rows_and_the_ops_they_count():
                           "host: aten ops per forward + backward, loop --merged-lora ÷ plain LoRA step",
                           "host: time per forward, the loop's rollout --fp8-rollout ÷ bare diffusers",
                           "host: aten ops per block, the loop's rollout --fp8-rollout ÷ bare diffusers",
+                          "host: aten ops per forward + backward, a rank of 2 (FSDP2) ÷ one process",
+                          "host: aten ops per forward + backward, an --sp 2 rank ÷ a rank of 2",
                           "rollout: bytes gathered per image at 2 ranks, weights kept ÷ gathered at every step"], \
         list(rows)
     assert rows["host: aten ops per block, loop ÷ bare diffusers"][0] <= 1.6
@@ -155,6 +179,10 @@ def test_host_rows_and_the_ops_they_count():
     assert rows["host: aten ops per forward + backward, loop --merged-lora ÷ plain LoRA step"][0] <= 0.8
     # --fp8-rollout in eager: each frozen layer's input quantised per token, 7 more operations (384 a block)
     assert rows["host: aten ops per block, the loop's rollout --fp8-rollout ÷ bare diffusers"][0] <= 2.2
+    # a rank of 2: FSDP2's hooks and views (1279 a block against 1144); --sp 2 on top, Ulysses' 12 all-to-alls a block
+    # in forward, recompute and backward, each with its views, permutes and copy (1410)
+    assert rows["host: aten ops per forward + backward, a rank of 2 (FSDP2) ÷ one process"][0] <= 1.2
+    assert rows["host: aten ops per forward + backward, an --sp 2 rank ÷ a rank of 2"][0] <= 1.2
     # bytes, counted: 16 calls gather the model 16 times, a rollout on kept weights twice (bench_host asserts the
     # same latents, log-probs and images)
     assert rows["rollout: bytes gathered per image at 2 ranks, weights kept ÷ gathered at every step"][0] < 0.2

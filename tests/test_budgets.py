@@ -85,8 +85,9 @@ BUDGETS = {
     "tasks/nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
     "tasks/nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
     "bench/overhead.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
-    # the host's work per transformer call, loop against bare diffusers, at real depth (CPU); the bytes a rollout gathers
-    "bench/host.py": 200,
+    # the host's work per transformer call, loop against bare diffusers, at real depth (CPU); the bytes a rollout gathers;
+    # 250 since 2026-12-06: a rank of 2's and an --sp 2 rank's work per update call (what the split path adds)
+    "bench/host.py": 250,
     "bench/overlap.py": 250,  # --off-policy 1's speed against a server, and the learning it keeps on nano
     "bench/plain.py": 100,  # the loop's update as the plainest PyTorch: the yardstick of framework overhead
     "bench/gpu.py": 400,  # images/s, MFU and peak memory at real width; the --sp rows

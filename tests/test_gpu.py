@@ -1,8 +1,8 @@
 """The GPU test tier: what the CPU tests claim, at the GPU recipe's dtypes and, given a GPU, on its kernels.
 
-The CUDA cases are skipped without a GPU (the sequence-parallel comparison without 2) and have not run yet: no task
-so far was lent one. A session that is lent one runs this file right after `bash run.sh bench-gpu`, which installs
-the packages (BENCHMARKS.md gives the call). The bf16 cases run on CPU too, in CI."""
+The CUDA cases are skipped without a GPU (the sequence-parallel comparison without 2). On a GPU machine the check's
+tests step runs them, the most important first (`bash run.sh gpu-check OUT`, bench/check.py's FIRST_TESTS); they
+first ran on an H200 on 2026-12-04 (BENCHMARKS.md). The bf16 cases run on CPU too, in CI."""
 import dataclasses
 import time
 
@@ -19,6 +19,7 @@ import rollout
 import scheduler as sch
 import test_edit
 import test_sp
+from bench.overhead import HEAD, row
 from test_bench import run_bench, table_rows
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -211,8 +212,9 @@ def test_wan_recipe_memory_and_speed_at_the_real_width():
     WanTransformer3DModel at 12 heads × 128, 30 blocks, FFN 8960, text 4096: 1.42 B parameters; the default
     AutoencoderKLWan, Wan2.1's VAE; bf16): one micro-batch of 8 videos, 240 × 416 × 33 frames (3,510 tokens), 20 steps
     with CFG 4.5 in two passes, then one optimizer step on 2 of its 19 trained transitions. Prints the peak memory
-    and the seconds the recipe's iteration (16 videos, 19 trained steps) takes per GPU, extrapolated; asserts the
-    first update is exactly on-policy at the real width in bf16 (BENCHMARKS.md reads the printed line)."""
+    and the seconds the recipe's iteration (16 videos, 19 trained steps) takes per GPU, extrapolated, as bench/gpu.py's
+    table rows (the GPU check's summary gathers them); asserts the first update is exactly on-policy at the real width
+    in bf16."""
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
     a = flowgrpo.RECIPES["wan2.1-t2v-1.3b"]
     tiny = models_wan.build_tiny_wan_pipeline(0)  # its tokenizer and encoder are placeholders RandomTextWan bypasses
@@ -228,8 +230,17 @@ def test_wan_recipe_memory_and_speed_at_the_real_width():
     stats, m = wan_first_update(model, a, [f'a sign that says "WAN {i}"' for i in range(a.micro_batch)], 2)
     videos, calls = a.prompts_per_iteration * a.group_size, a.num_steps - 1
     iteration_s = videos / a.micro_batch * (m["rollout_s"] + m["train_s"] * calls / 2)
-    print(f"\nwan2.1-t2v-1.3b on {torch.cuda.get_device_name()}: peak memory rollout {m['rollout_peak'] / 2**30:.1f} "
-          f"GiB, training {m['train_peak'] / 2**30:.1f} GiB (micro-batch {a.micro_batch}); rollout {m['rollout_s']:.1f} s "
-          f"for {a.micro_batch} videos, training {m['train_s'] / 2:.1f} s per trained step; the recipe's iteration "
-          f"({videos} videos, {calls} trained steps) ≈ {iteration_s:.0f} s per GPU; logp_gap {stats['train/logp_gap']}")
+    what = f"{torch.cuda.get_device_name()}, 1.42 B parameters, {a.height} × {a.width} × {a.num_frames} frames"
+    t = list(HEAD)
+    print()  # (after pytest -v's node id)
+    for name, value, unit, note in (
+            ("peak memory, rollout", m["rollout_peak"] / 2**30, "GiB", f"a micro-batch of {a.micro_batch} videos"),
+            ("peak memory, training", m["train_peak"] / 2**30, "GiB", "one optimizer step on 2 trained transitions"),
+            ("rollout of a micro-batch", m["rollout_s"], "s", f"{a.micro_batch} videos, {a.num_steps} steps, CFG "
+             f"{a.cfg_scale:g} in two passes"),
+            ("training per trained step", m["train_s"] / 2, "s", f"{a.micro_batch} videos, forward and backward"),
+            ("the recipe's iteration per GPU, extrapolated", iteration_s, "s", f"{videos} videos, {calls} trained "
+             "steps"),
+            ("first update's logp_gap", stats["train/logp_gap"], "", "bf16, activation checkpointing, EMA")):
+        row(t, f"wan2.1-t2v-1.3b recipe: {name}", [value], unit, "0" if "gap" in name else "", f"{what}; {note}")
     assert stats["train/logp_gap"] == 0.0 and stats["train/grad_norm"] > 0
