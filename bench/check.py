@@ -40,8 +40,8 @@ def family(name: str, rows: str, gpu_extra=()) -> tuple[list[str], list[str]]:
 SUMMARY = "OUT/summary.md"  # OUT: the folder named on the command line
 # -v -s: each test's verdict and what it prints (the Wan2.1 recipe's rows) reach the log as they come, not at the end
 TESTS = [PY, "-m", "pytest", "-v", "-s", "-n", "0", "-p", "no:cacheprovider"]
-# tests/test_gpu.py's tests run the most important first, so that a step cut at its bound loses the least (the first GPU
-# run cut it after 12 of 18, in the file's order, before the Wan2.1 recipe at its real width, the last there)
+# tests/test_gpu.py's tests run the most important first, so that a step cut at its bound loses the least (the GPU run
+# at 7c2fe69 cut it after 12 of 18, in the file's order, before the Wan2.1 recipe at its real width, the last there)
 FIRST_TESTS = ("test_wan_recipe_memory_and_speed_at_the_real_width",
                "test_first_update_is_exactly_on_policy_at_the_recipe_dtypes",
                "test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes",
@@ -70,7 +70,7 @@ STEPS = [
      *family("qwen-image-2.1", "fitted", ["--repeats", "1"]), 70),
     ("tests", "tests/test_gpu.py, the Wan2.1 recipe at its real width and the first updates on CUDA first",
      [*TESTS, *gpu_tests()], [*TESTS, *gpu_tests(), "-k", "sigma and tiny-sd3"], 140),
-    # (without --profile: the first runs' profiles found the split host-bound at this size, BENCHMARKS.md; two more
+    # (without --profile: the run at 7c2fe69 profiled the split, host-bound at this size, BENCHMARKS.md; two more
     # steps under the profiler, one a side, and their tables are time the rows need)
     ("sp", "--sp 2 ÷ --sp 1 at 1024², one GPU standing for rank 0 of 2", [*GPU, "--sp", "2", "--repeats", "2"],
      [*TOY, "--sp", "2"], 50),
