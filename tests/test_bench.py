@@ -119,7 +119,7 @@ def test_the_gpu_checks_dry_run_passes_every_step_and_writes_as_it_goes(check):
 
 
 def test_the_gpu_checks_tests_step_runs_every_gpu_test_the_most_important_first(tmp_path):
-    """The tests step names every test of tests/test_gpu.py once, FIRST_TESTS first (the first GPU run cut the step
+    """The tests step names every test of tests/test_gpu.py once, FIRST_TESTS first (the GPU run at 7c2fe69 cut the step
     before its last test, the Wan2.1 recipe at its real width); a cut step's summary still says which tests passed, which
     failed, which printed rows, and which was running when its bound came."""
     tree = ast.parse(open(os.path.join(bench_check.ROOT, "tests", "test_gpu.py")).read())
