@@ -184,6 +184,14 @@ class EditAdapter:
 TINY_MAX_LENGTH = 77  # the tiny tokenizers' length (CLIP's), and the tiny models' T5 sequence length
 
 
+def decode_scaled(pipe, z: torch.Tensor) -> torch.Tensor:
+    """Latents (B, C, h, w) as the transformer sees them → images (B, 3, H, W) float32 in [0, 1], as an
+    AutoencoderKL pipeline decodes (SD3's, FLUX.1's, Z-Image's): undo the VAE's scaling and shift, decode."""
+    vae = pipe.vae
+    image = vae.decode(z.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+
+
 def tiny_clip_tokenizer():
     """A CLIP tokenizer built in code (see above); eos = pad = `<|endoftext|>` as in CLIP."""
     from tokenizers.pre_tokenizers import ByteLevel

@@ -3,8 +3,8 @@ pooled + T5's embeddings, the distilled guidance embedding (one transformer pass
 sigma shift from the image token count (scheduler.sigma_schedule computes it as the pipeline does)."""
 import torch
 
-from models_base import (TINY_MAX_LENGTH, Adapter, Spec, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer,
-                         tiny_vae)
+from models_base import (TINY_MAX_LENGTH, Adapter, Spec, decode_scaled, tiny_clip, tiny_clip_tokenizer, tiny_t5,
+                         tiny_t5_tokenizer, tiny_vae)
 
 # black-forest-labs/FLUX.1-dev's scheduler config
 FLUX_SCHEDULER = dict(use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
@@ -117,7 +117,4 @@ class Flux(Adapter):
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Packed latents (B, S, C·4) → images (B, 3, H, W) float32 in [0, 1], as the pipeline decodes."""
-        vae = self.pipe.vae
-        z = self.pipe._unpack_latents(x, height, width, self.pipe.vae_scale_factor).to(vae.dtype)
-        image = vae.decode(z / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+        return decode_scaled(self.pipe, self.pipe._unpack_latents(x, height, width, self.pipe.vae_scale_factor))

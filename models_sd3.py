@@ -2,7 +2,8 @@
 built from the tiny CLIP/T5 text encoders, tokenizers and VAE that models_base.py shares among the families."""
 import torch
 
-from models_base import Adapter, Spec, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer, tiny_vae
+from models_base import (Adapter, Spec, decode_scaled, tiny_clip, tiny_clip_tokenizer, tiny_t5, tiny_t5_tokenizer,
+                         tiny_vae)
 
 SD3_SCHEDULER = dict(shift=3.0, num_train_timesteps=1000)  # stabilityai/stable-diffusion-3.5-medium's scheduler
 def build_tiny_sd3_pipeline(seed: int = 0):
@@ -110,8 +111,4 @@ class SD3(Adapter):
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Latents (B, C, h, w) → images (B, 3, H, W) float32 in [0, 1]: undo the VAE scaling and shift, decode."""
-        vae = self.pipe.vae
-        z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+        return decode_scaled(self.pipe, x)

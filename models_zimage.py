@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from models_base import Adapter, Spec, tiny_vae
+from models_base import Adapter, Spec, decode_scaled, tiny_vae
 from models_qwen import qwen_tokenizer_dir
 
 # Tongyi-MAI/Z-Image-Turbo's scheduler config; the tiny model uses it too
@@ -148,11 +148,7 @@ class ZImage(Adapter):
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Latents (B, C, h, w) → images (B, 3, H, W) float32 in [0, 1]: undo the VAE scaling and shift, decode."""
-        vae = self.pipe.vae
-        z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+        return decode_scaled(self.pipe, x)
 
 
 class ZImageTurbo(ZImage):
