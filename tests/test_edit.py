@@ -20,7 +20,7 @@ import rollout
 import scheduler as sch
 import source_images
 import startup
-from test_engine import ENV, ROOT, assert_same, lora, relative_difference, train_state
+from test_engine import ENV, ROOT, check_cli_resume, lora, relative_difference
 from tiny_setup import check_lora_export, main_here
 
 PROMPTS = ["make the cat red", "add a hat to the dog"]
@@ -200,13 +200,7 @@ def check_resume_and_ranks(model: str, prompts: str, tmp_path, script: str = os.
     4 micro-batches of 1 in one process, 2 on each of two ranks; a checkpoint per iteration."""
     run = ["--model", model, "--prompts", prompts, "--iterations", "2", "--group-size", "2", "--prompts-per-iteration",
            "2", "--micro-batch", "1", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
-    straight, resumed, ranks = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ranks"
-    main_here(*run, "--run-dir", straight)
-    main_here(*run, "--run-dir", resumed, "--iterations", "1")
-    main_here(*run, "--run-dir", resumed, "--resume", "auto")
-    assert_same(lora(straight), lora(resumed), exact=True)
-    assert_same(train_state(straight, "iter_000001", tmp_path), train_state(resumed, "iter_000001", tmp_path),
-                exact=True)
+    straight, ranks = check_cli_resume(run, tmp_path)[0], tmp_path / "ranks"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
                           "--no-wandb", *run, "--run-dir", str(ranks)], cwd=ROOT, env=ENV, capture_output=True,
                          text=True, timeout=600)

@@ -124,6 +124,19 @@ def without_perf(r):
     return {k: v for k, v in r.items() if not k.startswith("perf/")}
 
 
+def check_cli_resume(run: list, tmp_path) -> tuple:
+    """flowgrpo.py with `run` (2 iterations, a checkpoint each) in this process for 2 iterations, and for 1 then
+    `--resume auto` to 2: the same LoRA and AdamW state, bit for bit. -> the two run directories."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    main_here(*run, "--run-dir", straight)
+    main_here(*run, "--run-dir", resumed, "--iterations", "1")
+    main_here(*run, "--run-dir", resumed, "--resume", "auto")
+    assert_same(lora(straight), lora(resumed), exact=True)
+    assert_same(train_state(straight, "iter_000001", tmp_path), train_state(resumed, "iter_000001", tmp_path),
+                exact=True)
+    return straight, resumed
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """2 iterations in one process, checkpoints after each (iter_000000, iter_000001)."""

@@ -15,8 +15,7 @@ import models
 import rollout
 import scheduler as sch
 import startup
-from test_engine import assert_same, lora, rows, train_state, without_perf
-from tiny_setup import main_here
+from test_engine import check_cli_resume, rows, without_perf
 
 H = W = 32
 PROMPTS = ["a red cat", "a blue dog sitting on a green hill at sunset"]
@@ -116,13 +115,7 @@ def test_resume_through_the_cli_is_bit_for_bit(name, tmp_path):
     same LoRA, AdamW state and metrics, bit for bit; every first update on-policy."""
     run = ["--model", name, "--iterations", "2", "--prompts-per-iteration", "2", "--group-size", "2", "--micro-batch",
            "2", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    main_here(*run, "--run-dir", straight)
-    main_here(*run, "--run-dir", resumed, "--iterations", "1")
-    main_here(*run, "--run-dir", resumed, "--resume", "auto")
-    assert_same(lora(straight), lora(resumed), exact=True)
-    assert_same(train_state(straight, "iter_000001", tmp_path), train_state(resumed, "iter_000001", tmp_path),
-                exact=True)
+    straight, resumed = check_cli_resume(run, tmp_path)
     assert [without_perf(r) for r in rows(resumed)] == [without_perf(r) for r in rows(straight)]
     assert all(r["train/logp_gap"] == 0 for r in rows(straight))
 

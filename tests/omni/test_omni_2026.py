@@ -16,18 +16,12 @@ log-prob of the served transitions equal to the bit; a recipe run's `train/logp_
 (klein). The LoRA moves the images by 3.2e-3 (klein) and 0.18 (Z-Image) and the negative prompt klein's latents by more
 than 1e-3 (asserted): what the bounds exist to catch is 100 times larger.
 """
-import re
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from harness import OmniServer, train_here
-from test_omni_families import TOL, served_equals_local, served_sigmas_equal_the_trainers
+from test_omni_families import (TOL, serve, served_equals_local, served_sigmas_equal_the_trainers,
+                                short_run_serves_new_adapters)
 
-import engine as eng
-import models
 import rollout_backends
 
 H = W = 32
@@ -43,17 +37,7 @@ CASES = {"tiny-z-image": [([0, 1, 2], 1.0, "", "sde"), ([1, 2], 5.0, "blurry", "
 def family(request, tmp_path_factory):
     """One family's pipeline on disk, its server and the trainer's side: the adapter loaded from the same directory,
     with LoRA on its default targets."""
-    name = request.param
-    directory = models.save_tiny_pipeline(str(tmp_path_factory.mktemp("omni") / name), seed=0, model=name)
-    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / f"{name}.log",
-                        pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
-    try:
-        model = models.load_model(name, directory, "cpu")
-        engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=type(model).lora_targets, lr=1e-2,
-                            weight_decay=0.0, max_grad_norm=1.0, seed=0)
-        yield SimpleNamespace(name=name, dir=directory, server=server, model=model, engine=engine)
-    finally:
-        server.stop()
+    yield from serve(tmp_path_factory, request.param, [])
 
 
 def test_served_trajectories_equal_the_local_backend(family, tmp_path):
@@ -79,11 +63,4 @@ def test_a_short_run_of_the_recipe_serves_each_iteration_a_new_adapter(family, t
     """The family's tiny recipe with --rollout vllm-omni for 2 iterations (flowgrpo.main in this process): the server
     samples each iteration with a new adapter version, and the trainer's log-prob of the served transitions is the
     server's within 1e-6 (train/logp_gap)."""
-    log_start = len(family.server.log_text())
-    rows = train_here("--model", family.name, "--model-path", family.dir, "--rollout", "vllm-omni", "--rollout-url",
-                      family.server.url, "--run-dir", str(tmp_path / "run"), "--iterations", "2", "--eval-every", "0")
-    gaps = [r["train/logp_gap"] for r in rows]
-    print(f"\n{family.name}: 2 iterations through vLLM-Omni: train/logp_gap {gaps}")
-    assert [r["iteration"] for r in rows] == [0, 1] and max(gaps) < 1e-6, gaps
-    loaded = re.findall(r"Loading new adapter: id=(\d+), name=flowgrpo-v(\d+)", family.server.log_text()[log_start:])
-    assert [int(v) for _, v in loaded] == [0, 1], loaded
+    short_run_serves_new_adapters(family, tmp_path)

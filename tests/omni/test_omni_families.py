@@ -48,13 +48,19 @@ GAP_TOL = 2e-5  # the trainer's log-prob of the served transitions vs the server
 def family(request, tmp_path_factory):
     """One family's pipeline on disk, its server (fusing up to 4 waiting requests, as the Qwen-Image tier's) and
     the trainer's side: the adapter loaded from the same directory, with LoRA on its default targets."""
-    name = request.param
+    yield from serve(tmp_path_factory, request.param, ["--max-num-seqs", "4", "--request-batch-max-wait-ms", "50"],
+                     num_frames=FRAMES.get(request.param, 1))
+
+
+def serve(tmp_path_factory, name: str, extra_args: list[str], **load):  # (test_omni_2026.py's families too)
+    """Tiny model `name` on disk, its server (`extra_args`) and the trainer's side: the adapter loaded from the same
+    directory (`load`: models.load_model's keywords), with LoRA on its default targets. A generator: a module's
+    fixture yields from it, and the server stops after that module."""
     directory = models.save_tiny_pipeline(str(tmp_path_factory.mktemp("omni") / name), seed=0, model=name)
-    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / f"{name}.log",
-                        extra_args=["--max-num-seqs", "4", "--request-batch-max-wait-ms", "50"],
+    server = OmniServer(Path(directory), tmp_path_factory.mktemp("omni-log") / f"{name}.log", extra_args=extra_args,
                         pipeline_args={"trajectory_root": str(tmp_path_factory.getbasetemp())})
     try:
-        model = models.load_model(name, directory, "cpu", num_frames=FRAMES.get(name, 1))
+        model = models.load_model(name, directory, "cpu", **load)
         engine = eng.Engine(model, lora_rank=8, lora_alpha=16, lora_targets=type(model).lora_targets, lr=1e-2,
                             weight_decay=0.0, max_grad_norm=1.0, seed=0)
         yield SimpleNamespace(name=name, dir=directory, server=server, model=model, engine=engine)
@@ -153,6 +159,11 @@ def test_a_short_run_of_the_recipe_serves_each_iteration_a_new_adapter(family, t
     served transitions is the server's within 1e-6 (train/logp_gap; measured at most 7e-8). That the recipes learn:
     tests/test_loop.py (tiny-sd3, tiny-flux) and tests/test_wan.py (tiny-wan), sampling locally, which is what the
     server samples (the tests above); that a run learns through the server: test_omni_rollout.py's CLI run."""
+    short_run_serves_new_adapters(family, tmp_path)
+
+
+def short_run_serves_new_adapters(family, tmp_path):  # (test_omni_2026.py's families too)
+    """The family's recipe, 2 iterations through its server: a new adapter version each, logp_gap below 1e-6."""
     log_start = len(family.server.log_text())
     rows = train_here("--model", family.name, "--model-path", family.dir, "--rollout", "vllm-omni", "--rollout-url",
                       family.server.url, "--run-dir", str(tmp_path / "run"), "--iterations", "2", "--eval-every", "0")
