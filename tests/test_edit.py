@@ -200,7 +200,7 @@ def check_resume_and_ranks(model: str, prompts: str, tmp_path, script: str = os.
     4 micro-batches of 1 in one process, 2 on each of two ranks; a checkpoint per iteration."""
     run = ["--model", model, "--prompts", prompts, "--iterations", "2", "--group-size", "2", "--prompts-per-iteration",
            "2", "--micro-batch", "1", "--eval-every", "0", "--checkpoint-every", "1", "--seed", "3"]
-    straight, ranks = check_cli_resume(run, tmp_path)[0], tmp_path / "ranks"
+    (straight, _), ranks = check_cli_resume(run, tmp_path), tmp_path / "ranks"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
                           "--no-wandb", *run, "--run-dir", str(ranks)], cwd=ROOT, env=ENV, capture_output=True,
                          text=True, timeout=600)
