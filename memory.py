@@ -5,10 +5,13 @@ policy); it changes the update only by rounding, and on a GPU it decides how ful
 Qwen-Image recipe's 4 the host's launches, not the GPU's arithmetic, set the pace (BENCHMARKS.md). `fit` measures the
 peak memory of the largest thing one micro-batch does, a CFG velocity's forward and backward on real conditioning
 and the VAE decode of its latents, at 1 and 2 images, extrapolates linearly, and takes the largest size that divides
-a rank's share of an optimizer step (and that the algorithm accepts) within the budget. Nothing it does changes a
-weight, a gradient or a random state; every rank takes the smallest rank's choice.
+a rank's share of an optimizer step (and that the algorithm accepts) within the budget. With --reuse-rollout-forward
+the budget first gives up what the rollout keeps for the update: the graph of every trained step of every image of the
+share, measured on one. Nothing it does changes a weight, a gradient or a random state; every rank takes the smallest
+rank's choice.
 """
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -51,29 +54,64 @@ def fit(model, engine, a, images_per_step: int, prompts: list[tuple[str, dict]],
         choice = max([b for b in fits if b <= CPU_MICRO_BATCH] or fits[:1])
     else:
         budget = HEADROOM * (limit_gib * 2**30 or torch.cuda.get_device_properties(engine.device).total_memory)
-        one, two = (_peak(model, engine, a, b, (prompts * 2)[:b]) for b in (1, 2))
-        per_image = max(two - one, 1)
-        choice = max([b for b in fits if one + (b - 1) * per_image <= budget] or fits[:1])
-        # Measured, not only foretold: on the first GPU run an iteration at 16 images peaked at 61 GiB where the
-        # line through 1 and 2 images put 16 within 54.
-        while choice > fits[0] and _peak(model, engine, a, choice, (prompts * choice)[:choice]) > budget:
-            choice = max(b for b in fits if b < choice)
+        measure = functools.cache(lambda b: _peak(model, engine, a, b, (prompts * b)[:b]))  # the allocator's peak
+        one, two = measure(1), measure(2)
+        trained = len(algorithms.ALGORITHMS[a.algorithm].rollout_steps(a, 0))
+        kept = _kept(model, a, prompts[:1]) * trained * images_per_step if a.reuse_rollout_forward else 0
+        choice = choose(fits, one, two - one, kept, budget, measure)
     box = torch.tensor([choice], device=engine.device)
     dist.all_reduce(box, op=dist.ReduceOp.MIN)
     return int(box)
+
+
+def choose(fits: list[int], one: int, per_image: int, kept: int, budget: float, measure) -> int:
+    """The largest of `fits` whose peak, foretold by the line through 1 and 2 images (`one`, + `per_image` each) and
+    then `measure`d, fits `budget` beside the `kept` bytes that stay allocated throughout; else the smallest."""
+    choice = max([b for b in fits if kept + one + (b - 1) * max(per_image, 1) <= budget] or fits[:1])
+    # Measured, not only foretold: on the first GPU run an iteration at 16 images peaked at 61 GiB where the
+    # line through 1 and 2 images put 16 within 54.
+    while choice > fits[0] and kept + measure(choice) > budget:
+        choice = max(b for b in fits if b < choice)
+    if kept:  # beside them even the smallest may not fit: stopped before the rollout, not out of memory after it
+        peak = measure(choice)
+        need(kept + peak <= budget, f"--reuse-rollout-forward keeps the update's forwards of an optimizer step's "
+             f"images from the rollout to the update, {kept / 2**30:.1f} GiB here, which with a micro-batch of {choice} "
+             f"({peak / 2**30:.1f} GiB at its peak) passes the {budget / 2**30:.1f} GiB budget: leave it out, or raise "
+             f"--optimizer-steps (fewer images a step)")
+    return choice
+
+
+def _inputs(model, a, prompts: list[tuple[str, dict]]) -> tuple:
+    """A velocity call's inputs for len(prompts) images at the run's size: latents, σ, conditioning."""
+    cond = model.conditioning([p for p, _ in prompts], a.negative_prompt, a.cfg_scale, [m for _, m in prompts],
+                              a.height, a.width)
+    x = model.noise([torch.Generator().manual_seed(i) for i in range(len(prompts))], a.height, a.width)
+    return x, torch.full((len(prompts),), 0.5), cond
 
 
 def _peak(model, engine, a, b: int, prompts: list[tuple[str, dict]]) -> int:
     """The allocator's peak bytes over one micro-batch of `b` images: velocity forward + backward, VAE decode."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    cond = model.conditioning([p for p, _ in prompts], a.negative_prompt, a.cfg_scale, [m for _, m in prompts],
-                              a.height, a.width)
-    x = model.noise([torch.Generator().manual_seed(i) for i in range(b)], a.height, a.width)
+    x, sigma, cond = _inputs(model, a, prompts)
     model.transformer.train()
-    v = model.velocity(x, torch.full((b,), 0.5), cond, a.cfg_scale, a.height, a.width)
-    v.float().square().mean().backward()
+    model.velocity(x, sigma, cond, a.cfg_scale, a.height, a.width).float().square().mean().backward()
     engine.optimizer.zero_grad(set_to_none=False)  # the gradients were zero: they are again, nothing trained
     model.decode(x, a.height, a.width)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
+
+
+def _kept(model, a, prompts: list[tuple[str, dict]]) -> int:
+    """The bytes one image's velocity call holds for its backward, graph and output: what the rollout keeps for each
+    trained step of each image it samples for the first optimizer step under --reuse-rollout-forward (a little more:
+    what a call's images share, RoPE's tables, counted for each; tests/test_gpu.py)."""
+    x, sigma, cond = _inputs(model, a, prompts)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.enable_grad():
+        v = model.velocity(x, sigma, cond, a.cfg_scale, a.height, a.width)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    del v  # and its graph with it: nothing trained, nothing kept
+    return kept

@@ -149,8 +149,16 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
                 "≤ 1.1", f"LoRA r{a.lora_rank} on {len(a.lora_targets)} targets, bf16 compute, one rank")
     how = "pass_flops" if isinstance(model, RandomText) else "FlopCounterMode, one call"
     goal = "≥ 1.0 on an H200" if isinstance(model, RandomText) else ""  # Qwen-Image's goal; the others have none
-    configs = {"fitted": dict(micro_batch=fitted), "recipe": {}, "reuse": dict(micro_batch=fitted,
-                                                                               reuse_rollout_forward=True)}
+    configs = {"fitted": dict(micro_batch=fitted), "recipe": {}}
+    if "reuse" in o.rows:  # the option keeps the graphs of a step's images from the rollout to the update: fitted with them
+        try:
+            reused = memory.fit(model, engine, dataclasses.replace(a, reuse_rollout_forward=True), n,
+                                [(p, {}) for p in texts], o.memory_limit)
+            configs["reuse"] = dict(micro_batch=reused, reuse_rollout_forward=True)
+            row(t, "micro-batch fitted with --reuse-rollout-forward", [reused], "images", "", f"as above, the budget "
+                f"less what the rollout keeps for the update: each trained step's graph of each of the {n} images")
+        except ValueError as e:
+            print(f"no reuse row: {e}", flush=True)
     for i, key in enumerate([k for k in configs if k in o.rows]):  # the first one warms up (untimed) for all
         c = dataclasses.replace(a, **configs[key])
         ticks, mem, flops = end_to_end(o, c, model, engine, (i == 0) + o.repeats)

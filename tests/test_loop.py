@@ -164,6 +164,24 @@ def test_micro_batch_0_takes_a_whole_share_the_algorithm_accepts_and_on_a_cpu_at
     assert "images_per_rank=12, micro_batch=6, micro_batches_per_rank=2," in out.stdout, out.stdout
 
 
+def test_micro_batch_0_on_a_gpu_measures_what_it_foretells_and_leaves_room_for_the_kept_graphs():
+    """memory.choose, --micro-batch 0's choice on a GPU, on peaks given in GiB: the line through 1 and 2 images
+    foretells, the measured peak decides (16 images foretold at 40 and measured at 60, as the first GPU run found);
+    --reuse-rollout-forward's kept graphs come off the budget first, and where they leave no size room the run stops,
+    naming the option, before it samples. (The measurements themselves: tests/test_gpu.py.)"""
+    G, fits, peaks, measured = 2**30, [1, 2, 4, 8, 16], {1: 10, 2: 12, 4: 16, 8: 26, 16: 60}, []
+
+    def measure(b):
+        measured.append(b)
+        return peaks[b] * G
+    assert memory.choose(fits, 10 * G, 2 * G, 0, 50 * G, measure) == 8 and measured == [16, 8]
+    assert memory.choose(fits, 10 * G, 2 * G, 30 * G, 50 * G, measure) == 4  # 8: 30 + 24 foretold
+    assert memory.choose(fits, 10 * G, 2 * G, 0, 5 * G, measure) == 1  # nothing fits: the smallest, as --micro-batch 1
+    with pytest.raises(ValueError, match=r"--reuse-rollout-forward keeps .* 45.0 GiB .* micro-batch of 1 \(10.0 GiB"
+                                         r" at its peak\) passes the 50.0 GiB budget"):
+        memory.choose(fits, 10 * G, 2 * G, 45 * G, 50 * G, measure)
+
+
 def test_image_assignment_is_world_size_invariant_per_optimizer_step():
     one, two = eng.assign_images(16, 2, 1, seed=7), eng.assign_images(16, 2, 2, seed=7)
     assert sorted(one.flatten().tolist()) == list(range(16)) and two.shape == (2, 8)
