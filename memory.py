@@ -56,8 +56,8 @@ def fit(model, engine, a, images_per_step: int, prompts: list[tuple[str, dict]],
         budget = HEADROOM * (limit_gib * 2**30 or torch.cuda.get_device_properties(engine.device).total_memory)
         measure = functools.cache(lambda b: _peak(model, engine, a, b, (prompts * b)[:b]))  # the allocator's peak
         one, two = measure(1), measure(2)
-        trained = len(algorithms.ALGORITHMS[a.algorithm].rollout_steps(a, 0))
-        kept = _kept(model, a, prompts[:1]) * trained * images_per_step if a.reuse_rollout_forward else 0
+        kept = _kept(model, a, prompts[:1]) * len(algorithms.ALGORITHMS[a.algorithm].rollout_steps(a, 0)) \
+            * images_per_step if a.reuse_rollout_forward else 0  # each trained step of each image of the step
         choice = choose(fits, one, two - one, kept, budget, measure)
     box = torch.tensor([choice], device=engine.device)
     dist.all_reduce(box, op=dist.ReduceOp.MIN)
