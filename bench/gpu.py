@@ -126,22 +126,20 @@ def peak_flops(o) -> tuple[str, float]:
         2 * 2048 ** 3 / min(measure({0: lambda: x @ x}, 5)[0])
 
 def gpu_rows(t: list, o, a: flowgrpo.Args):
-    """The recipe end to end on one model and engine: at the micro-batch fitted to the device (memory.py, within
-    --memory-limit), at the recipe's own, with --reuse-rollout-forward; transformer forwards against diffusers' bare
-    ones (a model of its own, built and freed first) as the floor."""
+    """The recipe end to end on one model and engine: at the micro-batch fitted to the device (memory.py), at the
+    recipe's own, with --reuse-rollout-forward, held to --memory-limit GiB (last: the allocator is held to it from
+    there on); transformer forwards against diffusers' bare ones (a model of its own, built and freed first) as the
+    floor."""
     name, peak = peak_flops(o)
-    if CUDA and o.memory_limit:  # the allocator held to it: beyond, out of memory, as on a smaller GPU
-        torch.cuda.set_per_process_memory_fraction(o.memory_limit * 2**30 / torch.cuda.mem_get_info()[1])
     texts, sizes = texts_of(a), sorted({4, len(texts_of(a))} if CUDA else {2})
     if "floor" in o.rows:
         bare = forward_rows(t, o, a, model_of(a.model, o.device), "diffusers bare", sizes, peak)
     reset_peak()
     model = model_of(a.model, o.device)
     engine, n = make_engine(a, model), len(texts)
-    fitted = memory.fit(model, engine, a, n, [(p, {}) for p in texts], o.memory_limit)
-    limit = f"within {o.memory_limit:g} GiB" if o.memory_limit else "the device's memory"
+    fitted = memory.fit(model, engine, a, n, [(p, {}) for p in texts])
     row(t, "micro-batch fitted (--micro-batch 0)", [fitted], "images", "", f"largest of {memory.sizes(a, n)} that "
-        f"fits {limit} ({memory.HEADROOM:.0%}); the recipe's: {a.micro_batch}")
+        f"fits the device's memory ({memory.HEADROOM:.0%}); the recipe's: {a.micro_batch}")
     if "floor" in o.rows:
         loop = forward_rows(t, o, a, model, "the loop", sizes, peak)
         for b in sizes:
@@ -153,19 +151,29 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
     if "reuse" in o.rows:  # the option keeps the graphs of a step's images from the rollout to the update: fitted with them
         try:
             reused = memory.fit(model, engine, dataclasses.replace(a, reuse_rollout_forward=True), n,
-                                [(p, {}) for p in texts], o.memory_limit)
+                                [(p, {}) for p in texts])
             configs["reuse"] = dict(micro_batch=reused, reuse_rollout_forward=True)
             row(t, "micro-batch fitted with --reuse-rollout-forward", [reused], "images", "", f"as above, the budget "
                 f"less what the rollout keeps for the update: each trained step's graph of each of the {n} images")
         except ValueError as e:
             print(f"no reuse row: {e}", flush=True)
+    if "held" in o.rows:  # an 80-GB GPU's room on a larger one, in this warm process (a process of its own would build
+        # the model and warm up again), after the rows that need more: the allocator stays held from its row on
+        held = memory.fit(model, engine, a, n, [(p, {}) for p in texts], o.memory_limit)
+        configs["held"] = dict(micro_batch=held)
+        row(t, f"micro-batch fitted within {o.memory_limit:g} GiB", [held], "images", "", f"as the first, the budget "
+            f"{o.memory_limit:g} GiB ({memory.HEADROOM:.0%})")
     for i, key in enumerate([k for k in configs if k in o.rows]):  # the first one warms up (untimed) for all
+        if key == "held" and CUDA:  # beyond it, out of memory, as on a smaller GPU
+            reset_peak()
+            torch.cuda.set_per_process_memory_fraction(o.memory_limit * 2**30 / torch.cuda.mem_get_info()[1])
         c = dataclasses.replace(a, **configs[key])
         ticks, mem, flops = end_to_end(o, c, model, engine, (i == 0) + o.repeats)
         splits, total = ticks[i == 0:], [s.sum() for s in ticks[i == 0:]]
+        held_to = f", the allocator held to {o.memory_limit:g} GiB" + ("" if CUDA else " on CUDA (here: not)")
         what = f"{n} images {a.height}², {a.num_steps} steps, W {a.window}, CFG {a.cfg_scale:g}, r{a.lora_rank}, " \
                f"{a.reward}, micro-batch {c.micro_batch}" + (", --reuse-rollout-forward" if c.reuse_rollout_forward
-                                                             else "") + (f", {limit}" if o.memory_limit else "")
+                                                             else "") + (held_to if key == "held" else "")
         row(t, f"images/s per device, end to end ({key})", np.divide(n, total), "images/s", goal,
             f"{name}; {what}")
         row(t, f"MFU ({key})", np.divide(flops * n / peak, total), "of peak", "≥ 0.45", f"transformer FLOPs "
@@ -217,8 +225,7 @@ def option_rows(t: list, o, a: flowgrpo.Args, key: str):
     engine = make_engine(a, model, **fields)
     with engine.rollout_weights():
         forward_rows(t, o, a, model, f"the loop's rollout, {flag}", sorted({4, len(texts)} if CUDA else {2}), peak)
-    a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, len(texts), [(p, {}) for p in texts],
-                                                      o.memory_limit))
+    a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, len(texts), [(p, {}) for p in texts]))
     ticks, mem, flops = end_to_end(o, a, model, engine, 1 + o.repeats)  # the first warms up, untimed
     total = [s.sum() for s in ticks[1:]]
     row(t, f"images/s per device, end to end ({flag})", np.divide(len(texts), total), "images/s", "≥ 1.0 on an H200",
@@ -333,14 +340,15 @@ def main(argv=None):
                    "weights are a download, jpeg_compressibility)")
     p.add_argument("--rows", default="fitted,recipe,floor", help="--random-init's rows, comma-separated: fitted "
                    "(--micro-batch 0), recipe (its micro-batch), reuse (fitted, --reuse-rollout-forward: the update on "
-                   "the rollout's kept forwards, every image in one optimizer step), floor (forwards, the loop ÷ "
+                   "the rollout's kept forwards, every image in one optimizer step), held (fitted within "
+                   "--memory-limit, the allocator held to it; after the others), floor (forwards, the loop ÷ "
                    "diffusers' bare), offload (FSDP2 parameter offload, one micro-batch; alone, a model of its own), compiled (--compile: the loop's "
                    "forwards compiled, dynamo's graphs and breaks; alone), merged (--merged-lora) and fp8 (--fp8-rollout): "
                    "the option's rollout forwards and the recipe end to end; each alone")
     p.add_argument("--compile-backend", default="inductor", help="--rows compiled: torch.compile's backend (the dry "
                    "run's aot_eager: dynamo's graphs without inductor's C++ build)")
-    p.add_argument("--memory-limit", type=float, default=0.0, help="--random-init: GiB the allocator is held to and "
-                   "the micro-batch fitted within (an 80-GB GPU less the text encoder: 60); 0: the device's")
+    p.add_argument("--memory-limit", type=float, default=60.0, help="--rows held: GiB the allocator is held to and "
+                   "the micro-batch fitted within (default: an 80-GB GPU less the 16-GB text encoder and room)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     p.add_argument("--sp", type=int, help="the rows of Ulysses sequence parallelism, --sp N ÷ --sp 1, instead of "
                    "--random-init's")

@@ -79,10 +79,10 @@ ROWS = {"recipe": ["micro-batch fitted (--micro-batch 0)", "images/s per device,
                    "images/s per device, end to end (reuse)", "MFU (reuse)",
                    "peak memory (reuse)", "transformer forward MFU, diffusers bare, B = 2",
                    "transformer forward MFU, the loop, B = 2",
-                   "transformer forward time, the loop ÷ diffusers bare, B = 2"],
+                   "transformer forward time, the loop ÷ diffusers bare, B = 2", "micro-batch fitted within 60 GiB",
+                   "images/s per device, end to end (held)", "MFU (held)", "peak memory (held)"],
         "qwen21": FITTED,
         "sp": ["SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"],
-        "limit60": FITTED,
         "compiled": ["--compile: first call (tracing and compiling)", "transformer forward MFU, the loop, --compile, "
                      "B = 2", "--compile: dynamo graphs"]}
 MORE_ROWS = {"z-image": FITTED + OWN, "flux2-klein": FITTED + OWN, "qwen21-recipe": FITTED[:1] + OWN,
