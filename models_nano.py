@@ -4,7 +4,6 @@ float16). `--model nano` asks for one handwritten digit at 16×16."""
 import os
 
 import torch
-from PIL import Image
 
 import source_images
 from models_qwen import QwenImage, build_tiny_qwen_pipeline

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-from statistics import median as med
 
 import numpy as np
 import torch
@@ -352,7 +351,8 @@ def main(argv=None):
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     p.add_argument("--sp", type=int, help="the rows of Ulysses sequence parallelism, --sp N ÷ --sp 1, instead of "
                    "--random-init's")
-    p.add_argument("--sp-side", type=int, help="their image side (default: CPU 512, --quick 64; CUDA 1024)")
+    p.add_argument("--sp-side", type=int, help="their image side (default: CPU 512, --quick 64; CUDA 1024, or 768 on "
+                   "a GPU of under 100 GiB)")
     p.add_argument("--profile", action="store_true", help="--sp: also print each side's costliest operators")
     p.add_argument("--sp-worker", type=int, help=argparse.SUPPRESS)  # one rank of a sequence-parallel measurement
     p.add_argument("--sp-fake", action="store_true", help=argparse.SUPPRESS)
@@ -366,7 +366,10 @@ def main(argv=None):
     o.repeats, quick = o.repeats or (1 if o.quick else 2 if o.random_init else 9), o.quick
     if o.device == "cpu":
         torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic
-    o.sp_side = o.sp_side or (1024 if CUDA else 64 if quick else 512)
+    # CUDA: 1024², whose --sp 1 side (one image of the 20 B model without checkpointing: 41 GiB of weights and 32 of
+    # activations on the H200) an 80-GB GPU could not be sure to hold; 768² there (about 18 GiB of activations)
+    big = CUDA and torch.cuda.get_device_properties(0).total_memory >= 100 * 2**30
+    o.sp_side = o.sp_side or ((1024 if big else 768) if CUDA else 64 if quick else 512)
     if o.sp_worker:  # one rank of sp_rows' measurement
         result = sp_measure(o, o.sp_worker)
         if result["main"]:

@@ -14,7 +14,6 @@ from peft import LoraConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import engine as eng
 import flowgrpo
 import rollout
 from bench import overhead
@@ -236,6 +235,20 @@ def test_sp_and_plain_refuse_another_family(capsys):
         bench_gpu.main(["--sp", "2", "--model", "z-image"])
     assert "--sp and --plain measure Qwen-Image (--model tiny or qwen-image), got --model z-image" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gib, side", [(141, 1024), (80, 768)])
+def test_the_sp_rows_side_on_a_gpu_follows_its_memory(monkeypatch, gib, side):
+    """On CUDA the --sp rows measure one image of 1024² on an H200; on a GPU of under 100 GiB, 768², where the --sp 1
+    side at 1024² (41 GiB of weights, 32 of activations) might not fit. Here the GPU is faked and the rows not run."""
+    class Props:
+        total_memory = gib * 2**30
+    seen = []
+    monkeypatch.setattr(bench_gpu, "CUDA", True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(bench_gpu, "sp_rows", lambda t, o, n: seen.append((o.sp_side, o.device, n)))
+    bench_gpu.main(["--sp", "2"])
+    assert seen == [(side, "cuda", 2)], seen
 
 
 def test_soak_smallest():
