@@ -118,6 +118,22 @@ def test_merged_lora_is_refused_where_it_would_not_apply(flags, tmp_path):
         main_here(*SMALL, "--mixed-precision", "--merged-lora", *flags, "--run-dir", tmp_path / "r")
 
 
+def test_merged_lora_without_room_for_its_copies_is_refused_in_a_line(tmp_path, monkeypatch):
+    """Where the device cannot hold the bf16 copies of the adapted weights, the engine says so as it is built, with
+    their size, instead of running out of memory. Here the free memory is faked: one byte short of them."""
+    monkeypatch.setattr(merged_lora, "free_bytes", lambda device: seen[0] - 1)
+    seen, merge = [], merged_lora.merge_adapters
+
+    def counted(net):  # the copies' size, from the same layers the engine merges
+        seen.append(sum(m.base_layer.weight.nbytes for m in net.modules() if hasattr(m, "lora_A")))
+        merge(net)
+    monkeypatch.setattr(merged_lora, "merge_adapters", counted)
+    with pytest.raises(ValueError, match=r"--merged-lora keeps a bf16 copy of every adapted weight, 0\.0 GiB here, "
+                                         r"and cpu has 0\.0 GiB free: leave it out"):
+        main_here(*SMALL, "--mixed-precision", "--merged-lora", "--run-dir", tmp_path / "r")
+    assert seen[0] > 0
+
+
 def test_compile_traces_merged_blocks_without_a_graph_break(monkeypatch):
     """--compile with --merged-lora (the qwen-image recipe's bf16 compute and checkpointing, 2 blocks): no graph break
     in training, the rollout's forward or the reference's (the adapter off: a graph of its own), and after an
