@@ -22,6 +22,8 @@ import types
 
 import torch
 
+import precision
+
 E4M3 = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
@@ -49,6 +51,8 @@ def quantise_frozen(blocks) -> list[torch.nn.Linear]:
               and not m.weight.requires_grad and m.in_features % 16 == 0 and m.out_features % 16 == 0]
     if not layers:
         raise ValueError("--fp8-rollout found no frozen linear layer whose widths are multiples of 16: run without it")
+    precision.need_room(sum(m.weight.numel() + 4 * m.out_features for m in layers), layers[0].weight.device,
+                        "--fp8-rollout keeps a float8 copy of every frozen linear weight of the blocks")
     for m in layers:
         with torch.no_grad():
             w, scale = quantise(m.weight)

@@ -15,6 +15,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+import precision
+
 
 class _MergedLinear(torch.autograd.Function):
     """y = x·Wᵀ + bias through the merged weight W. The backward is the unmerged layer's, in bf16 matmuls over the
@@ -64,14 +66,6 @@ def _refresh(net, args) -> None:  # a forward pre-hook of the root
                 m.merged_key = key
 
 
-def free_bytes(device: torch.device) -> float:
-    """What the allocator can still hand out on `device`: the GPU's free memory and its cache's unused part (a CPU's
-    memory is the machine's, not bounded here)."""
-    if device.type != "cuda":
-        return float("inf")
-    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 def merge_adapters(net: torch.nn.Module) -> None:
     """Every peft LoRA layer of `net` (after precision.bf16_working_copies) computing through its merged weight, a
     buffer (not saved; an input of a compiled block, not a constant) that `_refresh` keeps up to date; its factors'
@@ -83,10 +77,8 @@ def merge_adapters(net: torch.nn.Module) -> None:
              and m.lora_B[m.active_adapters[0]].bias is None]
     if not layers or len(plain) != len(layers):
         raise ValueError("--merged-lora merges plain LoRA linear layers only (one adapter; no dropout, DoRA or bias)")
-    extra, device = sum(m.base_layer.weight.nbytes for m in layers), layers[0].base_layer.weight.device
-    if extra > free_bytes(device):  # said in a line, where allocating them would end the run in a stack
-        raise ValueError(f"--merged-lora keeps a bf16 copy of every adapted weight, {extra / 2**30:.1f} GiB here, and "
-                         f"{device} has {free_bytes(device) / 2**30:.1f} GiB free: leave it out, or use a larger GPU")
+    precision.need_room(sum(m.base_layer.weight.nbytes for m in layers), layers[0].base_layer.weight.device,
+                        "--merged-lora keeps a bf16 copy of every adapted weight")
     for m in layers:
         m.merged_adapter, m.merged_key = m.active_adapters[0], None
         m.merged_scaling = m.scaling[m.merged_adapter]

@@ -81,3 +81,19 @@ def bf16_working_copies(net: torch.nn.Module) -> None:
         m.forward = types.MethodType(_working_copy_linear, m)
     net.working_factors = factors
     net.register_forward_pre_hook(_refresh)
+
+
+def free_bytes(device: torch.device) -> float:
+    """What the allocator can still hand out on `device`: the GPU's free memory and its cache's unused part (a CPU's
+    memory is the machine's, not bounded here)."""
+    if device.type != "cuda":
+        return float("inf")
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def need_room(nbytes: int, device: torch.device, what: str) -> None:
+    """A copy of the weights that an option keeps (--merged-lora's, --fp8-rollout's) refused in a line where `device`
+    cannot hold it, before it is made: out of memory there would end the run in a stack."""
+    if nbytes > free_bytes(device):
+        raise ValueError(f"{what}, {nbytes / 2**30:.1f} GiB here, and {device} has {free_bytes(device) / 2**30:.1f} GiB "
+                         "free: leave it out, or use a GPU with more memory")

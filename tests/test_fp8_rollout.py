@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import engine as eng
 import fp8_rollout
 import models
+import precision
 from test_engine import SMALL
 from tiny_setup import main_here
 
@@ -61,6 +62,22 @@ def test_cli_the_rollouts_log_probs_move_by_the_rounding(tmp_path):
 def test_fp8_rollout_is_refused_where_it_would_not_apply(flags, error, tmp_path):
     with pytest.raises(ValueError, match=error):
         main_here(*SMALL, "--mixed-precision", "--fp8-rollout", *flags, "--run-dir", tmp_path / "r")
+
+
+def test_fp8_rollout_without_room_for_its_copies_is_refused_in_a_line(tmp_path, monkeypatch):
+    """The room asked for is what the float8 copies and their scales take; where the device has not that room, the
+    engine says so as it is built, with their size, instead of running out of memory (the free memory faked)."""
+    asked, need_room = [], precision.need_room
+    monkeypatch.setattr(precision, "need_room", lambda n, device, what: asked.append(n) or need_room(n, device, what))
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)).to(torch.bfloat16)
+              .requires_grad_(False)]
+    layers = fp8_rollout.quantise_frozen(blocks)
+    assert asked == [sum(m.fp8_weight.nbytes + m.fp8_scale.nbytes for m in layers)] == [32 * 48 + 48 * 4 + 48 * 16 +
+                                                                                         16 * 4]
+    monkeypatch.setattr(precision, "free_bytes", lambda device: 0)
+    with pytest.raises(ValueError, match=r"--fp8-rollout keeps a float8 copy of every frozen linear weight of the "
+                                         r"blocks, 0\.0 GiB here, and cpu has 0\.0 GiB free: leave it out"):
+        main_here(*SMALL, "--mixed-precision", "--fp8-rollout", "--algorithm", "nft", "--run-dir", tmp_path / "r")
 
 
 def test_only_the_rollout_computes_in_float8_and_compiled_blocks_trace_it(monkeypatch):

@@ -120,18 +120,16 @@ def test_merged_lora_is_refused_where_it_would_not_apply(flags, tmp_path):
 
 def test_merged_lora_without_room_for_its_copies_is_refused_in_a_line(tmp_path, monkeypatch):
     """Where the device cannot hold the bf16 copies of the adapted weights, the engine says so as it is built, with
-    their size, instead of running out of memory. Here the free memory is faked: one byte short of them."""
-    monkeypatch.setattr(merged_lora, "free_bytes", lambda device: seen[0] - 1)
-    seen, merge = [], merged_lora.merge_adapters
-
-    def counted(net):  # the copies' size, from the same layers the engine merges
-        seen.append(sum(m.base_layer.weight.nbytes for m in net.modules() if hasattr(m, "lora_A")))
-        merge(net)
-    monkeypatch.setattr(merged_lora, "merge_adapters", counted)
+    their size, instead of running out of memory (precision.need_room; --fp8-rollout's in test_fp8_rollout.py). Here
+    the free memory is faked: none; and a copy of exactly the free bytes is let through, one byte more refused."""
+    monkeypatch.setattr(precision, "free_bytes", lambda device: 0)
     with pytest.raises(ValueError, match=r"--merged-lora keeps a bf16 copy of every adapted weight, 0\.0 GiB here, "
                                          r"and cpu has 0\.0 GiB free: leave it out"):
         main_here(*SMALL, "--mixed-precision", "--merged-lora", "--run-dir", tmp_path / "r")
-    assert seen[0] > 0
+    monkeypatch.setattr(precision, "free_bytes", lambda device: 3 * 2**30)
+    precision.need_room(3 * 2**30, torch.device("cuda"), "a copy")
+    with pytest.raises(ValueError, match=r"^a copy, 3\.0 GiB here, and cuda has 3\.0 GiB free: leave it out"):
+        precision.need_room(3 * 2**30 + 1, torch.device("cuda"), "a copy")
 
 
 def test_compile_traces_merged_blocks_without_a_graph_break(monkeypatch):
