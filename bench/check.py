@@ -75,8 +75,8 @@ STEPS = [
      [*TESTS, *gpu_tests()], [*TESTS, *gpu_tests(), "-k", "sigma and tiny-sd3"], 140),
     # (without --profile: the run at 7c2fe69 profiled the split, host-bound at this size, BENCHMARKS.md; two more
     # steps under the profiler, one a side, and their tables are time the rows need)
-    ("sp", "--sp 2 ÷ --sp 1 at 1024² (768² on an 80-GB GPU), one GPU standing for rank 0 of 2", [*GPU, "--sp", "2", "--repeats", "2"],
-     [*TOY, "--sp", "2"], 50),
+    ("sp", "--sp 2 ÷ --sp 1 at 1024² (768² on an 80-GB GPU), one GPU standing for rank 0 of 2",
+     [*GPU, "--sp", "2", "--repeats", "2"], [*TOY, "--sp", "2"], 50),
     ("compiled", "--compile: the loop's forwards compiled, dynamo's graphs and breaks",
      [*GPU, "--random-init", "--rows", "compiled", "--repeats", "2"],
      [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 45),
