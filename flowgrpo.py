@@ -189,10 +189,9 @@ def main(a: Args) -> list[dict]:
         return rollout_ranks.serve(a, exchange, algo)
     rank, world, device = eng.init_distributed()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # it wins when set (torchrun: 1 per rank)
-        # one thread per physical core it may use, split among the node's ranks; more wait on each other (BENCHMARKS.md)
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # (macOS)
-        cores = usable * (psutil.cpu_count(logical=False) or 1) // (psutil.cpu_count() or 1)  # not hyper-threads
-        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        # one torch thread: the laptop models' operations are too small to share, and a team of threads waits on itself
+        # (on 2 idle cores, nano's recipe took twice as long on two threads as on one: BENCHMARKS.md)
+        torch.set_num_threads(1)
     arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     ckpt, meta = resume or (None, {})
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.

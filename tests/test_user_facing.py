@@ -87,6 +87,29 @@ def test_a_run_ends_by_telling_its_judge_and_draws_it(tmp_path, capsys):
     assert two_panels[0] > 1.5 * two_panels[1], two_panels
 
 
+@pytest.mark.parametrize("omp,threads", [(None, 1), ("2", 2)])
+def test_a_cpu_run_takes_one_torch_thread_unless_omp_num_threads_says(tmp_path, monkeypatch, omp, threads):
+    """On CPU the loop runs one torch thread where OMP_NUM_THREADS is unset (the laptop models' operations are too
+    small to share: on 2 idle cores nano's recipe took twice as long on two, BENCHMARKS.md), and as many as it says
+    where it is set. Before: one a physical core, so two on the 2-core machines."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if omp:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what torch takes by itself on a 2-core machine, or OMP_NUM_THREADS=2
+    try:
+        flowgrpo.main(cli.parse_args(flowgrpo.Args, ["--no-wandb", "--iterations", "1", "--prompts-per-iteration", "1",
+                                                     "--group-size", "2", "--micro-batch", "2", "--optimizer-steps", "1",
+                                                     "--eval-every", "0", "--run-dir",
+                                                     str(tmp_path / "run")]))
+        seen = torch.get_num_threads()
+    finally:
+        eng.shutdown()
+        rundir.release_run_dirs()
+        torch.set_num_threads(before)
+    assert seen == threads, f"OMP_NUM_THREADS={omp}: the run took {seen} torch threads, not {threads}"
+
+
 def test_the_reward_curve_is_redrawn_only_while_drawing_is_cheap_and_always_at_the_end(tmp_path, monkeypatch):
     """reward_curve.png is redrawn after a row only while drawing has taken at most 2% of the run's time (a redraw
     costs ~0.1 s; a tiny run's iterations take ~1 s), and once more at close. Here each draw "takes" 1 s of a run that
