@@ -27,7 +27,7 @@ usage: bash run.sh NAME [flags]   (the flags are appended to NAME's command)
   zimage-8gpu      8 GPUs: Z-Image, Flow-Factory's recipe
   klein-8gpu       8 GPUs: FLUX.2 [klein] 9B, Flow-Factory's recipe
   gpu-wheels       here: pack the packages a GPU image lacks into .whl/site.tar.xz
-  gpu-check        on a lent GPU: the GPU rows and tests into OUT (gpu-check OUT; OUT --more: the other families)
+  gpu-check        on a lent GPU: the GPU rows and tests into OUT (gpu-check OUT; OUT --more; OUT --families)
   bench-gpu        on a lent GPU: one bench/gpu.py call (Qwen-Image's recipe, random weights)
 END
   [[ -z $1 ]] || echo "run.sh: no recipe named '$1'" >&2
@@ -80,7 +80,7 @@ case $recipe in
   # The GPU check on a machine that cannot reach PyPI (BENCHMARKS.md): `gpu-wheels` here saves the pinned packages
   # such a machine's PyTorch image lacks, for its Python 3.12, unpacked into one archive, .whl/site.tar.xz (40 MB: with
   # the working tree within the 64 MiB such a machine can be sent; the wheels themselves are 58 MB); `gpu-check OUT`
-  # there unpacks it and runs every GPU step into OUT (bench/check.py; `gpu-check OUT --more`: its second command),
+  # there unpacks it and runs every GPU step into OUT (bench/check.py; `--more`, `--families`: its other commands),
   # `bench-gpu` one bench/gpu.py call.
   gpu-wheels)      rm -rf .whl/wheels .whl/site && mkdir -p .whl/site && python3 -m pip download -q --no-deps \
                      --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \

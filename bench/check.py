@@ -1,17 +1,17 @@
 """bench/check.py: the GPU tier in one command, for a GPU machine at hand for minutes (`bash run.sh gpu-check OUT`).
     python -m bench.check OUT              # one CUDA GPU: every GPU row and test, at most 9 minutes in all
     python -m bench.check OUT --dry-run    # the same steps at toy size on the CPU (tests/test_bench.py)
-    python -m bench.check OUT --more       # the second command: the steps that the first's 9 minutes leave out
+    python -m bench.check OUT --more       # the speed options end to end, offload, --plain: 10 minutes
+    python -m bench.check OUT --families   # the 2026 families' recipes: 6 minutes
 
 Each step runs under its own bound, the most important first: the recipe end to end (the micro-batch fitted to the
 device, the recipe's own, the update on the rollout's kept forwards, transformer forwards against diffusers' bare ones,
 last the allocator held to 60 GiB), Qwen-Image 2.1's one-GPU recipe at the fitted micro-batch, the GPU tests
-(tests/test_gpu.py, the Wan2.1 recipe at its real width among them), the --sp 2 rows, --compile's forwards. The second
-command (--more, 10 minutes) takes what those 9 leave out: --merged-lora's and --fp8-rollout's rows, Z-Image's and
-FLUX.2 [klein]'s recipes, Qwen-Image 2.1's at its own micro-batch, the update against plain PyTorch at the real width,
-parameter offload. A step's output goes to OUT/<step>.log as it comes, and OUT/summary.md gains its verdict and table
-rows as it ends, so a check cut short keeps everything measured until then. The summary closes with the steps that
-passed; the exit status is 0 only if all did.
+(tests/test_gpu.py, the Wan2.1 recipe at its real width among them), the --sp 2 rows, --compile's forwards. --more:
+the speed options end to end (--compile, --fp8-rollout compiled, --merged-lora), --plain, offload; --families: Z-Image,
+FLUX.2 [klein], Qwen-Image 2.1 at its own micro-batch. A step's output goes to OUT/<step>.log as it comes, and
+OUT/summary.md gains its verdict and table rows as it ends, so a check cut short keeps what it measured. The summary
+closes with the steps that passed; the exit status is 0 only if all did.
 """
 import argparse
 import ast
@@ -40,8 +40,7 @@ def family(name: str, rows: str, gpu_extra=()) -> tuple[list[str], list[str]]:
 SUMMARY = "OUT/summary.md"  # OUT: the folder named on the command line
 # -v -s: each test's verdict and what it prints (the Wan2.1 recipe's rows) reach the log as they come, not at the end
 TESTS = [PY, "-m", "pytest", "-v", "-s", "-n", "0", "-p", "no:cacheprovider"]
-# tests/test_gpu.py's tests run the most important first, so that a step cut at its bound loses the least (the GPU run
-# at 7c2fe69 cut it after 12 of 18, in the file's order, before the Wan2.1 recipe at its real width, the last there)
+# tests/test_gpu.py's most important first: a step cut at its bound loses the least (7c2fe69's lost its Wan2.1 test)
 FIRST_TESTS = ("test_wan_recipe_memory_and_speed_at_the_real_width",
                "test_first_update_is_exactly_on_policy_at_the_recipe_dtypes",
                "test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes",
@@ -59,52 +58,52 @@ def gpu_tests(path: str = "tests/test_gpu.py") -> list[str]:
     return [f"{path}::{name}" for name in sorted(names, key=lambda name: first.get(name, len(first)))]
 
 
-# (name, what it shows, the GPU command, the dry run's, bound in seconds): the bounds sum to 9 minutes. Qwen-Image 2.1
-# (the first of the 2026 families on one GPU) took its 70 s from plain and offload, which no check has yet run to their
-# end within their bounds (BENCHMARKS.md): they moved, bounds and all, to MORE rather than every bound being cut. The
-# recipe held to 60 GiB was a step of its own (55 s), which would have built the model and warmed up again: ~80 s by
-# the H200's figures (an iteration at a micro-batch of 8 near 28 s, two of them); it is the recipe step's last row,
-# one iteration in a warm process (~40 s), and its bound the recipe step's
+# (name, what it shows, the GPU command, the dry run's, bound in seconds): the bounds sum to 9 minutes, set from the
+# first check that ran through, on an H100 (2026-12-06: recipe 202 s, qwen21 47, tests 115, sp 42; compiled cut at
+# its 45 after its last row), each with a margin, compiled's from what the others leave (BENCHMARKS.md)
 STEPS = [
     ("recipe", "Qwen-Image's public recipe end to end, random weights at the real width, last held to 60 GiB",
      [*GPU, "--random-init", "--rows", "fitted,recipe,reuse,floor,held", "--repeats", "1"],
-     [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor,held"], 235),
+     [*TOY, "--random-init", "--rows", "fitted,recipe,reuse,floor,held"], 220),
     ("qwen21", "Qwen-Image 2.1's one-GPU recipe at the fitted micro-batch, random weights at the real width (7.1 B)",
-     *family("qwen-image-2.1", "fitted", ["--repeats", "1"]), 70),
+     *family("qwen-image-2.1", "fitted", ["--repeats", "1"]), 55),
     ("tests", "tests/test_gpu.py, the Wan2.1 recipe at its real width and the first updates on CUDA first",
-     [*TESTS, *gpu_tests()], [*TESTS, *gpu_tests(), "-k", "sigma and tiny-sd3"], 140),
-    # (without --profile: the run at 7c2fe69 profiled the split, host-bound at this size, BENCHMARKS.md; two more
-    # steps under the profiler, one a side, and their tables are time the rows need)
+     [*TESTS, *gpu_tests()], [*TESTS, *gpu_tests(), "-k", "sigma and tiny-sd3"], 125),
     ("sp", "--sp 2 ÷ --sp 1 at 1024² (768² on an 80-GB GPU), one GPU standing for rank 0 of 2",
-     [*GPU, "--sp", "2", "--repeats", "2"], [*TOY, "--sp", "2"], 50),
+     [*GPU, "--sp", "2", "--repeats", "2"], [*TOY, "--sp", "2"], 45),
     ("compiled", "--compile: the loop's forwards compiled, dynamo's graphs and breaks",
      [*GPU, "--random-init", "--rows", "compiled", "--repeats", "2"],
-     [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 45),
+     [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 95),
 ]
-# the second command (--more), 10 minutes: the speed options' rows first (--merged-lora, --fp8-rollout: the way to the
-# goal of 1 image/s), the other families (bench/families.py), the two steps moved out of STEPS. A lent machine's call of 10
-# minutes, start-up included, may cut the last step (offload): what it measured until then stays in OUT
+# --more (10 minutes), the way to 1 image/s first: on the H100 (2026-12-06) --compile's forwards took 0.85 x the bare
+# ones, --fp8-rollout's in eager 1.2-2.4 x the loop's (unfused): it runs compiled. Bounds estimated (a fit, two
+# iterations of ~20 s, graphs compiled; offload's 40 GB a call over PCIe): none of these steps has run to its end
 MORE = [
+    ("compiled-recipe", "--compile end to end: the recipe at the micro-batch fitted with the loop's blocks compiled",
+     [*GPU, "--random-init", "--rows", "fitted", "--compile", "--repeats", "1"],
+     [*TOY, "--random-init", "--rows", "fitted", "--compile", "--compile-backend", "aot_eager"], 150),
+    ("fp8", "--fp8-rollout compiled, --stale-correction decoupled: its forwards, the recipe at the fitted micro-batch",
+     [*GPU, "--random-init", "--rows", "fp8", "--compile", "--profile", "--repeats", "1"],
+     [*TOY, "--random-init", "--rows", "fp8", "--compile", "--profile", "--compile-backend", "aot_eager"], 170),
     ("merged", "--merged-lora: the adapter in each bf16 weight, its forwards and the recipe at the fitted micro-batch",
-     [*GPU, "--random-init", "--rows", "merged", "--repeats", "1"], [*TOY, "--random-init", "--rows", "merged"], 85),
-    ("fp8", "--fp8-rollout (with --stale-correction decoupled): the rollout's frozen linear layers in float8, its "
-     "forwards and the recipe at the fitted micro-batch", [*GPU, "--random-init", "--rows", "fp8", "--repeats", "1"],
-     [*TOY, "--random-init", "--rows", "fp8"], 85),
+     [*GPU, "--random-init", "--rows", "merged", "--repeats", "1"], [*TOY, "--random-init", "--rows", "merged"], 110),
+    ("plain", "the update ÷ plain PyTorch's, 4 of 60 blocks at the real width, fp32",
+     [*GPU_BENCH, "--device", "cuda", "--plain", "--repeats", "2"], [*GPU_BENCH, "--plain", "--quick"], 45),
+    ("offload", "parameter offload, one micro-batch", [*GPU, "--random-init", "--rows", "offload"],
+     [*TOY, "--random-init", "--rows", "offload"], 100),
+]
+# --families (6 minutes): the 2026 families' recipes on their real architectures (bench/families.py); bounds estimated
+FAMILIES = [
     ("z-image", "Z-Image's recipe (Flow-Factory's), random weights at the real width (6.2 B), fitted and its own "
      "micro-batch", *family("z-image", "fitted,recipe", ["--repeats", "1"]), 150),
     ("flux2-klein", "FLUX.2 [klein] 9B's recipe (Flow-Factory's), random weights at the real width (9.1 B), fitted and "
      "its own micro-batch", *family("flux.2-klein", "fitted,recipe", ["--repeats", "1"]), 150),
     ("qwen21-recipe", "Qwen-Image 2.1's one-GPU recipe at its own micro-batch (4)",
      *family("qwen-image-2.1", "recipe", ["--repeats", "1"]), 60),
-    ("plain", "the update ÷ plain PyTorch's, 4 of 60 blocks at the real width, fp32",
-     [*GPU_BENCH, "--device", "cuda", "--plain", "--repeats", "2"], [*GPU_BENCH, "--plain", "--quick"],
-     35),
-    ("offload", "parameter offload, one micro-batch", [*GPU, "--random-init", "--rows", "offload"],
-     [*TOY, "--random-init", "--rows", "offload"], 35),
 ]
 
 
-def header(dry: bool, more: bool = False) -> str:
+def header(dry: bool, which: str = "") -> str:
     """What the figures were measured on: date, machine, revision, versions."""
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True) if not dry else None
@@ -117,7 +116,7 @@ def header(dry: bool, more: bool = False) -> str:
     rev = os.environ.get("FLOWGRPO_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                                            capture_output=True, text=True).stdout.strip() or "?"
     machine = smi.stdout.strip() if smi and smi.returncode == 0 else "CPU (dry run)" if dry else "no nvidia-smi"
-    return (f"# GPU check{' (--more)' if more else ''}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\nrevision {rev}; "
+    return (f"# GPU check{f' ({which})' if which else ''}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\nrevision {rev}; "
             f"{machine}; Python {platform.python_version()}; {', '.join(packages)}\n")
 
 
@@ -164,19 +163,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", help="the folder OUT for OUT/<step>.log and OUT/summary.md (made; those files replaced)")
     p.add_argument("--dry-run", action="store_true", help="every step at toy size on the CPU")
-    p.add_argument("--more", action="store_true", help="the second command's steps (MORE) instead of the first's")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--more", action="store_true", help="the speed options' steps (MORE) instead of the first's")
+    g.add_argument("--families", action="store_true", help="the 2026 families' steps (FAMILIES) instead")
     p.add_argument("--only", help="comma-separated step names (default: all, in order)")
     o = p.parse_args(argv)
-    table = MORE if o.more else STEPS
+    which = "--more" if o.more else "--families" if o.families else ""
+    table = {"--more": MORE, "--families": FAMILIES, "": STEPS}[which]
     steps = [s for s in table if not o.only or s[0] in o.only.split(",")]
     unknown = set(o.only.split(",") if o.only else ()) - {s[0] for s in table}
     if unknown:
-        p.error(f"--only: no step {sorted(unknown)}; the steps{' of --more' if o.more else ''}: "
+        p.error(f"--only: no step {sorted(unknown)}; the steps{f' of {which}' if which else ''}: "
                 f"{', '.join(s[0] for s in table)}")
     os.makedirs(o.out, exist_ok=True)
     summary = os.path.join(o.out, os.path.basename(SUMMARY))
     with open(summary, "w") as f:
-        f.write(header(o.dry_run, o.more))
+        f.write(header(o.dry_run, which))
     verdicts = []
     for name, what, gpu, dry, bound in steps:
         log = os.path.join(o.out, f"{name}.log")

@@ -67,8 +67,9 @@ def pass_flops(c, s_img: int, s_txt: int, r: int) -> float:
 
 def end_to_end(o, a: flowgrpo.Args, model, engine, iterations: int):
     """`iterations` of the loop's phases as flowgrpo.main runs them (rollout, reward, one optimizer step on all images)
-    -> (seconds per phase of each, the allocator's peak, transformer FLOPs per image)."""
-    texts, ticks, pool = texts_of(a), [], rewards.AsyncRewards(rewards.make_reward(a.reward))
+    -> (seconds per phase of each, the allocator's peak, transformer FLOPs per image, the largest first update's
+    train/logp_gap: each first update is on the policy that sampled its images, so 0 but for a float8 rollout)."""
+    texts, ticks, gaps, pool = texts_of(a), [], [], rewards.AsyncRewards(rewards.make_reward(a.reward))
     reset_peak()
     steps = sch.trained_steps(a.num_steps, a.window, a.window_range, seed=0)
     for _ in range(iterations):
@@ -79,7 +80,7 @@ def end_to_end(o, a: flowgrpo.Args, model, engine, iterations: int):
         rolled, scores = time.perf_counter(), torch.as_tensor(pool.collect()[0]).float()
         b.advantages = algorithms.group_advantages(scores, b.group, std=a.std, clip=a.adv_clip)[0].to(model.device)
         scored = time.perf_counter()
-        train(model, engine, b, a)
+        gaps.append(train(model, engine, b, a).get("train/logp_gap", np.nan))
         sync()
         ticks.append(np.diff([start, rolled, scored, time.perf_counter()]))
     pool.close()
@@ -90,7 +91,7 @@ def end_to_end(o, a: flowgrpo.Args, model, engine, iterations: int):
     flops = sum(pass_flops(model.transformer.config, model.image_seq_len(a.height, a.width), b.cond[k].shape[1],
                            a.lora_rank) for k in ("embeds", "neg_embeds")[:1 + (a.cfg_scale > 1)]) \
         if isinstance(model, RandomText) else bench_families.velocity_flops(model, a, texts[0])  # the others: counted
-    return ticks, peak, flops * (a.num_steps + (1 if a.reuse_rollout_forward else 2) * len(steps))
+    return ticks, peak, flops * (a.num_steps + (1 if a.reuse_rollout_forward else 2) * len(steps)), max(gaps)
 
 def reset_peak():
     gc.collect()  # an earlier row's model is garbage now
@@ -101,6 +102,26 @@ def reset_peak():
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # 5: reset VmHWM
 
+def print_profile(label: str, fn, show: bool = True):
+    """fn once under torch's profiler; its costliest operators by device time (a CPU: host time) printed, to the log."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if CUDA else [])) as prof:
+        fn()
+        sync()
+    if show:
+        print(f"profile, {label}:\n" + prof.key_averages().table(
+            sort_by="cuda_time_total" if CUDA else "cpu_time_total", row_limit=15), flush=True)
+
+def engine_of(o, a: flowgrpo.Args, model, **extra) -> eng.Engine:
+    """make_engine; with --compile, each block then compiled as Engine(compile=True) compiles it (one rank: nothing is
+    sharded after), on --compile-backend."""
+    engine = make_engine(a, model, **extra)
+    if o.compile:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # as the engine's
+        for block in model.blocks:
+            block.compile(backend=o.compile_backend)
+    return engine
+
 def forward_rows(t: list, o, a: flowgrpo.Args, model, label: str, sizes: list[int], peak: float):
     """One transformer call of one CFG branch (no gradient) at each batch size: its seconds and MFU, per `label`."""
     texts, side, seconds = texts_of(a), a.height, {}
@@ -110,6 +131,8 @@ def forward_rows(t: list, o, a: flowgrpo.Args, model, label: str, sizes: list[in
         s, c = torch.full((b,), 0.5, device=model.device), model.conditioning((texts * b)[:b], a.negative_prompt, 1.0)
         with torch.no_grad():
             seconds[b] = measure({0: lambda: model.velocity(x, s, c, 1.0, side, side)}, o.repeats + 1)[0]
+            if o.profile and b == sizes[0]:  # where the smallest batch's time goes
+                print_profile(f"{label}, B = {b}", lambda: model.velocity(x, s, c, 1.0, side, side))
         rank = 0 if label.startswith("diffusers") else a.lora_rank
         flops = b * (pass_flops(model.transformer.config, model.image_seq_len(side, side), c["embeds"].shape[1], rank)
                      if isinstance(model, RandomText) else bench_families.velocity_flops(
@@ -135,12 +158,12 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
         bare = forward_rows(t, o, a, model_of(a.model, o.device), "diffusers bare", sizes, peak)
     reset_peak()
     model = model_of(a.model, o.device)
-    engine, n = make_engine(a, model), len(texts)
+    engine, n = engine_of(o, a, model), len(texts)
     fitted = memory.fit(model, engine, a, n, [(p, {}) for p in texts])
     row(t, "micro-batch fitted (--micro-batch 0)", [fitted], "images", "", f"largest of {memory.sizes(a, n)} that "
         f"fits the device's memory ({memory.HEADROOM:.0%}); the recipe's: {a.micro_batch}")
     if "floor" in o.rows:
-        loop = forward_rows(t, o, a, model, "the loop", sizes, peak)
+        loop = forward_rows(t, o, a, model, "the loop" + (", --compile" if o.compile else ""), sizes, peak)
         for b in sizes:
             row(t, f"transformer forward time, the loop ÷ diffusers bare, B = {b}", np.divide(loop[b], bare[b]), "×",
                 "≤ 1.1", f"LoRA r{a.lora_rank} on {len(a.lora_targets)} targets, bf16 compute, one rank")
@@ -166,18 +189,20 @@ def gpu_rows(t: list, o, a: flowgrpo.Args):
         if key == "held" and CUDA:  # beyond it, out of memory, as on a smaller GPU
             reset_peak()
             torch.cuda.set_per_process_memory_fraction(o.memory_limit * 2**30 / torch.cuda.mem_get_info()[1])
-        c = dataclasses.replace(a, **configs[key])
-        ticks, mem, flops = end_to_end(o, c, model, engine, (i == 0) + o.repeats)
+        c, tag = dataclasses.replace(a, **configs[key]), key + (", --compile" if o.compile else "")
+        ticks, mem, flops, gap = end_to_end(o, c, model, engine, (i == 0) + o.repeats)
         splits, total = ticks[i == 0:], [s.sum() for s in ticks[i == 0:]]
         held_to = f", the allocator held to {o.memory_limit:g} GiB" + ("" if CUDA else " on CUDA (here: not)")
         what = f"{n} images {a.height}², {a.num_steps} steps, W {a.window}, CFG {a.cfg_scale:g}, r{a.lora_rank}, " \
                f"{a.reward}, micro-batch {c.micro_batch}" + (", --reuse-rollout-forward" if c.reuse_rollout_forward
                                                              else "") + (held_to if key == "held" else "")
-        row(t, f"images/s per device, end to end ({key})", np.divide(n, total), "images/s", goal,
+        row(t, f"images/s per device, end to end ({tag})", np.divide(n, total), "images/s", goal,
             f"{name}; {what}")
-        row(t, f"MFU ({key})", np.divide(flops * n / peak, total), "of peak", "≥ 0.45", f"transformer FLOPs "
+        row(t, f"MFU ({tag})", np.divide(flops * n / peak, total), "of peak", "≥ 0.45", f"transformer FLOPs "
             f"({how}) {flops / 1e12:.4g} T/image; VAE, text encoder, reward not counted; peak {peak / 1e12:.4g} T/s")
-        row(t, f"peak memory ({key})", [mem / 2**30], "GiB", "", "CUDA allocator peak" if CUDA else "process VmHWM")
+        row(t, f"peak memory ({tag})", [mem / 2**30], "GiB", "", "CUDA allocator peak" if CUDA else "process VmHWM")
+        row(t, f"first update's logp_gap ({tag})", [gap], "", "0", "the largest over the iterations: each first "
+            "update recomputes the log-probs its rollout recorded, on the same weights")
         if key == "fitted":
             for i, phase in enumerate(("rollout", "reward wait", "training")):  # the reward scored during the rollout
                 row(t, f"{phase} share of the iteration", np.divide(p := [s[i] for s in splits], total), "share", "",
@@ -188,10 +213,8 @@ def compiled_rows(t: list, o, a: flowgrpo.Args):
     graphs and breaks; alone, on a model of its own."""
     from torch._dynamo.utils import counters
     _, peak = peak_flops(o)
-    model = model_of(a.model, o.device)
-    make_engine(a, model)
-    for block in model.blocks:  # as Engine(compile=True) on one rank (nothing sharded after it), on --compile-backend
-        block.compile(backend=o.compile_backend)
+    model, o.compile = model_of(a.model, o.device), True
+    engine_of(o, a, model)
     model.transformer.eval()
     x = model.noise([torch.Generator()], a.height, a.width)
     s, c = torch.full((1,), 0.5, device=model.device), model.conditioning(texts_of(a)[:1], a.negative_prompt, 1.0)
@@ -218,26 +241,28 @@ def option_rows(t: list, o, a: flowgrpo.Args, key: str):
     rollout's transformer forwards (the floor's sizes), then the recipe end to end at the micro-batch fitted to the
     device with the option (the `fitted` row's, which it is to be read against)."""
     flag, fields, loop_flags, cost = OPTIONS[key]
-    _, peak = peak_flops(o)
+    _, peak, flag = *peak_flops(o), flag + (" --compile" if o.compile else "")
     a = dataclasses.replace(a, mixed_precision=True, **fields, **loop_flags)
     model, texts = model_of(a.model, o.device), texts_of(a)
-    engine = make_engine(a, model, **fields)
+    engine = engine_of(o, a, model, **fields)
     with engine.rollout_weights():
         forward_rows(t, o, a, model, f"the loop's rollout, {flag}", sorted({4, len(texts)} if CUDA else {2}), peak)
     a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, len(texts), [(p, {}) for p in texts]))
-    ticks, mem, flops = end_to_end(o, a, model, engine, 1 + o.repeats)  # the first warms up, untimed
+    ticks, mem, flops, gap = end_to_end(o, a, model, engine, 1 + o.repeats)  # the first warms up, untimed
     total = [s.sum() for s in ticks[1:]]
     row(t, f"images/s per device, end to end ({flag})", np.divide(len(texts), total), "images/s", "≥ 1.0 on an H200",
         f"{a.model}; micro-batch {a.micro_batch} (fitted with the option)"
         + "".join(f", --{k.replace('_', '-')} {v}" for k, v in loop_flags.items()))
     row(t, f"peak memory ({flag})", [mem / 2**30], "GiB", "", cost)
+    row(t, f"first update's logp_gap ({flag})", [gap], "", "0", "the largest over the iterations" + (
+        " (the decoupled correction's proximal pass recomputes the log-probs in bf16)" if key == "fp8" else ""))
 
 def offload_rows(t: list, o, a: flowgrpo.Args):
     """Parameter offload (FSDP2's CPUOffloadPolicy) on one micro-batch of the recipe's size: its peak and speed."""
     a = dataclasses.replace(a, offload=True, group_size=a.micro_batch)
     reset_peak()
     model = model_of(a.model, o.device)
-    ticks, mem, _ = end_to_end(o, a, model, make_engine(a, model), 1)
+    ticks, mem, *_ = end_to_end(o, a, model, make_engine(a, model), 1)
     row(t, "peak memory, parameter offload (FSDP2 CPUOffloadPolicy)", [mem / 2**30], "GiB", "", f"one micro-batch of "
         f"{a.micro_batch} images: {a.micro_batch / ticks[0].sum():.3g} images/s, one iteration")
 
@@ -286,14 +311,9 @@ def sp_measure(o, sp: int) -> dict:
         v.float().square().mean().backward()
         sync()
         seconds.append(time.perf_counter() - start)
-    if o.profile:  # where the time goes, one more step on every rank: the costliest operators, by device time
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if CUDA else [])) as prof:
-            model.velocity(x, sigma, cond, 1.0, o.sp_side, o.sp_side).float().square().mean().backward()
-            sync()
-        if engine.is_main:
-            print(f"profile, --sp {sp}:\n" + prof.key_averages().table(
-                sort_by="cuda_time_total" if CUDA else "cpu_time_total", row_limit=15), flush=True)
+    if o.profile:  # one more step on every rank (their collectives), printed by the first
+        print_profile(f"--sp {sp}", lambda: model.velocity(x, sigma, cond, 1.0, o.sp_side, o.sp_side).float().square()
+                      .mean().backward(), engine.is_main)
     return dict(saved=sum(seen.values()), peak=torch.cuda.max_memory_allocated() - before if CUDA else 0,
                 seconds=seconds[1:], tokens=x.shape[1], main=engine.is_main)
 
@@ -344,8 +364,10 @@ def main(argv=None):
                    "diffusers' bare), offload (FSDP2 parameter offload, one micro-batch; alone, a model of its own), compiled (--compile: the loop's "
                    "forwards compiled, dynamo's graphs and breaks; alone), merged (--merged-lora) and fp8 (--fp8-rollout): "
                    "the option's rollout forwards and the recipe end to end; each alone")
-    p.add_argument("--compile-backend", default="inductor", help="--rows compiled: torch.compile's backend (the dry "
-                   "run's aot_eager: dynamo's graphs without inductor's C++ build)")
+    p.add_argument("--compile", action="store_true", help="--random-init's rows with the loop's blocks compiled (the "
+                   "loop's --compile), bare diffusers' not")
+    p.add_argument("--compile-backend", default="inductor", help="--compile's and --rows compiled's torch.compile "
+                   "backend (the dry run's aot_eager: dynamo's graphs without inductor's C++ build)")
     p.add_argument("--memory-limit", type=float, default=60.0, help="--rows held: GiB the allocator is held to and "
                    "the micro-batch fitted within (default: an 80-GB GPU less the 16-GB text encoder and room)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
@@ -353,7 +375,8 @@ def main(argv=None):
                    "--random-init's")
     p.add_argument("--sp-side", type=int, help="their image side (default: CPU 512, --quick 64; CUDA 1024, or 768 on "
                    "a GPU of under 100 GiB)")
-    p.add_argument("--profile", action="store_true", help="--sp: also print each side's costliest operators")
+    p.add_argument("--profile", action="store_true", help="also print the costliest operators of --sp's step on each "
+                   "side, or of the forward rows' smallest batch")
     p.add_argument("--sp-worker", type=int, help=argparse.SUPPRESS)  # one rank of a sequence-parallel measurement
     p.add_argument("--sp-fake", action="store_true", help=argparse.SUPPRESS)
     o, t = p.parse_args(argv), list(HEAD)

@@ -83,12 +83,12 @@ def diffusers_call(model, a, cfg, prompts):
 
 ARITHMETIC = {}  # flowgrpo.batch_arithmetic per Args: the loop computes it once a run (its memory check reads /proc)
 
-def train(model, engine, batch, a):  # one update as the loop takes it (every micro-batch × trained step), a.algorithm's
-    a = dataclasses.replace(a, optimizer_steps=1, prompts_per_iteration=1, group_size=len(batch.prompts))
+def train(model, engine, batch, a) -> dict:  # one update as the loop takes it (every micro-batch × trained step), the
+    a = dataclasses.replace(a, optimizer_steps=1, prompts_per_iteration=1, group_size=len(batch.prompts))  # algorithm's
     if (key := repr(a)) not in ARITHMETIC:
         ARITHMETIC[key] = flowgrpo.batch_arithmetic(a, 1)
     model.transformer.train()
-    algorithms.ALGORITHMS[a.algorithm].update(model, engine, batch, a, ARITHMETIC[key], False)
+    return algorithms.ALGORITHMS[a.algorithm].update(model, engine, batch, a, ARITHMETIC[key], False)  # its statistics
 
 def bare_fwd_bwd(model, engine, batch, a):
     """`train`'s floor: the adapter's velocity alone (its transformer calls and the pipeline's own CFG arithmetic)

@@ -32,14 +32,15 @@ def run_bench(*flags: str, timeout: int = 900, module: str = "bench.overhead") -
 
 
 def table_rows(text: str) -> dict[str, list[float]]:
-    """{measurement: [median, min, max]} of the markdown table in `text`; every figure must parse and be finite > 0."""
+    """{measurement: [median, min, max]} of the markdown table in `text`; every figure must parse and be finite > 0 (or
+    ≥ 0 where the row expects 0: a first update's logp_gap)."""
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     assert lines and lines[0].startswith("| measurement | median | min | max |"), text[-2000:]
     rows = {}
     for line in lines[1:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         figures = [float(c) for c in cells[1:4]]
-        assert all(math.isfinite(f) and f > 0 for f in figures), line
+        assert all(math.isfinite(f) and (f > 0 or f == 0 and cells[5] == "0") for f in figures), line
         assert figures[1] <= figures[0] <= figures[2], line  # min <= median <= max
         rows[cells[0]] = figures
     return rows
@@ -67,38 +68,40 @@ def test_cpu_table_smallest(tmp_path):
     assert written.startswith("`python -m bench.overhead --quick --markdown") and table_rows(written) == rows
 
 
-FITTED = ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
-          "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
-          "training share of the iteration"]
-OWN = ["images/s per device, end to end (recipe)", "MFU (recipe)", "peak memory (recipe)"]  # at the recipe's micro-batch
-ROWS = {"recipe": ["micro-batch fitted (--micro-batch 0)", "images/s per device, end to end (fitted)", "MFU (fitted)",
-                   "peak memory (fitted)", "rollout share of the iteration", "reward wait share of the iteration",
-                   "training share of the iteration", "images/s per device, end to end (recipe)", "MFU (recipe)",
-                   "peak memory (recipe)", "micro-batch fitted with --reuse-rollout-forward",
-                   "images/s per device, end to end (reuse)", "MFU (reuse)",
-                   "peak memory (reuse)", "transformer forward MFU, diffusers bare, B = 2",
-                   "transformer forward MFU, the loop, B = 2",
+def end_to_end(key: str) -> list[str]:  # bench/gpu.py's rows of one end-to-end configuration
+    return [f"images/s per device, end to end ({key})", f"MFU ({key})", f"peak memory ({key})",
+            f"first update's logp_gap ({key})"]
+
+
+SHARES = ["rollout share of the iteration", "reward wait share of the iteration", "training share of the iteration"]
+FITTED = ["micro-batch fitted (--micro-batch 0)", *end_to_end("fitted"), *SHARES]
+OWN = end_to_end("recipe")  # at the recipe's micro-batch
+ROWS = {"recipe": [*FITTED, *OWN, "micro-batch fitted with --reuse-rollout-forward", *end_to_end("reuse"),
+                   "transformer forward MFU, diffusers bare, B = 2", "transformer forward MFU, the loop, B = 2",
                    "transformer forward time, the loop ÷ diffusers bare, B = 2", "micro-batch fitted within 60 GiB",
-                   "images/s per device, end to end (held)", "MFU (held)", "peak memory (held)"],
+                   *end_to_end("held")],
         "qwen21": FITTED,
         "sp": ["SP: activation memory per rank, --sp 2 ÷ --sp 1", "SP: time per fwd+bwd, --sp 2 ÷ --sp 1"],
         "compiled": ["--compile: first call (tracing and compiling)", "transformer forward MFU, the loop, --compile, "
                      "B = 2", "--compile: dynamo graphs"]}
-MORE_ROWS = {"z-image": FITTED + OWN, "flux2-klein": FITTED + OWN, "qwen21-recipe": FITTED[:1] + OWN,
+MORE_ROWS = {"compiled-recipe": ["micro-batch fitted (--micro-batch 0)", *end_to_end("fitted, --compile"), *SHARES],
              "plain": ["real width, 1 of 60 blocks, 32², CFG 4: training ÷ plain PyTorch update"],
              "offload": ["peak memory, parameter offload (FSDP2 CPUOffloadPolicy)"],
              **{key: [f"transformer forward MFU, the loop's rollout, {flag}, B = 2",
-                      f"images/s per device, end to end ({flag})", f"peak memory ({flag})"]
-                for key, flag in (("merged", "--merged-lora"), ("fp8", "--fp8-rollout"))}}
+                      f"images/s per device, end to end ({flag})", f"peak memory ({flag})",
+                      f"first update's logp_gap ({flag})"]
+                for key, flag in (("merged", "--merged-lora"), ("fp8", "--fp8-rollout --compile"))}}
+FAMILIES_ROWS = {"z-image": FITTED + OWN, "flux2-klein": FITTED + OWN, "qwen21-recipe": FITTED[:1] + OWN}
 
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
     """`python -m bench.check OUT --dry-run`: every step of the GPU check at toy size on the CPU, through its CLI; then its
-    second command's (`--more`) into OUT/more."""
+    other two commands' (`--more`, `--families`) into OUT/more and OUT/families."""
     out = tmp_path_factory.mktemp("check")
     run_bench(str(out), "--dry-run", module="bench.check", timeout=1800)
-    run_bench(str(out / "more"), "--dry-run", "--more", module="bench.check", timeout=1800)
+    for which in ("more", "families"):
+        run_bench(str(out / which), "--dry-run", f"--{which}", module="bench.check", timeout=1800)
     return out
 
 
@@ -106,7 +109,8 @@ def test_the_gpu_checks_dry_run_passes_every_step_and_writes_as_it_goes(check):
     """OUT/summary.md: the header (revision, machine, versions), each step's verdict, the closing count; a log per
     step."""
     for folder, table, title in ((check, bench_check.STEPS, "# GPU check, "),
-                                 (check / "more", bench_check.MORE, "# GPU check (--more), ")):
+                                 (check / "more", bench_check.MORE, "# GPU check (--more), "),
+                                 (check / "families", bench_check.FAMILIES, "# GPU check (--families), ")):
         summary = (folder / os.path.basename(bench_check.SUMMARY)).read_text()
         assert summary.startswith(title) and "torch 2." in summary and "diffusers 0.42" in summary, summary[:500]
         steps = [s[0] for s in table]
@@ -116,6 +120,7 @@ def test_the_gpu_checks_dry_run_passes_every_step_and_writes_as_it_goes(check):
             f"## {len(steps)} of {len(steps)} steps passed" in summary
     assert "1 passed" in (check / os.path.basename(bench_check.SUMMARY)).read_text()  # the tests step's outcome line
     assert sum(s[4] for s in bench_check.STEPS) == 540  # the one command: 9 minutes of a lent machine
+    assert sum(s[4] for s in bench_check.MORE) <= 580 and sum(s[4] for s in bench_check.FAMILIES) <= 580  # a call's 10
 
 
 def test_the_gpu_checks_tests_step_runs_every_gpu_test_the_most_important_first(tmp_path):
@@ -138,15 +143,23 @@ def test_the_gpu_checks_tests_step_runs_every_gpu_test_the_most_important_first(
         f"- {node}[cpu-plain]: running when the step ended"]
 
 
-@pytest.mark.parametrize("step", [*ROWS, *(f"more/{k}" for k in MORE_ROWS)])
+@pytest.mark.parametrize("step", [*ROWS, *(f"more/{k}" for k in MORE_ROWS), *(f"families/{k}" for k in FAMILIES_ROWS)])
 def test_the_gpu_checks_dry_run_rows(check, step):
     """The GPU benchmark's paths (random-weight model, text encoder bypassed) at toy size: the recipe at the fitted
     micro-batch (a CPU: the largest up to 8 of [1, 2, 4]), at its own, on the rollout's kept forwards, against the bare
     forward; --sp 2 on 2 gloo ranks; the update against plain PyTorch at the real width (which must first land on the
     same LoRA: bench.plain_rows asserts it); the 60 GiB cap; parameter offload; --compile's forwards, without a graph
-    break; Qwen-Image 2.1, Z-Image and FLUX.2 [klein] (bench/families.py: the tiny twins here) on their recipes."""
-    rows = table_rows((check / f"{step}.log").read_text())
-    assert sorted(rows) == sorted(ROWS.get(step) or MORE_ROWS[step.removeprefix("more/")]), list(rows)
+    break, and the recipe compiled end to end; Qwen-Image 2.1, Z-Image and FLUX.2 [klein] (bench/families.py: the tiny
+    twins here) on their recipes. Every end-to-end row's first update is on the rollout's policy (its logp_gap 0)."""
+    log = (check / f"{step}.log").read_text()
+    rows, (which, _, key) = table_rows(log), step.rpartition("/")
+    if step == "more/fp8":  # --profile: where the float8 forward's time goes (in eager on an H100: 1.2-2.4 x bf16's)
+        assert "profile, the loop's rollout, --fp8-rollout --compile, B = 2:" in log and "_scaled_mm" in log, \
+            log[-3000:]
+    assert sorted(rows) == sorted({"": ROWS, "more": MORE_ROWS, "families": FAMILIES_ROWS}[which][key]), list(rows)
+    for name, values in rows.items():  # each first update recomputes its rollout's log-probs on the same weights
+        if name.startswith("first update's logp_gap"):
+            assert values[0] == 0, (name, values)
     if "rollout share of the iteration" in rows:
         shares = [rows[f"{p} share of the iteration"][0] for p in ("rollout", "reward wait", "training")]
         assert 0.9 < sum(shares) < 1.1  # medians of shares that sum to 1 per iteration (one repeat: exactly)
