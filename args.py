@@ -44,7 +44,7 @@ class ModelArgs:
     bf16 copy of every adapted weight"""
     fp8_rollout: bool = False
     """the rollout's frozen linear layers multiply in float8 (e4m3, scaled per row and per token), the update's in bf16:
-    twice bf16's matmul rate on an H100/H200, yet in eager its forward was slower there (its quantisation unfused;
+    twice bf16's matmul rate on an H100/H200, yet in eager its forward was slower there (the cause not yet known;
     with --compile unmeasured: BENCHMARKS.md). A departure: the rollout's log-probs are no longer the update's, so
     Flow-GRPO and GARDO need --stale-correction decoupled with it (docs/scaling.md). Needs --mixed-precision on one
     process"""

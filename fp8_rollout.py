@@ -4,8 +4,8 @@ the transformer's blocks multiplies in float8; in the update, every layer comput
 Why: an image costs the rollout N transformer calls per CFG branch and the update 2·W, so the rollout is the larger
 share of an iteration (57% in the first GPU run, BENCHMARKS.md), and an H200 multiplies float8 at twice bf16's rate.
 Only the rollout: the update's gradients stay bf16's, and the frozen base is the one weight that never changes, so
-its float8 copy is made once. Measured on an H100 (BENCHMARKS.md, 2026-12-06): in eager the input's quantisation,
-several passes unfused, made the rollout's forward 1.2-2.4 x slower than bf16's; under --compile it fuses (unmeasured).
+its float8 copy is made once. Measured on an H100 (BENCHMARKS.md, 2026-12-06): in eager the rollout's forward was
+1.2-2.4 x slower than bf16's, for a cause not yet known; under --compile, which fuses the quantisation, unmeasured.
 
 What: each frozen `nn.Linear` of the blocks (a LoRA layer's base; its factors stay bf16) keeps a float8 e4m3 copy of
 its weight, scaled per output row (its largest magnitude to e4m3's 448). In the rollout its input is scaled per token

@@ -76,7 +76,7 @@ STEPS = [
      [*TOY, "--random-init", "--rows", "compiled", "--compile-backend", "aot_eager"], 95),
 ]
 # --more (10 minutes), the way to 1 image/s first: on the H100 (2026-12-06) --compile's forwards took 0.85 x the bare
-# ones, --fp8-rollout's in eager 1.2-2.4 x the loop's (unfused): it runs compiled. Bounds estimated (a fit, two
+# ones, --fp8-rollout's in eager 1.2-2.4 x the loop's: compiled and profiled here. Bounds estimated (a fit, two
 # iterations of ~20 s, graphs compiled; offload's 40 GB a call over PCIe): none of these steps has run to its end
 MORE = [
     ("compiled-recipe", "--compile end to end: the recipe at the micro-batch fitted with the loop's blocks compiled",
