@@ -117,9 +117,7 @@ def engine_of(o, a: flowgrpo.Args, model, **extra) -> eng.Engine:
     sharded after), on --compile-backend."""
     engine = make_engine(a, model, **extra)
     if o.compile:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # as the engine's
-        for block in model.blocks:
-            block.compile(backend=o.compile_backend)
+        eng.compile_blocks(model.blocks, o.compile_backend)
     return engine
 
 def forward_rows(t: list, o, a: flowgrpo.Args, model, label: str, sizes: list[int], peak: float):
