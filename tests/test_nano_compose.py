@@ -228,28 +228,6 @@ def test_gardos_row_takes_each_tasks_proxies_and_is_refused_where_a_task_has_non
     assert not (tmp_path / "compare").exists()
 
 
-
-def test_a_short_run_on_a_pretrained_base_gives_a_grid_and_a_per_category_curve(pretrained, tmp_path):
-    """Two iterations of the recipe on the few-step base: the loop logs the judge per category (the prompts' tags),
-    the comparison reads its overall as the mean of the categories (GenEval's), and the before/after grid is drawn."""
-    from tasks import nano_compare
-    base, _ = pretrained
-    run = tmp_path / "run"
-    rows = tiny_setup.main_here("--model", "nano-compose", "--model-path", str(base), "--run-dir", str(run),
-                                "--iterations", "2", "--eval-every", "2", "--eval-images", "130")
-    judged = [r for r in rows if "eval/compose_judge/mean" in r]  # the first iteration's and the last's
-    assert len(judged) == 2 and all({f"eval/compose_judge/{c}/mean" for c in nc.CATEGORIES} <= r.keys() for r in judged)
-    assert list(nano_compare.curve(nc, str(run))["categories"]) == list(nc.CATEGORIES)
-    # GenEval's overall is the mean over categories, not over images (single has 10 held-out prompts, the others 20)
-    row = {"perf/rollout_passes": 1, "perf/train_passes": 1, "perf/cpu_s": 1.0, "eval/compose_judge/mean": 0.9,
-           **{f"eval/compose_judge/{c}/mean": i / 10 for i, c in enumerate(nc.CATEGORIES)}}
-    (tmp_path / "made").mkdir()
-    (tmp_path / "made" / "metrics.jsonl").write_text(json.dumps(row) + "\n")
-    assert nano_compare.curve(nc, str(tmp_path / "made"))["judge"].tolist() == [0.3]  # (0 + 0.1 + … + 0.6) / 7
-    shown = nc.grid(str(run), str(tmp_path / "grid.png"), per_cat=2, model_path=str(base))
-    assert (tmp_path / "grid.png").stat().st_size > 5_000 and set(shown) == {"before", "after"}
-
-
 RL_ITERATIONS, PER_CATEGORY = 40, 50
 
 
@@ -264,14 +242,29 @@ def test_a_short_seeded_rl_run_raises_the_held_out_overall(tmp_path, one_thread)
     (2.8 and 2.5 times); the room above the margin is for a machine whose floats round differently. Every first update
     is exactly on-policy and the clip acts.
     The run reuses the rollout's forwards (--reuse-rollout-forward): the same LoRA to the bit (after the 40 iterations
-    with and without it, max |Δ| 0 over its 120 tensors; 2026-12-06) for 337 CPU-seconds of iterations against 391."""
+    with and without it, max |Δ| 0 over its 120 tensors; 2026-12-06) for 337 CPU-seconds of iterations against 391.
+    The loop's own evaluation, at the first iteration and the last (it leaves the LoRA as it was, to the bit), logs the
+    judge per category (the prompts' tags); the comparison reads its overall as the mean of the categories (GenEval's);
+    the before/after grid is drawn."""
+    from tasks import nano_compare
     run = tmp_path / "run"
     out = tiny_setup.run_cpu_bounded("flowgrpo.py", "--model", "nano-compose", "--run-dir", run, "--iterations",
-                                     RL_ITERATIONS, "--eval-every", 0, "--reuse-rollout-forward", "--no-wandb",
-                                     cpu_seconds=7200)  # needs ~400
+                                     RL_ITERATIONS, "--eval-every", RL_ITERATIONS, "--eval-images", 130,
+                                     "--reuse-rollout-forward", "--no-wandb", cpu_seconds=7200)  # needs ~400
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == RL_ITERATIONS and all(r["train/logp_gap"] == 0 for r in rows)
+    judged = [r for r in rows if "eval/compose_judge/mean" in r]  # the first iteration's and the last's
+    assert len(judged) == 2 and all({f"eval/compose_judge/{c}/mean" for c in nc.CATEGORIES} <= r.keys() for r in judged)
+    assert list(nano_compare.curve(nc, str(run))["categories"]) == list(nc.CATEGORIES)
+    # GenEval's overall is the mean over categories, not over images (single has 10 held-out prompts, the others 20)
+    row = {"perf/rollout_passes": 1, "perf/train_passes": 1, "perf/cpu_s": 1.0, "eval/compose_judge/mean": 0.9,
+           **{f"eval/compose_judge/{c}/mean": i / 10 for i, c in enumerate(nc.CATEGORIES)}}
+    (tmp_path / "made").mkdir()
+    (tmp_path / "made" / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert nano_compare.curve(nc, str(tmp_path / "made"))["judge"].tolist() == [0.3]  # (0 + 0.1 + … + 0.6) / 7
+    shown = nc.grid(str(run), str(tmp_path / "grid.png"), per_cat=2)
+    assert (tmp_path / "grid.png").stat().st_size > 5_000 and set(shown) == {"before", "after"}
     assert np.mean([r["train/clipfrac"] > 0 for r in rows]) > 0.5  # the clip range acts (in the second step)
     prompts = nc.held_out_prompts(PER_CATEGORY)
     cats = np.array([ncr.parse(p)["category"] for p in prompts])
