@@ -332,7 +332,9 @@ class Engine:
             if self.is_main:
                 atomic_files.remove_temporaries(os.path.dirname(directory))  # what an interrupted export left
                 tmp = atomic_files.temporary(directory)
-                self.model.save_lora(tmp, state, self.lora_config.to_dict())
+                config = self.lora_config.to_dict()  # peft keeps target_modules as a set: listed in hash order,
+                config["target_modules"] = sorted(config["target_modules"])  # another each process, unless sorted
+                self.model.save_lora(tmp, state, config)
                 atomic_files.replace_dir(tmp, directory)
         self.barrier()
 

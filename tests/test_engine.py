@@ -249,14 +249,20 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(straight, tmp
 
 
 def test_exported_lora_loads_into_a_fresh_diffusers_pipeline(tmp_path):
-    """Train one iteration in-process, export, load into a fresh pipeline: the same transformer output."""
+    """Train one iteration in-process, export, load into a fresh pipeline: the same transformer output. The metadata
+    lists the targets sorted: peft holds them as a set, whose order changes with each process's hash seed, and two
+    identical runs wrote different metadata (now equal; the file's bytes still differ in the order safetensors writes
+    its metadata keys)."""
     args = dataclasses.replace(flowgrpo.RECIPES["tiny"], prompts_per_iteration=1, group_size=4, micro_batch=4,
                                optimizer_steps=1)
     model, engine, batch = tiny_setup(lora_alpha=16)
     algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), False)
     engine.export_lora(str(tmp_path / "lora"))
     with safe_open(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"), "pt") as f:
-        assert json.loads(f.metadata()["lora_adapter_metadata"])["transformer.lora_alpha"] == 16
+        metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert metadata["transformer.lora_alpha"] == 16
+    targets = metadata["transformer.target_modules"]
+    assert targets == sorted(model.lora_targets) and len(targets) > 2, targets
     fresh = models_qwen.build_tiny_qwen_pipeline(seed=0)
     fresh.load_lora_weights(str(tmp_path / "lora"))
     x, sigma = batch.latents[:, 1], batch.sigmas[1].expand(4)
