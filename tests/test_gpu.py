@@ -19,10 +19,10 @@ import models_wan
 import rollout
 import scheduler as sch
 import test_edit
-import test_edit_qwen
 import test_sp
 from bench.overhead import HEAD, row
 from test_bench import run_bench, table_rows
+from test_edit_qwen import small_sources  # noqa: F401 (an autouse fixture: Qwen-Image-Edit's sources at 32² here)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -213,13 +213,11 @@ def test_wan_first_update_is_exactly_on_policy_at_the_recipe_dtypes(device, shar
 
 # (Qwen-Image 2.1's transformer reads its image mask's values, which the meta device cannot give: its σ is moved as here)
 @pytest.mark.parametrize("model", [m for m in models.TINY if not m.startswith("tiny-qwen-image-2.1")])
-def test_velocity_takes_sigma_from_the_cpu_to_the_models_device(model, tmp_path, monkeypatch):
+def test_velocity_takes_sigma_from_the_cpu_to_the_models_device(model, tmp_path):
     """The rollout and the update hand `velocity` σ from the CPU (the schedule lives there). The first GPU run found
     a model left unsharded on cuda:0 (no FSDP2 to move its inputs) meeting that σ in its time embedding. Here the
     model stands on the meta device, its inputs there too but σ: every family must move σ itself. (Qwen-Image-Edit's
-    source at 32², as tests/test_edit_qwen.py has it: at the pipeline's 1024² its tiny VAE took 31 s to encode it.)"""
-    for name in ("VAE_IMAGE_SIZE", "CONDITION_IMAGE_SIZE"):
-        monkeypatch.setattr(f"{test_edit_qwen.EDIT_PLUS}.{name}", test_edit_qwen.SMALL)
+    source at 32² (small_sources): at the pipeline's 1024² its tiny VAE took 31 s to encode it.)"""
     spec = models.SPECS[model]
     m = models.load_model(model, None, "cpu", **({"guidance": 3.5} if spec.guidance_embedding else {}))
     cfg, source = 1.0 if spec.guidance_embedding else 4.0, test_edit.write_png(tmp_path / "source.png", 64, 64, 0)
