@@ -1,6 +1,7 @@
 """Files written atomically and read back as regular files. Each file or directory is written under a name of its
 own (`temporary`) and renamed when complete, so a crash at any moment leaves the previous one whole and what it left
-is known by its name (`remove_temporaries`). What is read back is opened only as a regular file reached without a
+is known by its name (`remove_temporaries`); `replace_dir` puts the new tree on disk before the rename and the rename
+before what it replaces is removed, so a power loss does not either. What is read back is opened only as a regular file reached without a
 link (`open_regular`): a FIFO would block the reader, a link to /dev/zero never ends, a link elsewhere reads a file
 this project never wrote. `manifest` hashes a directory's files, each opened so."""
 import glob
@@ -16,12 +17,32 @@ def temporary(path: str) -> str:
     return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def _fsync(path: str, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(path: str) -> None:
+    """fsync every file and directory under `path`, itself included: a rename published after it names data that is
+    on disk. Without it the OS may write the rename first, and a power loss leave the new name over empty files."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root, os.O_DIRECTORY)
+
+
 def replace_dir(src: str, dst: str) -> None:
-    """Rename src to dst; an existing dst is moved aside first and removed only after the swap."""
+    """Rename src to dst, src's files on disk first (sync_tree); an existing dst is moved aside first and removed
+    only after the swap is on disk (its directory synced), and so is what the caller removes after this returns."""
+    sync_tree(src)
     old = temporary(dst)
     if os.path.exists(dst):
         os.rename(dst, old)
     os.rename(src, dst)
+    _fsync(os.path.dirname(dst) or ".", os.O_DIRECTORY)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -56,8 +56,9 @@ def load_rng_state(path: str) -> None:
         raise ValueError(f"--resume: {path} is missing: the checkpoint is incomplete; resume from another one")
     state = load_file(path)
     torch.set_rng_state(state["cpu"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state[f"cuda{i}"] for i in range(torch.cuda.device_count())])
+    for i in range(torch.cuda.device_count()):  # each GPU's saved state where it is: the writer may have had others
+        if f"cuda{i}" in state:
+            torch.cuda.set_rng_state(state[f"cuda{i}"], i)
 
 
 def json_sha256(obj) -> str:

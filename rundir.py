@@ -54,7 +54,8 @@ def claim_run_dir(run_dir: str | None, name: str, resumed: str | None, meta: dic
                          f"{source} or in a new directory")
     _LOCKS[-1]["claimed"] = True
     own = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
-    changed = {k: [v, config[k]] for k, v in meta["flags"].items() if json.loads(json.dumps(config[k])) != v}
+    # A flag this version no longer has is recorded as changed to null (resolve_resume compares this run's flags only)
+    changed = {k: [v, config.get(k)] for k, v in meta["flags"].items() if json.loads(json.dumps(config.get(k))) != v}
     history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(resumed), "changed": changed}]
     return Claim(run_dir, meta["run_id"], meta["loop"]["wandb_id"] if own else None,
                  config | {"run_id": meta["run_id"], "resumes": history},

@@ -170,10 +170,13 @@ def metrics_until(path: str, last: int) -> list[dict]:
 
 
 def _write(path: str, text: str) -> None:
-    """Write text to path atomically (a temporary file of a unique name, then a rename)."""
+    """Write text to path atomically (a temporary file of a unique name, on disk before the rename: a power loss
+    leaves the old file or the new, never an empty one)."""
     tmp = atomic_files.temporary(path)
     with open(tmp, "w") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 import algorithms
 import checkpoint
@@ -25,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dataclasses.replace(flowgrpo.RECIPES["tiny"], iterations=4)
 
 
-def save(directory: Path, args) -> str:
+def save(directory: Path, args, name: str = "iter_000000") -> str:
     """A checkpoint of iteration 0 of a run with `args`, written by the engine as the loop writes one (after one
-    optimizer step, so that AdamW has state), with the meta.json the loop writes."""
+    optimizer step, so that AdamW has state), with the meta.json the loop writes; as `name`, the run's newest kept."""
     model = models.load_model("tiny", None, "cpu", seed=0)
     engine = eng.Engine(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                         lr=args.lr, weight_decay=0, max_grad_norm=1.0, seed=0, ema_decay=args.ema_decay,
@@ -36,9 +38,9 @@ def save(directory: Path, args) -> str:
     train = prompt_sets.load_prompts(args.prompts).train
     loop = {"iteration": 0, "sampler": prompt_sets.PromptSampler(len(train), args.seed).state_dict(),
             "skipped_steps": 0, "wandb_id": None, "prompts_sha256": checkpoint.json_sha256(train)}
-    engine.save_checkpoint(str(directory / "iter_000000"), {"run_id": "r", "flags": startup.fingerprint(args),
-                                                           "loop": loop}, keep=1)
-    return str(directory / "iter_000000")
+    engine.save_checkpoint(str(directory / name), {"run_id": "r", "flags": startup.fingerprint(args), "loop": loop},
+                           keep=1)
+    return str(directory / name)
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +201,41 @@ def test_an_nft_checkpoint_resumes_as_grpo_dropping_the_old_policy(saved):
     engine = eng.Engine(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                         lr=args.lr, weight_decay=0, max_grad_norm=1.0, seed=0)
     assert engine.load_checkpoint(saved["nft"])["flags"]["algorithm"] == "nft"
+
+
+def test_a_checkpoint_is_on_disk_before_it_is_named_and_named_before_the_last_one_goes(tmp_path, monkeypatch):
+    """A power loss at any moment leaves a whole checkpoint (--keep-checkpoints 1 too): every file and directory of
+    the new one is fsynced before the rename that names it, and that rename (its directory fsynced) before the
+    previous checkpoint is removed. Before: the RNG state and the LoRA were renamed into place unsynced, and no
+    directory was synced before the previous checkpoint was deleted."""
+    root = os.path.realpath(tmp_path)
+    save(Path(root), TINY)
+    events, fsync, rename, rmtree = [], os.fsync, os.rename, shutil.rmtree
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    monkeypatch.setattr(os, "rename", lambda a, b, **k: events.append(("rename", str(a), str(b))) or rename(a, b, **k))
+    monkeypatch.setattr(shutil, "rmtree", lambda p, *a, **k: events.append(("rmtree", str(p))) or rmtree(p, *a, **k))
+    new = save(Path(root), TINY, "iter_000001")
+    named = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == new)
+    tmp = events[named][1]
+    tree = {str(p).replace(new, tmp, 1) for p in [Path(new), *Path(new).rglob("*")]}
+    unsynced = tree - {e[1] for e in events[:named] if e[0] == "fsync"}
+    assert not unsynced, f"{len(unsynced)} of {len(tree)} paths renamed into place unsynced: {sorted(unsynced)[:4]}"
+    dir_synced = events.index(("fsync", root), named)
+    assert dir_synced < events.index(("rmtree", os.path.join(root, "iter_000000"))), events[named:]
+    assert os.listdir(root) == ["iter_000001"]
+
+
+def test_rng_states_resume_where_other_gpus_are_visible(tmp_path, monkeypatch):
+    """A checkpoint written without a GPU, or with fewer, resumes on a machine with more (before: KeyError 'cuda0',
+    after the model was built): the CPU's state is restored, and each GPU's that was saved where that GPU is."""
+    checkpoint.save_rng_state(str(tmp_path / "cpu.safetensors"))
+    cpu = torch.get_rng_state()
+    save_file({"cpu": cpu, "cuda0": torch.full((16,), 7, dtype=torch.uint8)}, tmp_path / "one_gpu.safetensors")
+    torch.rand(3)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((device, state.tolist())))
+    checkpoint.load_rng_state(str(tmp_path / "cpu.safetensors"))
+    assert restored == [] and torch.equal(torch.get_rng_state(), cpu)
+    checkpoint.load_rng_state(str(tmp_path / "one_gpu.safetensors"))
+    assert restored == [(0, [7] * 16)]

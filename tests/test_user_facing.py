@@ -55,6 +55,18 @@ def test_a_refused_start_leaves_the_lock_line_of_the_run_there(tmp_path):
     assert (run / ".lock").read_text() == "the run on host h, PID 1, started then\n"
 
 
+def test_resuming_a_checkpoint_with_a_flag_this_version_lacks_records_it_as_changed(tmp_path):
+    """A flag of the checkpoint's that this version no longer has (one removed since) goes into args.json's history
+    as changed to null; before, a KeyError traceback stopped the start."""
+    resumed = tmp_path / "src" / "checkpoints" / "iter_000003"
+    resumed.mkdir(parents=True)
+    (tmp_path / "src" / "args.json").write_text('{"run_id": "r"}')
+    meta = {"run_id": "r", "flags": {"lr": 1e-4, "old_removed_flag": 1}, "loop": {"wandb_id": None, "iteration": 3}}
+    claim = rundir.claim_run_dir(None, "tiny-x", str(resumed), meta, {"lr": 1e-4})
+    rundir.release_run_dirs()
+    assert claim.args["resumes"][-1]["changed"] == {"old_removed_flag": [1, None]}, claim.args
+
+
 def test_run_directories_get_names_nothing_has_to_quote():
     assert rundir.safe_name("nano-digit=1,digit_judge=0") == "nano-digit+digit_judge"
     assert rundir.safe_name("tiny-ocr=1.0,pickscore=-0.5e-1") == "tiny-ocr+pickscore"
