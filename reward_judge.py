@@ -20,8 +20,8 @@ import reward_http
 import source_images
 
 # ---------------------------------------------------------------- an edit's source image
-SOURCE_FIX = ('use an edit model (tiny-flux-kontext, flux.1-kontext-dev) with a .jsonl prompt set whose every line has '
-              '"image": "path.png"')
+SOURCE_FIX = ('use an edit model (nano-edit, tiny-flux-kontext, flux.1-kontext-dev, ...) with a .jsonl prompt set whose '
+              'every line has "image": "path.png"')
 
 
 def source_image(metadata: dict, prompt: str, who: str) -> Image.Image:

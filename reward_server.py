@@ -2,9 +2,9 @@
 hands it a reward). Nothing here knows a reward; the client end and the deadline watchdog are reward_http.py's.
 
 The server bounds what a request may cost: bytes, JSON values, images, decoded pixels (checked in the PNG headers
-before decoding), the PNG text Pillow keeps, header bytes, requests worked on and connections open at once, the
-time to send the headers and the whole request, and the rate its body comes at; its errors carry a message, never a
-traceback. An idle connection holds no working slot (slots count requests, from their headers to their reply) and
+before decoding), the PNG text and chunks Pillow parses, header bytes, requests worked on and connections open at once,
+the time to send the headers and the whole request, and the rate its body comes at; its errors carry a message, never
+a traceback. An idle connection holds no working slot (slots count requests, from their headers to their reply) and
 gives its seat to a new connection when every seat is taken.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from PIL import Image, PngImagePlugin
 
+import source_images
 from reward_http import Watchdog
 
 
@@ -50,6 +51,7 @@ class Limits:
 
 
 PNG_TEXT = 2**16  # bytes of PNG text (zTXt, iCCP, ...) Pillow may inflate per image (default: 64 MiB); ours have none
+PNG_CHUNKS = 2**12  # chunks per image (Pillow writes one a 64 KiB of data: ~200 at 2048²), ~0.3 s of parsing at most
 # Bytes of a request line and headers together (ours: ~150). http.server alone takes 100 header lines of 64 KiB: 37 MiB
 # of server memory measured per connection, for as long as it stays open.
 HEADER_BYTES = 2**17
@@ -62,9 +64,16 @@ class Refused(Exception):
 
 
 def _png(s: str, i: int, limits: Limits) -> Image.Image:
-    """images[i] opened: its header read, its pixels not yet decoded."""
+    """images[i] opened: its chunks counted and its text measured from their headers (source_images.check_png), its
+    header read, its pixels not yet decoded."""
     try:
-        return Image.open(io.BytesIO(base64.b64decode(s, validate=True)), formats=["PNG"])
+        data = base64.b64decode(s, validate=True)
+        source_images.check_png(io.BytesIO(data), PNG_CHUNKS)
+    except ValueError as e:  # binascii.Error is one
+        raise Refused(400, f"images[{i}] is not a base64-encoded PNG" if isinstance(e, binascii.Error) else
+                      f"images[{i}] {e}") from None
+    try:
+        return Image.open(io.BytesIO(data), formats=["PNG"])
     except Image.DecompressionBombError:  # a header of more than 2 * PIL's own limit (~179 M pixels)
         raise Refused(413, f"images[{i}] is over the server's limit of {limits.max_image_pixels} pixels per "
                            "image (--max-image-pixels)") from None

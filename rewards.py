@@ -443,7 +443,8 @@ REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility,
                                     aesthetic, preserve, remote, judge, temporal_consistency, motion)} | {
     name: factory for name, (factory, _) in TASK_REWARDS.items()}
 VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B, F, H, W, 3); the others images
-SOURCE_REWARDS = {"preserve", *(f"judge:{k}" for k, t in JUDGE_TASKS.items() if t.source)}  # compare with the source
+# compare with the source image (nano-edit's reward and judge too): read from a path in each prompt's metadata
+SOURCE_REWARDS = {"preserve", *nano_edit.REWARDS, *(f"judge:{k}" for k, t in JUDGE_TASKS.items() if t.source)}
 START_CHECKS = {"aesthetic": lambda model=None: _aesthetic_head_path(), "preserve": _preserve_side}  # set-up, at start
 PROMPT_CHECKS = {"ocr": ocr_target, **{name: check for name, (_, check) in TASK_REWARDS.items()},
                  **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}

@@ -125,6 +125,8 @@ def test_the_shipped_prompt_set_holds_out_glyphs_and_its_sources_reach_the_rewar
         reward(goal.expand(-1, 3, -1, -1), prompts, [{}] * len(prompts))
     with pytest.raises(ValueError, match="none of the task's.*'make it a 7'"):
         rewards.check_prompts_for_reward("edit=1", ["make it red"])
+    with pytest.raises(ValueError, match="--reward edit compares each result with its prompt's source image.*nano-edit"):
+        rewards.check_prompts_for_reward("edit=1", prompts[:1], [{}])  # at start-up, not at the first reward
 
 
 @pytest.fixture(scope="module")

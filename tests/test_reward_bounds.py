@@ -37,15 +37,21 @@ def png(width, height, noise=False) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def png_with_text(chunks: int, text_bytes: int) -> str:
-    """A 1×1 PNG with `chunks` zTXt chunks of `text_bytes` each once decompressed (about 1 kB each on the wire)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    text = zlib.compress(b"a" * text_bytes, 9)
-    texts = b"".join(chunk(b"zTXt", b"key%d\0\0" % k + text) for k in range(chunks))  # each kept: keywords differ
-    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)) + texts + \
+def chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_with_chunks(chunks) -> str:
+    """A 1×1 PNG with `chunks` (bytes) between its header and its pixels."""
+    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)) + b"".join(chunks) + \
         chunk(b"IDAT", zlib.compress(b"\0\0\0\0")) + chunk(b"IEND", b"")
     return base64.b64encode(raw).decode()
+
+
+def png_with_text(chunks: int, text_bytes: int) -> str:
+    """A 1×1 PNG with `chunks` zTXt chunks of `text_bytes` each once decompressed (about 1 kB each on the wire)."""
+    text = zlib.compress(b"a" * text_bytes, 9)
+    return png_with_chunks(chunk(b"zTXt", b"key%d\0\0" % k + text) for k in range(chunks))  # kept: keywords differ
 
 
 def body(images: list[str]) -> bytes:
@@ -110,6 +116,19 @@ def test_text_chunks_and_flat_json_cost_the_server_little(server):
     grown = (s.memory()["VmHWM"] - before) / 2**20
     assert grown < 100, f"the server's peak memory grew by {grown:.0f} MiB for a 1.4 MB and a 24 MiB request"
     assert post(s.port, body([png(8, 8)]))[0] == 200
+
+
+def test_a_png_of_many_empty_chunks_is_refused_from_their_headers():
+    """A 1×1 PNG with a million empty private chunks (15 MiB sent) took 33 s and +222 MiB to parse, twice, holding its
+    working slot past its deadline; now refused from the chunks' headers, at the 4,097th chunk (header and pixels
+    counted), while 4,096 are read."""
+    many = png_with_chunks([chunk(b"prIv", b"")] * 2**20)
+    with pytest.raises(reward_server.Refused, match=r"images\[0\] has more than 4096 PNG chunks"):
+        reward_server.read_images([many], reward_server.Limits())
+    with pytest.raises(reward_server.Refused, match="has more than 4096 PNG chunks"):
+        reward_server.read_images([png_with_chunks([chunk(b"prIv", b"")] * 4095)], reward_server.Limits())
+    ok = reward_server.read_images([png_with_chunks([chunk(b"prIv", b"")] * 4094)], reward_server.Limits())
+    assert ok.shape == (1, 3, 1, 1)
 
 
 def test_memory_per_pixel_at_the_limit_is_what_the_readme_says(server):

@@ -100,7 +100,7 @@ def test_a_prompt_without_a_source_is_refused_at_start_up_and_at_the_first_call(
         with pytest.raises(ValueError, match=rf"--reward {bad}: ARG is the side in pixels .* in \[4, 1024\]"):
             rewards.check_reward_spec(bad)
     # A reward server would open whatever path a client's metadata names: refused there.
-    for spec in ("preserve", "ocr=1,judge:edit=http://h:1=0.5"):
+    for spec in ("preserve", "ocr=1,judge:edit=http://h:1=0.5", "edit", "edit_judge"):  # nano-edit's too
         with pytest.raises(ValueError, match="reads each prompt's source image from a path in the request"):
             rewards.check_servable(spec)
 
