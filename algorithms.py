@@ -81,8 +81,11 @@ def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: fl
     for g in group.unique():
         idx = group == g
         sigma = (r[idx] if std == "group" else r).std(unbiased=std == "global-unbiased")
-        adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4)
-        zero += int(r[idx].std(unbiased=False) == 0)
+        # equal rewards have A = 0 exactly: their mean can miss them by an ulp (1 − 1/7 over 24 images: A ~ 1e-12, which
+        # --zero-advantage drop kept and zero_std_ratio missed)
+        spread = r[idx].max() > r[idx].min()
+        adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4) * spread
+        zero += int(not spread)
     return adv.clamp(-clip, clip).float(), zero / len(group.unique())
 
 
@@ -242,30 +245,36 @@ def correction_stats(log_ratio: torch.Tensor, applied: torch.Tensor | None) -> d
             **{f"rollout_corr/logp_diff/step{j}": log_ratio[:, j].abs().mean().item() for j in range(w.shape[1])}}
 
 
-def bypass(model, batch: rollout.Batch, a) -> dict:
+def bypass(model, batch: rollout.Batch, a) -> None:
     """Flow-GRPO's own ratio, verl's bypass mode: PPO against the log-probs the sampler recorded, whichever weights
     sampled. Nothing to compute first; its metrics are read from the first optimizer step (train_on)."""
-    return {}
+    return None
 
 
-def decoupled(model, batch: rollout.Batch, a) -> dict:
-    """Decoupled PPO: the proximal log-probs, recomputed (no grad) under the weights at the start of the update on
-    the rollout's own chunks, become the ratio's reference (so the first update's ratio is exactly 1 again), and each
-    transition's loss is weighted by its importance weight min(π_prox/π_behaviour, --is-cap), or 0 where |log of it|
-    exceeds --reject-band (> 0). Costs one forward per trained step of every image."""
+def decoupled(model, batch: rollout.Batch, a) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO: the proximal log-probs and transition means, recomputed (no grad) under the weights at the start
+    of the update on the rollout's own chunks, become the ratio's and the trust region's reference (so the first
+    update's ratio is exactly 1 again, GRPO-Guard's and DPPO's too), and each transition's loss is weighted by its
+    importance weight min(π_prox/π_behaviour, --is-cap), or 0 where |log of it| exceeds --reject-band (> 0). Costs one
+    forward per trained step of every image. Returns this rank's log-ratios and weights, (B, W) each."""
     W, b = len(batch.sigmas) - 1, a.micro_batch
     prox, log_is = torch.empty_like(batch.log_probs), torch.empty_like(batch.log_probs)  # (B, W)
+    # the rollout keeps the means where the loss reads them
+    means = torch.empty_like(batch.means) if batch.means is not None and batch.means.shape[1] == W else None
     with torch.no_grad():
         for m in range(0, len(batch.prompts), b):
             mb = batch.chunk(m, m + b)
             for j in range(W):
-                logp, _, std = transition(model, mb, j, a)
+                logp, mean, std = transition(model, mb, j, a)
                 prox[m:m + b, j], log_is[m:m + b, j] = logp, CPS_DENSITIES[a.cps_density](
                     logp - mb.log_probs[:, j], std, a.sde_type)
+                if means is not None:
+                    means[m:m + b, j] = mean
     kept = log_is.abs() <= a.reject_band if a.reject_band > 0 else torch.ones_like(log_is, dtype=torch.bool)
     batch.behaviour_log_probs, batch.log_probs = batch.log_probs, prox
+    batch.means = batch.means if means is None else means
     batch.is_weights = log_is.exp().clamp(max=a.is_cap) * kept
-    return correction_stats(log_is, batch.is_weights)
+    return log_is, batch.is_weights
 
 
 STALE_CORRECTIONS = {"bypass": bypass, "decoupled": decoupled}  # --stale-correction
@@ -280,7 +289,7 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
     model = reg.Watched(model, engine, a)  # --normguard: the velocity-norm hinge on every trained forward
     n_micro, per_step = arith["micro_batches_per_rank"], arith["micro_batches_per_optimizer_step"]
     W = len(batch.sigmas) - 1  # trained steps per image
-    corrected = STALE_CORRECTIONS[a.stale_correction](model, batch, a)  # decoupled: the proximal pass, its metrics
+    measured = STALE_CORRECTIONS[a.stale_correction](model, batch, a)  # decoupled: the proximal pass's log-ratios
     logs, gap, first = [], None, []
     bar = tqdm(total=n_micro * W, desc="train", unit="step", disable=not progress, leave=False)
     for k in range(a.optimizer_steps):
@@ -301,8 +310,10 @@ def train_on(model, engine, batch: rollout.Batch, a, arith: dict, progress: bool
         grad_norm, skipped = engine.step()
         logs[-1] |= {"grad_norm": grad_norm, "skipped_fraction": float(skipped)}
     bar.close()
-    if a.off_policy and not corrected:  # bypass: the first optimizer step's images, (per_step·b, W)
-        corrected = correction_stats(torch.stack(first).view(per_step, W, -1).transpose(1, 2).flatten(0, 1), None)
+    if a.off_policy and measured is None:  # bypass: the first optimizer step's images, (per_step·b, W)
+        measured = torch.stack(first).view(per_step, W, -1).transpose(1, 2).flatten(0, 1), None
+    # over every rank's images: a max, an effective sample size and a fraction are not means of the ranks' own
+    corrected = {} if measured is None else correction_stats(*(t if t is None else engine.all_gather(t) for t in measured))
 
     def mean(key):
         return float(np.mean([float(s[key]) for s in logs if key in s]))
@@ -371,6 +382,9 @@ def check_gardo(a) -> None:
     need(a.gardo_proxies, "--gardo-proxies: GARDO's gate ranks each image under proxy rewards: name one or more, each "
          "a reward of --reward at weight 0 (the script trains on its main reward alone), e.g. --reward "
          "ocr=1,aesthetic=0,imagereward=0 --gardo-proxies aesthetic imagereward")
+    need(not (a.kl_beta > 0 and a.reuse_rollout_forward), "--reuse-rollout-forward with GARDO's KL (--kl-beta > 0): "
+         "its reference, the old policy, is swapped into the weights the kept rollout forward's backward needs; drop "
+         "one of the two")
 
 
 # ---- start-up checks: each algorithm's, and the flags that mean nothing for it -----------------------

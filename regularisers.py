@@ -118,7 +118,7 @@ def gardo_advantages(r: torch.Tensor, group: torch.Tensor, features: torch.Tenso
     adv = torch.zeros_like(r)
     for g in group.unique():
         idx = (group == g).nonzero()[:, 0]
-        centred = r[idx] - r[idx].mean()
+        centred = (r[idx] - r[idx].mean()) * (r[idx].max() > r[idx].min())  # equal rewards: 0 exactly, as grpo's
         distance = 1 - (f[idx] @ f[idx].T).clamp(-1, 1)
         distance.fill_diagonal_(float("inf"))
         nearest = distance.min(dim=1).values

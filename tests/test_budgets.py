@@ -20,7 +20,10 @@ BUDGETS = {
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
     # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
     "recipes.py": 225,
-    "algorithms.py": 450,  # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables
+    # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables; 465 since 2026-12-06:
+    # the decoupled correction's means, its metrics over all ranks, GARDO's refusal of a kept rollout forward (the next
+    # growth splits Flow-GRPO's loss into a file of its own)
+    "algorithms.py": 465,
     "algorithms_forward.py": 450,  # the forward-process family: DiffusionNFT, AWM, their update and old policy
     "algorithms_preference.py": 450,  # the preference family: DGPO and online DPO, on the forward-process update
     # against reward hacking: NormGuard's velocity-norm hinge, GARDO's gate, advantages, state; raised from 200 for

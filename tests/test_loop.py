@@ -42,6 +42,15 @@ def test_group_advantages_by_hand():
     adv, _ = algorithms.group_advantages(torch.tensor([0.0, 0, 0, 100]), torch.tensor([0, 0, 0, 0]), std="group",
                                          clip=1.5)
     assert adv.tolist() == pytest.approx([-0.57735, -0.57735, -0.57735, 1.5], abs=1e-4)  # clipped at 1.5
+    # 24 equal rewards whose float64 mean misses their value by an ulp: A = 0 exactly, the group counted as zero-std
+    # and dropped by --zero-advantage drop (before: |A| 2.8e-12, zero_std_ratio 0, kept at weight 1)
+    r = torch.tensor([1 - 1 / 7] * 24 + [0.0, 1.0] * 12, dtype=torch.float64)
+    assert r[:24].mean() != r[0]
+    for std in ("group", "global", "global-unbiased"):
+        adv, zero = algorithms.group_advantages(r, torch.arange(48) // 24, std=std, clip=5.0)
+        assert adv[:24].abs().max() == 0 and adv[24:].abs().min() > 0.9 and zero == 0.5, (std, adv[:24].abs().max())
+    weights = algorithms.drop_zero_advantage(adv, torch.arange(48).view(1, 48), 1)
+    assert weights[:24].abs().max() == 0 and weights[24:].tolist() == [2.0] * 24
 
 
 def test_ppo_clip_objective_by_hand():

@@ -50,7 +50,7 @@ def test_decoupled_weights_are_exactly_one_where_the_weights_did_not_move():
     a = args(stale_correction="decoupled", reject_band=1e-3)
     behaviour = batch.log_probs.clone()
     model.transformer.train()
-    stats = algorithms.decoupled(model, batch, a)
+    stats = algorithms.correction_stats(*algorithms.decoupled(model, batch, a))
     assert torch.equal(batch.log_probs, behaviour) and torch.equal(batch.behaviour_log_probs, behaviour)
     assert torch.equal(batch.is_weights, torch.ones_like(behaviour)), (batch.is_weights - 1).abs().max()
     assert stats["rollout_corr/is_mean"] == 1 and stats["rollout_corr/ess"] == 1
@@ -63,13 +63,20 @@ def test_decoupled_truncates_and_rejects_by_the_log_ratio_to_the_behaviour():
     """Behaviour log-probs shifted by known amounts δ: the weight is min(exp(−δ), cap), and 0 where |δ| > band; the
     ratio's reference becomes the recomputed log-probs (the unshifted ones)."""
     model, engine, batch = tiny_setup()
-    exact = batch.log_probs.clone()  # (4, 3)
+    exact, exact_means = batch.log_probs.clone(), batch.means.clone()  # (4, 3), (4, 3, S, C)
     shift = torch.tensor([[0.0, 0.1, -0.1], [-0.5, 0.3, 0.0], [-2.0, 0.0, 0.05], [0.0, 0.0, 0.0]])
-    batch.log_probs = exact + shift
+    batch.log_probs, batch.means = exact + shift, exact_means + 0.01
     model.transformer.train()
-    stats = algorithms.decoupled(model, batch, args(stale_correction="decoupled", is_cap=1.5, reject_band=1.0))
+    stats = algorithms.correction_stats(*algorithms.decoupled(model, batch, args(stale_correction="decoupled",
+                                                                                 is_cap=1.5, reject_band=1.0)))
     want = (-shift).exp().clamp(max=1.5) * (shift.abs() <= 1.0)
     assert torch.equal(batch.log_probs, exact) and torch.equal(batch.behaviour_log_probs, exact + shift)
+    # the means too (GRPO-Guard's ratio and DPPO's trust region read them): before, the sampler's stayed, and with
+    # --fp8-rollout --guard full the first update's ratio was 1 + 3.6e-6, every image clipped at the recipe's ε
+    assert torch.equal(batch.means, exact_means), (batch.means - exact_means).abs().max()
+    guard = args(stale_correction="decoupled", guard="full")
+    _, first = algorithms.policy_loss(model, engine, batch.chunk(0, 4), 0, guard)
+    assert first["log_ratio"].abs().max() == 0, first["log_ratio"]
     assert torch.allclose(batch.is_weights, want, rtol=1e-6, atol=0), (batch.is_weights - want).abs().max()
     assert stats["rollout_corr/rejected_fraction"] == pytest.approx(1 / 12)
     assert stats["rollout_corr/is_max"] == pytest.approx(np.exp(2.0), rel=1e-6)  # untruncated, before the cap
@@ -84,6 +91,24 @@ def test_decoupled_truncates_and_rejects_by_the_log_ratio_to_the_behaviour():
     assert loss_with(0.0, 0.0) == 0
     both, alone = loss_with(1.0, 1.0), loss_with(1.0, 0.0) + loss_with(0.0, 1.0)
     assert both != 0 and abs(both - alone) <= 1e-6 * abs(both), (both, alone)
+
+
+def test_the_correction_metrics_are_the_whole_batchs_over_the_ranks(monkeypatch):
+    """train_on measures rollout_corr/* over every rank's transitions (engine.all_gather), not per rank: the loop then
+    averages ranks' values, which made a max a mean of maxima and the ESS not the batch's. Here a second rank's
+    log-ratios stand in through all_gather: its larger maximum is the one logged."""
+    model, engine, batch = tiny_setup()
+    batch.log_probs = batch.log_probs - 0.25  # this rank's weights exp(0.25)
+    other = torch.full_like(batch.log_probs, 1.5)  # "rank 1": exp(1.5), rejected by no band
+    sent = iter([other, other.exp()])  # what rank 1 sends: its log-ratios, then its weights
+    monkeypatch.setattr(engine, "all_gather", lambda x: torch.cat([x.cpu(), next(sent)]))
+    arith = {"micro_batches_per_rank": 1, "micro_batches_per_optimizer_step": 1}
+    model.transformer.train()
+    stats = algorithms.train_on(model, engine, batch, args(stale_correction="decoupled", optimizer_steps=1), arith,
+                                False)
+    whole = torch.cat([torch.full_like(other, 0.25), other]).double().exp()
+    assert stats["rollout_corr/is_max"] == pytest.approx(np.exp(1.5), rel=1e-6), stats["rollout_corr/is_max"]
+    assert stats["rollout_corr/ess"] == pytest.approx((whole.sum() ** 2 / (whole.numel() * (whole ** 2).sum())).item())
 
 
 def test_a_synchronous_decoupled_run_trains_as_bypass_does_with_logp_gap_zero(tmp_path):

@@ -65,6 +65,8 @@ def test_gardo_advantages_equal_the_public_stat_tracker():
     print(f"\nGARDO advantages: max |ours − theirs| {diff:.2g} (|A| up to {np.abs(theirs).max():.3f})")
     assert diff < 1e-6, diff
     assert (theirs == theirs[:, :1]).all()  # the script's per-timestep copies are one advantage
+    equal = torch.cat([torch.full((G,), 1 - 1 / 7, dtype=torch.float64), r[G:].double()])  # its mean misses by an ulp
+    assert reg.gardo_advantages(equal, torch.arange(G * P) // G, features)[:G].abs().max() == 0  # A = 0 exactly
 
 
 # ---- GARDO's gate: scripts/train_sd3_gardo.py ----------------------------------------------------------------------
@@ -303,6 +305,9 @@ def test_both_regularisers_run_through_the_loop_and_log_the_velocity_norm_ratio(
         main_here("--run-dir", tmp_path / "x", "--algorithm", "gardo", "--gardo-proxies", "aesthetic")
     with pytest.raises(ValueError, match="--normguard"):
         main_here("--run-dir", tmp_path / "y", "--normguard", 1, "--reuse-rollout-forward")
+    with pytest.raises(ValueError, match="--reuse-rollout-forward with GARDO's KL"):  # before: a RuntimeError in backward
+        main_here("--run-dir", tmp_path / "z", "--algorithm", "gardo", "--reward", "brightness=1,jpeg_compressibility=0",
+                  "--gardo-proxies", "jpeg_compressibility", "--kl-beta", "0.04", "--reuse-rollout-forward")
 
 
 @pytest.mark.parametrize("flags,kinds", [
