@@ -183,6 +183,8 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 
 def main(a: Args) -> list[dict]:
     resume = startup.check_args(a)  # before any model is built or process group joined
+    world = int(os.environ.get("WORLD_SIZE", 1)) - a.rollout_ranks  # training ranks: checked before any group is joined
+    arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     algo = algorithms.ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update
     exchange = rollout_ranks.split(a.rollout_ranks)  # --rollout-ranks R: the world's last R ranks only sample
     if exchange and exchange.is_rollout:
@@ -192,7 +194,6 @@ def main(a: Args) -> list[dict]:
         # one torch thread: the laptop models' operations are too small to share, and a team of threads waits on itself
         # (on 2 idle cores, nano's recipe took twice as long on two threads as on one: BENCHMARKS.md)
         torch.set_num_threads(1)
-    arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     ckpt, meta = resume or (None, {})
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
     run = eng.on_main(rundir.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,

@@ -5,6 +5,7 @@ said truly, and the test counts are the suite's."""
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import subprocess
@@ -12,6 +13,7 @@ import sys
 
 import cli
 import flowgrpo
+import sequence_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_LINES = 150  # a front page read in two minutes; the rest is docs/
@@ -219,7 +221,7 @@ def documented_commands(root: str = ROOT) -> list[tuple[str, list[str]]]:
 def test_every_command_the_readme_and_the_manual_show_runs():
     """Each command the front page and the manual show still runs as written, checked as far as a CPU can without
     training: `python flowgrpo.py FLAGS` (or under torchrun) parses through the loop's own start-up (a flag that was
-    renamed, a value no longer taken fails); `python -m MODULE [SUBCOMMAND] FLAGS` and `python rewards.py serve` answer
+    renamed, a value no longer taken fails) and its batch splits over the launched ranks; `python -m MODULE [SUBCOMMAND] FLAGS` and `python rewards.py serve` answer
     `--help` with every flag shown; `bash run.sh NAME` names a recipe of run.sh."""
     commands = documented_commands()
     assert len(commands) > 20 and any(w[:3] == ["python", "-m", "tasks.nano"] for _, w in commands), commands
@@ -242,8 +244,11 @@ def test_every_command_the_readme_and_the_manual_show_runs():
                 failed += [f"{page}: `{shown}`: no flag {w}" for w in argv
                            if w.startswith("--") and w not in known]
                 continue
-            try:
-                cli.parse_args(flowgrpo.Args, argv)
+            try:  # and its batch splits over the ranks the launcher starts, less those that only sample
+                a = cli.parse_args(flowgrpo.Args, argv)
+                ranks = math.prod(int(n) for n in re.findall(r"--(?:nproc_per_node|nnodes)[= ](\d+)", shown))
+                if argv:  # not a launcher's form with its flags elided (`flowgrpo.py ...`)
+                    flowgrpo.batch_arithmetic(a, sequence_parallel.data_parallel_size(ranks - a.rollout_ranks, a.sp))
             except (ValueError, SystemExit) as e:
                 failed.append(f"{page}: `{shown}`: {e}")
             continue

@@ -165,3 +165,12 @@ def test_impossible_splits_are_refused_in_one_line(monkeypatch, world, flags, ne
     with pytest.raises(ValueError) as e:
         startup.check_args(cli.parse_args(flowgrpo.Args, list(flags)))
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_batch_the_training_ranks_cannot_split_is_refused_before_the_world_is_split(monkeypatch):
+    """Every rank checks the batch arithmetic over the training ranks (the world less --rollout-ranks) before the world
+    is split: before, the rollout ranks had started loading the model when training rank 0 refused the batch."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(rollout_ranks, "split", lambda r: pytest.fail("the world was split before the check"))
+    with pytest.raises(ValueError, match=r"must split into \d+ optimizer step\(s\) × 3 rank\(s\)"):
+        flowgrpo.main(cli.parse_args(flowgrpo.Args, ["--rollout-ranks", "1", "--off-policy", "1"]))
