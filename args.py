@@ -251,3 +251,23 @@ class Args(RunArgs, EvalArgs, OptimizerArgs, UpdateArgs, RolloutArgs, ModelArgs)
     """Flow-GRPO training (docs/algorithm.md). `--recipe` (or `--model` alone) picks a recipe, whose values are the
     defaults shown here. A bare `python flowgrpo.py` is `--model tiny`, the CPU demo; `--model qwen-image --help`
     shows that recipe. Flags given override the recipe. Recipes: recipes.py; their sources: docs/algorithm.md §7."""
+
+
+# ---- flags that act only beside another -----------------------------------------------------------------------
+# What each needs, and whether a run `a` has it. Given on the command line (unlike its recipe's value) without it, the
+# flag would change nothing: start-up refuses it (startup.check_args), as algorithms.check_flags refuses the flags of
+# another --algorithm.
+LORA, EMA = ("a LoRA (not --full-finetune)", lambda a: not a.full_finetune), ("--ema-decay > 0", lambda a: a.ema_decay)
+COMPANIONS = {"lora_rank": LORA, "lora_alpha": LORA, "lora_targets": LORA, "ema_every": EMA, "ema_repeat": EMA,
+              "ema_form": EMA, "window_range": ("--window > 0", lambda a: a.window > 0),
+              "slide_every": ("--window-schedule sliding", lambda a: a.window_schedule == "sliding"),
+              "is_cap": ("--stale-correction decoupled", lambda a: a.stale_correction == "decoupled"),
+              "dppo_threshold": ("--trust-region dppo", lambda a: a.trust_region == "dppo")}
+
+
+def check_companions(a: Args, recipe: Args) -> None:
+    """Refuse, naming them, the flags given without the flag they act with (COMPANIONS)."""
+    alone = [f"--{f.replace('_', '-')} acts only with {what}" for f, (what, used) in COMPANIONS.items()
+             if getattr(a, f) != getattr(recipe, f) and not used(a)]
+    if alone:
+        raise ValueError(f"{'; '.join(alone)}: drop it, or give what it acts with")

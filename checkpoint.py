@@ -238,6 +238,11 @@ def resolve_resume(resume: str, run_dir: str | None, flags: dict, may_change=(),
         if not found:
             raise FileNotFoundError(f"--resume auto: no complete checkpoint in {os.path.join(run_dir, 'checkpoints')}")
         resume = found[-1]
+    held = resume if os.path.basename(os.path.normpath(resume)) == "checkpoints" else os.path.join(resume, "checkpoints")
+    if os.path.isdir(held):  # a run's directory, or its checkpoints/, given for one of its checkpoints
+        run = os.path.dirname(os.path.normpath(held))
+        raise ValueError(f"--resume {resume} is a run's, not a checkpoint: --resume auto --run-dir {run} continues its "
+                         f"newest, --resume {os.path.join(held, PREFIX)}<n> another")
     meta = verify_checkpoint(resume)
     saved = {**(defaults or {}), **meta["flags"]}
     diff = {k: (saved.get(k), v) for k, v in flags.items() if saved.get(k) != v and k not in may_change}

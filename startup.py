@@ -11,6 +11,7 @@ import os
 import sys
 
 import algorithms
+import args
 import checkpoint
 import cli
 import memory
@@ -80,7 +81,9 @@ def check_args(a) -> tuple[str, dict] | None:
     need(not unknown, f"--allow-change: unknown flag(s) {sorted(unknown)}; name flags such as lr or reward")
     need(not SHAPE_FLAGS & set(allowed(a)), f"--allow-change: {sorted(SHAPE_FLAGS & set(allowed(a)))} fix the "
          "checkpoint's tensor shapes and cannot change on --resume")
-    algorithms.check_flags(a, cli.recipe_args(type(a), a.recipe))  # e.g. --clip-range with nft: refused, named
+    recipe = cli.recipe_args(type(a), a.recipe)
+    algorithms.check_flags(a, recipe)  # e.g. --clip-range with nft: refused, named
+    args.check_companions(a, recipe)  # e.g. --window-range without --window: refused, named
     algorithms.ALGORITHMS[a.algorithm].check(a)
     model_checks.check_model_args(a.model, height=a.height, width=a.width, cfg_scale=a.cfg_scale, guidance=a.guidance,
                                   model_path=a.model_path, sp=a.sp, num_frames=a.num_frames)

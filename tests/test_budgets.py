@@ -14,7 +14,9 @@ BUDGETS = {
     "args.py": 300,  # every flag of the loop, documented once, in a dataclass per phase (a section of --help each)
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
-    "startup.py": 150,  # what a run checks before anything expensive starts: each refusal in one line
+    # what a run checks before anything expensive starts: each refusal in one line; 155 since 2026-12-06 for the
+    # recipe's values read once by both checks of flags given to no effect (another algorithm's, or without a companion)
+    "startup.py": 155,
     # the command line read over a recipe's values, in Args' groups (a section of --help each), tyro's errors in one line
     "cli.py": 100,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
@@ -54,7 +56,9 @@ BUDGETS = {
     "merged_lora.py": 100,  # --merged-lora: each LoRA layer through one bf16 weight, base and adapter summed
     "fp8_rollout.py": 100,  # --fp8-rollout: the rollout's frozen linear layers multiply in float8
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
-    "checkpoint.py": 250,  # the checkpoint format and its checks: meta.json, its manifest, resume
+    # the checkpoint format and its checks: meta.json, its manifest, resume; 255 since 2026-12-06: a run directory
+    # given to --resume named as one, with the two commands that resume it
+    "checkpoint.py": 255,
     "atomic_files.py": 100,  # files written atomically (a temporary name, renamed) and read back without a link
     "rollout.py": 450,  # trajectories with log-probs: the data contract, the trainer's own sampler (the local backend)
     # who samples, chosen by --rollout: the trainer's own model, or vLLM-Omni servers through their HTTP client

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -265,8 +266,9 @@ def test_unreachable_weights_fail_in_one_line_and_leave_the_directory_reusable(t
     assert len(rows) == 1 and (run / "metrics.jsonl").exists()
 
 
-def test_run_sh_recipes_launch():
-    """run.sh names its recipes when given none or a wrong one, and a recipe reaches flowgrpo.py with the flags."""
+def test_run_sh_recipes_launch(tmp_path):
+    """run.sh names its recipes when given none or a wrong one, and a recipe reaches flowgrpo.py with the flags; the
+    GPU check without its packages' archive says how to make it (before: tar's four lines)."""
     env = os.environ | {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
 
     def sh(*a):  # run.sh with these arguments, the venv's python first on PATH
@@ -281,6 +283,12 @@ def test_run_sh_recipes_launch():
     assert "no recipe named 'nope'" in out.stderr
     out = sh("tiny", "--help")
     assert out.returncode == 0 and "--group-size" in out.stdout, out.stderr[-2000:]
+    shutil.copy(os.path.join(ROOT, "run.sh"), tmp_path)  # a checkout without .whl
+    for argv, said in ((["gpu-check", "OUT"], "run.sh: .whl/site.tar.xz is missing: make it where pip can download "
+                        "(bash run.sh gpu-wheels) and bring .whl to this machine\n"),
+                       (["gpu-check"], "give the output folder: bash run.sh gpu-check OUT\n")):
+        out = subprocess.run(["bash", str(tmp_path / "run.sh"), *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and out.stderr.endswith(said) and out.stderr.count("\n") == 1, out.stderr
 
 
 # ---- the real script, through its CLI: it learns and leaves its files ------------------------------

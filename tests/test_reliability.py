@@ -196,6 +196,17 @@ def test_a_changed_prompt_file_is_named_on_resume(trained):
     assert startup.check_args(args)
 
 
+def test_a_run_directory_given_to_resume_is_named_with_the_commands_that_resume_it(trained):
+    """`--resume RUN_DIR` (or RUN_DIR/checkpoints) was refused as a checkpoint "interrupted while being written"."""
+    run, flags = trained
+    for given in (run, run / "checkpoints"):
+        args = cli.parse_args(flowgrpo.Args, [*TINY, *flags, "--resume", str(given), "--iterations", "4"])
+        with pytest.raises(ValueError) as e:
+            startup.check_args(args)
+        assert str(e.value) == (f"--resume {given} is a run's, not a checkpoint: --resume auto --run-dir {run} continues "
+                                f"its newest, --resume {run}/checkpoints/iter_<n> another"), str(e.value)
+
+
 # ---- 6. flags and prompt files ------------------------------------------------------------------------------
 @pytest.mark.parametrize("change, needle", [
     (dict(eval_steps=1), r"--eval-steps must be in \[2, 1000\]"), (dict(lora_targets=()), "--lora-targets must name"),

@@ -13,7 +13,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import models  # noqa: E402
 import rewards  # noqa: E402
+from tiny_setup import main_here  # noqa: E402
 
 
 def draw(text, size=(320, 96)):
@@ -115,10 +117,21 @@ def test_start_up_checks_build_no_models():
     ("judge:ocr", r"bad server URL '' in 'judge:ocr' .*; write judge:TASK=http://HOST:PORT\[\+http://HOST2:PORT"),
     ("judge:match=http://a:1+http://a:1", "bad server URL 'http://a:1'.*each server once"),
     ("judge:match=http://a:1+http://b:70000", "bad server URL 'http://b:70000'"),
+    ("brightness=0", "every term has weight 0 .* nothing trains"),  # before: a run that trained nothing, silently
+    ("ocr=0,brightness=0.0", "every term has weight 0"),
 ])
 def test_bad_reward_specs(spec, message):
     with pytest.raises(ValueError, match=message):  # a regular expression
         rewards.check_reward_spec(spec)
+
+
+def test_a_reward_model_that_cannot_be_loaded_stops_the_start_in_one_line_before_the_policy_loads(monkeypatch,
+                                                                                                  tmp_path):
+    """Before: the policy was built first (minutes for a real model), then transformers' 61-line traceback."""
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the policy was loaded first"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^--reward pickscore: its model cannot be loaded \(.*\): check its name"):
+        main_here("--reward", f"pickscore:{tmp_path / 'empty'}", "--run-dir", tmp_path / "run")
 
 
 def test_url_rewards_parse_to_labels_and_weights():

@@ -21,6 +21,7 @@ import engine as eng
 import flowgrpo
 import rundir
 import runlog
+import startup
 from tiny_setup import main_here
 from tasks import nano, nano_compare
 
@@ -53,6 +54,29 @@ def test_a_refused_start_leaves_the_lock_line_of_the_run_there(tmp_path):
         rundir.claim_run_dir(str(run), "tiny-brightness", None, {}, {})
     rundir.release_run_dirs()
     assert (run / ".lock").read_text() == "the run on host h, PID 1, started then\n"
+
+
+@pytest.mark.parametrize("given, needle, accepted", [
+    ("--window-range 1 3", "--window-range acts only with --window > 0", "--window-range 1 3 --window 1"),
+    ("--full-finetune --lora-rank 4", "--lora-rank acts only with a LoRA", "--lora-rank 4"),
+    ("--ema-every 3 --ema-form dance", "--ema-every acts only with --ema-decay > 0; --ema-form acts only",
+     "--ema-every 3 --ema-form dance --ema-decay 0.9"),
+    ("--is-cap 3", "--is-cap acts only with --stale-correction decoupled", "--is-cap 3 --stale-correction decoupled"),
+    ("--dppo-threshold 0.5", "--dppo-threshold acts only with --trust-region dppo",
+     "--dppo-threshold 0.5 --trust-region dppo"),
+    ("--slide-every 3 --window 1", "--slide-every acts only with --window-schedule sliding",
+     "--slide-every 3 --window 1 --window-schedule sliding"),
+])
+def test_a_flag_given_without_the_flag_it_acts_with_is_refused_naming_it(given, needle, accepted):
+    """Before, each ran to its end changing nothing (full mode trained every step; no EMA ran; ...). A recipe's own
+    value is not a flag given: nano's --window-range (0, 5) in full mode starts."""
+    with pytest.raises(ValueError) as e:
+        startup.check_args(cli.parse_args(flowgrpo.Args, given.split()))
+    assert str(e.value).startswith(needle) and "\n" not in str(e.value), str(e.value)
+    startup.check_args(cli.parse_args(flowgrpo.Args, accepted.split()))
+    nano = cli.parse_args(flowgrpo.Args, ["--model", "nano"])
+    assert nano.window == 0 and nano.window_range != flowgrpo.Args.window_range
+    startup.check_args(nano)
 
 
 def test_resuming_a_checkpoint_with_a_flag_this_version_lacks_records_it_as_changed(tmp_path):
