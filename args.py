@@ -262,7 +262,9 @@ COMPANIONS = {"lora_rank": LORA, "lora_alpha": LORA, "lora_targets": LORA, "ema_
               "ema_form": EMA, "window_range": ("--window > 0", lambda a: a.window > 0),
               "slide_every": ("--window-schedule sliding", lambda a: a.window_schedule == "sliding"),
               "is_cap": ("--stale-correction decoupled", lambda a: a.stale_correction == "decoupled"),
-              "dppo_threshold": ("--trust-region dppo", lambda a: a.trust_region == "dppo")}
+              "dppo_threshold": ("--trust-region dppo", lambda a: a.trust_region == "dppo"),
+              "cps_density": ("--sde-type cps", lambda a: a.sde_type == "cps"),  # sde's densities are the exact ones
+              "kl_form": ("--kl-beta > 0", lambda a: a.kl_beta > 0)}
 
 
 def check_companions(a: Args, recipe: Args) -> None:

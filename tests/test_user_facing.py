@@ -66,6 +66,8 @@ def test_a_refused_start_leaves_the_lock_line_of_the_run_there(tmp_path):
      "--dppo-threshold 0.5 --trust-region dppo"),
     ("--slide-every 3 --window 1", "--slide-every acts only with --window-schedule sliding",
      "--slide-every 3 --window 1 --window-schedule sliding"),
+    ("--cps-density exact", "--cps-density acts only with --sde-type cps", "--cps-density exact --sde-type cps"),
+    ("--kl-form exact", "--kl-form acts only with --kl-beta > 0", "--kl-form exact --kl-beta 0.01"),
 ])
 def test_a_flag_given_without_the_flag_it_acts_with_is_refused_naming_it(given, needle, accepted):
     """Before, each ran to its end changing nothing (full mode trained every step; no EMA ran; ...). A recipe's own
