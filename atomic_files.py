@@ -1,9 +1,9 @@
 """Files written atomically and read back as regular files. Each file or directory is written under a name of its
 own (`temporary`) and renamed when complete, so a crash at any moment leaves the previous one whole and what it left
 is known by its name (`remove_temporaries`); `replace_dir` puts the new tree on disk before the rename and the rename
-before what it replaces is removed, so a power loss does not either. What is read back is opened only as a regular file reached without a
-link (`open_regular`): a FIFO would block the reader, a link to /dev/zero never ends, a link elsewhere reads a file
-this project never wrote. `manifest` hashes a directory's files, each opened so."""
+before what it replaces is removed, so a power loss does not either. What is read back is opened only as a regular
+file reached without a link (`open_regular`): a FIFO would block the reader, a link to /dev/zero never ends, a link
+elsewhere reads a file this project never wrote. `manifest` hashes a directory's files, each opened so."""
 import glob
 import hashlib
 import os

@@ -98,10 +98,8 @@ def write_meta(directory: str, meta: dict) -> None:
     SHA-256 of all of it."""
     sizes = listing(directory)
     meta = dict(meta, manifest=atomic_files.manifest(directory, sizes), sizes=sizes)
-    with open(os.path.join(directory, "meta.json"), "w") as f:
+    with open(os.path.join(directory, "meta.json"), "w") as f:  # on disk with the rest before the rename (replace_dir)
         json.dump(dict(meta, sha256=json_sha256(meta)), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_json(path: str, below: str | None = None):
