@@ -118,7 +118,7 @@ def host_rows(t: list, o, batch: int = 4):
         compiled.transformer.eval()
         timed |= {"compiled": lambda: forward(compiled), "compiled step": lambda: step(compiled_step, x, s, cond)}
         forward(compiled), step(compiled_step, x, s, cond)  # traced and compiled here, outside the timing
-    r = measure(timed, o.repeats)
+    r = measure(timed, o.repeats, warmup=0)  # each has run above: warm, then counted (the compiled ones, compiled)
     n = {k: sum(v.values()) for k, v in ops.items()}
     what = f"Qwen-Image's {BLOCKS} blocks at 2 heads × 16, {batch} images {SIDE}², one thread"
     # (timed name, its label, the targets, what it is): each against bare diffusers' forward, or a plain LoRA step

@@ -1,7 +1,6 @@
 import os
 import sys
 
-import pytest
 import torch
 from xdist.scheduler import LoadScopeScheduling
 
@@ -9,6 +8,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# One torch thread in each worker, as the loop's own CPU runs have it (flowgrpo.main) and the runs the tests launch
+# (OMP_NUM_THREADS=1): the suite's two workers share two cores, where a team of two threads in each waits on the
+# other's (the in-process model files took 235 s of CPU on two threads, 188 on one, 2026-12-07); and a figure a test
+# computes in-process then does not depend on the machine's number of cores.
+torch.set_num_threads(1)
 
 
 class OneFileToAWorker(LoadScopeScheduling):
@@ -36,13 +40,3 @@ class OneFileToAWorker(LoadScopeScheduling):
 
 def pytest_xdist_make_scheduler(config, log):
     return OneFileToAWorker(config, log)
-
-
-@pytest.fixture
-def one_thread():
-    """In-process sampling of a laptop task's model on one torch thread, as its runs have it: on a busy 2-core machine
-    two threads wait on each other (7× slower, measured on nano); the figures do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -96,7 +96,7 @@ def test_evaluation_seeds_are_never_rollout_seeds():
         assert not rollouts & {nano.EVAL_SEED + i for i in range(500)}
 
 
-def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_path, one_thread):
+def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_path):
     """`flowgrpo.py --model nano` (the recipe, for 30 iterations) through the CLI, then the base model and the run's exported LoRA on the
     same 500 held-out seeds (nano's evaluation), read by the judge training never saw. Noise: the paired standard
     error of the change, sqrt(var(after_i − before_i) / n) over the 500 images, ~2 points. The margin asked: 3 of

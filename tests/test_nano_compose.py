@@ -231,7 +231,7 @@ def test_gardos_row_takes_each_tasks_proxies_and_is_refused_where_a_task_has_non
 RL_ITERATIONS, PER_CATEGORY = 40, 50
 
 
-def test_a_short_seeded_rl_run_raises_the_held_out_overall(tmp_path, one_thread):
+def test_a_short_seeded_rl_run_raises_the_held_out_overall(tmp_path):
     """`flowgrpo.py --model nano-compose` (the recipe, for RL_ITERATIONS of its iterations) through the CLI on the
     shipped base, then the base and the run's exported LoRA on the same held-out prompts and seeds (PER_CATEGORY a
     category, nano_compose.evaluate's), read by the judge training never saw. The overall is GenEval's mean over

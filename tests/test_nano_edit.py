@@ -211,7 +211,7 @@ def short_run(tmp_path_factory):
     return tmp / "run"
 
 
-def test_a_short_seeded_rl_run_raises_the_held_out_judge(short_run, one_thread):
+def test_a_short_seeded_rl_run_raises_the_held_out_judge(short_run):
     """The short run's exported LoRA and the base on RL_KIND's 20 held-out prompts × EVAL_SEEDS seeds (the same 200
     images), read by the judge training never saw. The margin asked: 5 points and 3 times the change's paired standard
     error. Measured (2026-12-03, this code, 32.5% before): seed 0 +14.5 points (4.9 times its noise of 2.9), seeds 1
@@ -229,7 +229,7 @@ def test_a_short_seeded_rl_run_raises_the_held_out_judge(short_run, one_thread):
     assert change > max(3 * noise, 0.05), f"{before.mean():.1%} -> {after.mean():.1%}: {change:+.1%}, noise {noise:.1%}"
 
 
-def test_the_comparison_reads_the_task_per_kind_and_draws_its_grid(short_run, one_thread, tmp_path):
+def test_the_comparison_reads_the_task_per_kind_and_draws_its_grid(short_run, tmp_path):
     """tasks/nano_compare.py's task: its rows exist, a run's judge curve is the mean over the instruction kinds (each logged
     by its tag), and the grid draws source | base | after RL per kind from a run's LoRA with the judge's verdicts."""
     from tasks import nano_compare
