@@ -25,12 +25,10 @@ import startup
 
 def main_here(*argv) -> list[dict]:
     """`python flowgrpo.py --no-wandb *argv`, run by flowgrpo.main in this process: the same training, files and server
-    requests without a new interpreter's imports (most of a tiny run's cost). One thread, as a launched test process
-    (OMP_NUM_THREADS=1, so main leaves the count as it is); the global RNG seeded afresh and given back after; and what
-    flowgrpo.py does as it ends (leave the process group, let go of the run directory). The rows it logged; a refusal
+    requests without a new interpreter's imports (most of a tiny run's cost). The worker's one thread (tests/conftest.py;
+    OMP_NUM_THREADS=1, so main leaves the count as it is), as a launched test process has; the global RNG seeded afresh
+    and given back after; and what flowgrpo.py does as it ends (leave the process group, let go of the run directory). The rows it logged; a refusal
     is raised as the error whose line the CLI prints."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -38,7 +36,6 @@ def main_here(*argv) -> list[dict]:
     finally:
         eng.shutdown()
         rundir.release_run_dirs()
-        torch.set_num_threads(threads)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
