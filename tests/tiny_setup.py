@@ -25,10 +25,10 @@ import startup
 
 def main_here(*argv) -> list[dict]:
     """`python flowgrpo.py --no-wandb *argv`, run by flowgrpo.main in this process: the same training, files and server
-    requests without a new interpreter's imports (most of a tiny run's cost). The worker's one thread (tests/conftest.py;
-    OMP_NUM_THREADS=1, so main leaves the count as it is), as a launched test process has; the global RNG seeded afresh
-    and given back after; and what flowgrpo.py does as it ends (leave the process group, let go of the run directory). The rows it logged; a refusal
-    is raised as the error whose line the CLI prints."""
+    requests without a new interpreter's imports (most of a tiny run's cost). The worker's one thread
+    (tests/conftest.py; OMP_NUM_THREADS=1, so main leaves the count as it is), as a launched test process has; the
+    global RNG seeded afresh and given back after; and what flowgrpo.py does as it ends (leave the process group, let go
+    of the run directory). The rows it logged; a refusal is raised as the error whose line the CLI prints."""
     try:
         with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
