@@ -116,8 +116,9 @@ def _sq_gap(mean, mean_ref) -> torch.Tensor:
 def std_dev_t(std, dt, sde_type: str) -> torch.Tensor:
     """The `std_dev_t` of Flow-GRPO's step, which its KL divides by: the noise per unit √time s_t = std/√−dt for `sde`
     (DanceGRPO's η for `dance`, which has no KL of its own), the step's std itself for `cps`. (B,) or (1,)."""
-    std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
-    return std if sde_type == "cps" else std / torch.sqrt(-torch.as_tensor(dt, dtype=torch.float32).reshape(-1))
+    std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)  # dt: from the schedule, on the CPU; std: the model's
+    return std if sde_type == "cps" else std / torch.sqrt(-torch.as_tensor(dt, dtype=torch.float32,
+                                                                          device=std.device).reshape(-1))
 
 
 def kl_exact(mean, mean_ref, std, dt, sde_type: str) -> torch.Tensor:

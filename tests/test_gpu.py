@@ -230,6 +230,41 @@ def test_velocity_takes_sigma_from_the_cpu_to_the_models_device(model, tmp_path)
     assert v.device.type == "meta" and v.shape == x.shape
 
 
+class MetaVelocity:
+    """A model whose velocity is made on the meta device from the state there, σ taken from the CPU as given."""
+
+    def velocity(self, x, sigma, cond, cfg_scale, height, width):
+        assert sigma.device.type == "cpu" and x.device.type == "meta"
+        return x * 0.5
+
+
+@pytest.mark.parametrize("sde_type", sorted(sch.SDE_TYPES))
+def test_every_policy_loss_takes_the_schedule_from_the_cpu_and_the_step_on_the_models_device(sde_type):
+    """The update's loss (algorithms.policy_loss) in each combination of its tables (--kl-form, --guard,
+    --trust-region, --cps-density, --zero-advantage's weights, --stale-correction's importance weights) with a KL
+    term: the schedule's σ stay on the CPU (Batch.sigmas), the states, log-probs, means and advantages on the model's
+    device, here meta, which refuses a (1,) CPU tensor beside its own as CUDA does. The SD3.5 recipe's --kl-form public
+    divided by a (1,) CPU √−dt: every GPU run with a KL term under sde or dance would have stopped at its first step
+    (found by reading, 2026-12-07; no GPU had run one)."""
+    meta, b, W = torch.device("meta"), 2, 2
+    mb = rollout.Batch(["a", "b"], [{}] * b, torch.tensor([0, 0]), torch.empty(b, W + 1, 4, 8, device=meta),
+                       torch.empty(b, W, device=meta), torch.tensor([1.0, 0.9, 0.75]), 1.0, {}, None,
+                       advantages=torch.empty(b, device=meta), means=torch.empty(b, W, 4, 8, device=meta),
+                       ids=torch.tensor([0, 1]))
+    engine = type("Engine", (), {"reference": lambda self: torch.enable_grad(),
+                                 "old_weights": lambda self: torch.enable_grad()})()
+    combos = [(kl, guard, trust, density) for kl in algorithms.KL_FORMS for guard in algorithms.LOG_RATIOS
+              for trust in algorithms.TRUST_REGIONS for density in algorithms.CPS_DENSITIES]
+    for (kl, guard, trust, density), weighted in zip(combos * 2, [False] * len(combos) + [True] * len(combos)):
+        a = dataclasses.replace(flowgrpo.RECIPES["sd3.5-medium"], sde_type=sde_type, kl_form=kl, guard=guard,
+                                trust_region=trust, cps_density=density, noise_level=0.5)
+        mb.weights, mb.is_weights = (torch.empty(b, device=meta), torch.empty(b, W, device=meta)) if weighted else \
+            (None, None)
+        for j in range(W):  # (GARDO's gated mean is not here: it reads its mask's values, which meta has not)
+            loss, stats = algorithms.policy_loss(MetaVelocity(), engine, mb, j, a)
+            assert loss.device == meta and loss.shape == () and stats["kl_term"].device == meta, (kl, guard, trust)
+
+
 class RandomTextWan(models_wan.Wan):
     """Wan with UMT5-XXL's output shape, 512 × 4096 random states per prompt, in place of its 5.7 B-parameter
     encoder (as bench/gpu.py's RandomText for Qwen-Image): what the transformer sees, not what the text means."""
