@@ -35,10 +35,11 @@ def sync_tree(path: str) -> None:
 
 
 def replace_dir(src: str, dst: str) -> None:
-    """Rename src to dst, src's files on disk first (sync_tree); an existing dst is moved aside first and removed
-    only after the swap is on disk (its directory synced), and so is what the caller removes after this returns."""
+    """Rename src to dst, src's files on disk first (sync_tree); an existing dst is moved aside first (to a name
+    remove_temporaries puts back where a crash left no dst) and removed only after the swap is on disk (its directory
+    synced), and so is what the caller removes after this returns."""
     sync_tree(src)
-    old = temporary(dst)
+    old = f"{dst}.old-{os.getpid()}-{secrets.token_hex(4)}"
     if os.path.exists(dst):
         os.rename(dst, old)
     os.rename(src, dst)
@@ -47,10 +48,17 @@ def replace_dir(src: str, dst: str) -> None:
 
 
 def remove_temporaries(directory: str) -> None:
-    """Delete the temporary directories (`temporary` names) interrupted writes left in `directory`: the run directory
-    is locked by its run, so no other process is writing them."""
+    """Delete the temporary directories (`temporary` names) interrupted writes left in `directory`, and put back what
+    a replace_dir cut between its two renames had moved aside (or delete it, where the new one is in place): the run
+    directory is locked by its run, so no other process is writing them."""
     for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
         shutil.rmtree(stale, ignore_errors=True)
+    for old in glob.glob(os.path.join(glob.escape(directory), "*.old-*")):
+        dst = old.rpartition(".old-")[0]
+        if os.path.exists(dst):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(old, dst)
 
 
 def open_regular(path: str, below: str | None = None):

@@ -134,11 +134,12 @@ def iteration_of(path: str) -> int | None:
 
 
 def list_checkpoints(root: str, run_id: str | None = None) -> list[str]:
-    """Complete checkpoints under root, oldest first: real directories (not links) named iter_<n> with a meta.json;
-    with run_id, only that run's (pruning never touches another run's)."""
+    """Complete checkpoints under root, oldest first (by iteration, not name: iter_1000000 follows iter_999999): real
+    directories (not links) named iter_<n> with a meta.json; with run_id, only that run's (pruning never touches another
+    run's)."""
     paths = [p for p in glob.glob(os.path.join(root, PREFIX + "*")) if iteration_of(p) is not None]
     done = [p for p in paths if not os.path.islink(p) and os.path.isfile(os.path.join(p, "meta.json"))]
-    return sorted(p for p in done if run_id is None or _run_id_of(p) == run_id)
+    return sorted((p for p in done if run_id is None or _run_id_of(p) == run_id), key=iteration_of)
 
 
 def set_aside_after(root: str, iteration: int) -> list[str]:

@@ -32,6 +32,9 @@ def claim_run_dir(run_dir: str | None, name: str, resumed: str | None, meta: dic
     (lock_run_dir), and checked: a new run refuses a directory that holds a run; a run resumed from checkpoint
     `resumed` continues in its run directory (or a new one). Nothing is written but the lock (and a refused start puts
     the lock's line back as it found it): RunLog writes when training starts."""
+    above = run_dir and _run_above(run_dir)
+    if above:  # each run's clean-up of interrupted writes (atomic_files.remove_temporaries) would remove the other's
+        raise ValueError(f"--run-dir {run_dir} is inside the run directory {above}: give a directory outside it")
     try:
         if resumed is None:
             made, now = run_dir is None or not os.path.exists(run_dir), time.strftime("%Y%m%d-%H%M%S")
@@ -43,23 +46,28 @@ def claim_run_dir(run_dir: str | None, name: str, resumed: str | None, meta: dic
             run_id = uuid.uuid4().hex
             _LOCKS[-1]["claimed"] = True
             return Claim(run_dir, run_id, None, config | {"run_id": run_id, "resumes": []})
-        source = os.path.dirname(os.path.dirname(os.path.abspath(resumed)))  # <run-dir>/checkpoints/iter_N
+        parent = os.path.dirname(os.path.abspath(resumed))  # <run-dir>/checkpoints/iter_N, or a copy elsewhere (None)
+        source = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+        if not (run_dir or source):
+            raise ValueError(f"--resume {resumed}: a checkpoint outside a run directory's checkpoints/ folder (a copy) "
+                             "names no run directory to continue in: give --run-dir")
         run_dir = run_dir or source
         lock_run_dir(run_dir, not os.path.exists(run_dir))
     except OSError as e:
         raise ValueError(f"--run-dir {run_dir}: cannot write there ({e.strerror}); give a writable directory") from e
     previous = _read_json(os.path.join(run_dir, "args.json"))
     if _holds_run(run_dir) and previous.get("run_id") != meta["run_id"]:
-        raise ValueError(f"--run-dir {run_dir} holds another run than the one {resumed} belongs to: resume in "
-                         f"{source} or in a new directory")
+        where = f"in {source} or in a new directory" if source else "in a new directory"
+        raise ValueError(f"--run-dir {run_dir} holds another run than the one {resumed} belongs to: resume {where}")
     _LOCKS[-1]["claimed"] = True
     own = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
     # A flag this version no longer has is recorded as changed to null (resolve_resume compares this run's flags only)
     changed = {k: [v, config.get(k)] for k, v in meta["flags"].items() if json.loads(json.dumps(config.get(k))) != v}
     history = previous.get("resumes", []) + [{"checkpoint": os.path.abspath(resumed), "changed": changed}]
+    rows = run_dir if own else source  # the metrics to continue: here, else the checkpoint's run's (a copy: none)
     return Claim(run_dir, meta["run_id"], meta["loop"]["wandb_id"] if own else None,
                  config | {"run_id": meta["run_id"], "resumes": history},
-                 os.path.join(run_dir if own else source, "metrics.jsonl"), meta["loop"]["iteration"])
+                 os.path.join(rows, "metrics.jsonl") if rows else None, meta["loop"]["iteration"])
 
 
 def safe_name(name: str) -> str:
@@ -140,6 +148,17 @@ def _holds_run(run_dir: str) -> bool:
     return logged or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints)))
 
 
+def _run_above(run_dir: str) -> str | None:
+    """The nearest directory above run_dir that is a run's (an args.json with a run id), or None. (Not any locked one:
+    a comparison's directory, locked while it runs (tasks/nano_compare.py), holds its runs.)"""
+    path = os.path.abspath(run_dir)
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        if "run_id" in _read_json(os.path.join(path, "args.json")):
+            return path
+    return None
+
+
 def _new_dir(path: str) -> str:
     """path, or path-1, path-2, ..., made here (two runs started in the same second get different directories)."""
     for candidate in (path if i == 0 else f"{path}-{i}" for i in range(1000)):
@@ -162,7 +181,8 @@ def interrupted() -> str:
     written."""
     run_dir = _LOCKS[-1]["run_dir"] if _LOCKS else None
     root = os.path.join(run_dir, "checkpoints") if run_dir else ""
-    names = sorted(n for n in os.listdir(root) if re.fullmatch(r"iter_\d+", n)) if os.path.isdir(root) else []
+    names = sorted((n for n in os.listdir(root) if re.fullmatch(r"iter_\d+", n)), key=lambda n: int(n[5:])) \
+        if os.path.isdir(root) else []  # by iteration: iter_1000000 is newer than iter_999999
     if names:
         return (f"flowgrpo.py: interrupted; its newest checkpoint is {os.path.join(root, names[-1])} (iteration "
                 f"{int(names[-1][5:])}): --resume auto --run-dir {run_dir} continues after it")

@@ -26,6 +26,7 @@ import cli
 import engine as eng
 import flowgrpo
 import rewards
+import rundir
 import runlog
 import startup
 from tiny_setup import main_here, raised_within, stop, tiny_setup
@@ -93,6 +94,50 @@ def test_temporary_names_are_unique_to_their_writer(tmp_path):
     assert json.loads((tmp_path / "args.json").read_text()) == {} and (tmp_path / "args.json.tmp").is_dir()
     names = {atomic_files.temporary(str(tmp_path / "x")) for _ in range(100)}
     assert len(names) == 100 and all(f".tmp-{os.getpid()}-" in n for n in names)
+
+
+def test_a_swap_cut_between_its_renames_keeps_the_directory_it_replaced(tmp_path, monkeypatch):
+    """replace_dir moved the old <run>/lora aside under a temporary's name, then renamed the new one in: cut between
+    the two renames, it left no lora, and the next export's clean-up deleted the one moved aside. That one is put back
+    now; and, after a swap that completed, removed."""
+    dst = str(tmp_path / "lora")
+
+    def written(text: str) -> str:  # as engine.export_lora writes: under a temporary name beside dst
+        os.makedirs(tmp := atomic_files.temporary(dst))
+        Path(tmp, "w").write_text(text)
+        return tmp
+    atomic_files.replace_dir(written("old"), dst)
+    rename, calls = os.rename, []
+
+    def cut_at_the_second(a, b):
+        calls.append(a)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "cut")
+        rename(a, b)
+    monkeypatch.setattr(os, "rename", cut_at_the_second)
+    with pytest.raises(OSError, match="cut"):
+        atomic_files.replace_dir(written("new"), dst)
+    monkeypatch.undo()
+    assert not os.path.exists(dst)
+    atomic_files.remove_temporaries(str(tmp_path))  # what the next export does first
+    assert os.listdir(tmp_path) == ["lora"] and Path(dst, "w").read_text() == "old"
+    atomic_files.replace_dir(written("newer"), dst)
+    assert os.listdir(tmp_path) == ["lora"] and Path(dst, "w").read_text() == "newer"
+
+
+def test_checkpoints_are_ordered_by_iteration_not_name(tmp_path):
+    """Sorted by name, iter_1000000 came before iter_999999: pruning removed the checkpoint just written, and
+    --resume auto and an interrupted run's last line named the older one."""
+    root = tmp_path / "run" / "checkpoints"
+    for it in (999_999, 1_000_000, 2):
+        (root / f"{checkpoint.PREFIX}{it:06d}").mkdir(parents=True)
+        (root / f"{checkpoint.PREFIX}{it:06d}" / "meta.json").write_text("{}")
+    assert [checkpoint.iteration_of(p) for p in checkpoint.list_checkpoints(str(root))] == [2, 999_999, 1_000_000]
+    rundir.lock_run_dir(str(tmp_path / "run"), False)
+    try:
+        assert "iter_1000000 (iteration 1000000): --resume auto" in rundir.interrupted()
+    finally:
+        rundir.release_run_dirs()
 
 
 # ---- 3-5. checkpoints: regular files only, meta.json checked, resume branches, prompt sets ------------------

@@ -56,6 +56,30 @@ def test_a_refused_start_leaves_the_lock_line_of_the_run_there(tmp_path):
     assert (run / ".lock").read_text() == "the run on host h, PID 1, started then\n"
 
 
+def test_a_run_dir_inside_a_runs_and_a_copied_checkpoint_without_one_are_refused(tmp_path):
+    """`--run-dir A/checkpoints` was taken while A ran: each run's clean-up of interrupted writes removed the other's
+    checkpoint or LoRA being written. A checkpoint copied out of its run's checkpoints/ folder, resumed without
+    --run-dir, made its grandparent folder (whatever that was) the run directory. Both refused now, before anything is
+    written; a comparison's locked directory (tasks/nano_compare.py) still takes its runs."""
+    run = tmp_path / "a"
+    run.mkdir()
+    (run / "args.json").write_text('{"run_id": "r"}')
+    with pytest.raises(ValueError, match=f"--run-dir {run}/checkpoints/x is inside the run directory {run}: give"):
+        rundir.claim_run_dir(str(run / "checkpoints" / "x"), "tiny-brightness", None, {}, {})
+    copy = tmp_path / "saved" / "ckpts" / "iter_000001"
+    copy.mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"--resume {copy}: a checkpoint outside a run directory's checkpoints/ folder"
+                                         r" \(a copy\) names no run directory to continue in: give --run-dir"):
+        rundir.claim_run_dir(None, "tiny-brightness", str(copy), {"run_id": "r"}, {})
+    rundir.release_run_dirs()
+    assert os.listdir(run) == ["args.json"] and os.listdir(tmp_path / "saved") == ["ckpts"]
+    rundir.lock_run_dir(str(tmp_path / "comparison"), True)
+    try:
+        assert rundir.claim_run_dir(str(tmp_path / "comparison" / "grpo" / "seed0"), "tiny-brightness", None, {}, {})
+    finally:
+        rundir.release_run_dirs()
+
+
 @pytest.mark.parametrize("given, needle, accepted", [
     ("--window-range 1 3", "--window-range acts only with --window > 0", "--window-range 1 3 --window 1"),
     ("--full-finetune --lora-rank 4", "--lora-rank acts only with a LoRA", "--lora-rank 4"),
