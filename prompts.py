@@ -112,7 +112,7 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         raise ValueError(f"--prompts: {path} is {path.stat().st_size} bytes, more than {MAX_FILE_BYTES}: split it")
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # an editor's byte-order mark is not part of the first prompt
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise ValueError(f"--prompts: {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
@@ -149,7 +149,7 @@ def load_prompts(spec: str, size: tuple[int, int] | None = None) -> PromptSet:
 
 def _by_split(pairs, spec) -> PromptSet:
     """A `.jsonl` whose lines say `"split": "train"` or `"eval"`: the eval ones are held out, never trained on."""
-    bad = [m["split"] for _, m in pairs if m.get("split") not in ("train", "eval")]
+    bad = [m.get("split", "none") for _, m in pairs if m.get("split") not in ("train", "eval")]
     train, held = [x for x in pairs if x[1].get("split") == "train"], [x for x in pairs if x[1].get("split") == "eval"]
     if bad or not train or not held:
         raise ValueError(f"--prompts {spec}: where one line has a \"split\", every line needs \"train\" or \"eval\" "

@@ -29,7 +29,7 @@ import torch
 from PIL import Image, PngImagePlugin
 
 import source_images
-from reward_http import Watchdog
+from reward_http import PeerError, Watchdog
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ def read_images(encoded: list, limits: Limits) -> torch.Tensor:
     for i, s in enumerate(encoded):
         with _png(s, i, limits) as png:
             sizes.append(png.size)
+            if png.mode not in source_images.MODES:  # e.g. 16-bit grey, whose values over 255 RGB would turn white
+                raise Refused(400, f"images[{i}] has pixel mode {png.mode}: send 8-bit channels")
         if png.width * png.height > limits.max_image_pixels:
             raise Refused(413, f"images[{i}] is {png.width}x{png.height}, over the server's limit of "
                                f"{limits.max_image_pixels} pixels per image (--max-image-pixels)")
@@ -248,31 +250,33 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             if not (size.strip().isascii() and size.strip().isdigit()):  # '²'.isdigit() is True, int('²') fails
                 raise Refused(400, f"Content-Length {size[:40]!r} is not a number of bytes")
             size = int(size)
-            if size > max_bytes:
-                # Read (and drop) what the client sends, so that it reads this reply rather than a reset; the loop
-                # ends at end of stream, and the watchdog ends it at the request deadline.
-                while size > 0 and (chunk := self.rfile.read(min(size, 2**16))):
-                    size -= len(chunk)
+            if size > max_bytes:  # read and dropped as it comes, so that the client reads this reply, not a reset
+                with contextlib.suppress(Refused):
+                    self._body(size, keep=False)
                 raise Refused(413, f"a request of {self.headers['Content-Length']} bytes is over the server's limit "
                                    f"of {max_bytes} (--max-request-mb): lower FLOWGRPO_REMOTE_BATCH")
             return self._body(size)
 
-        def _body(self, size: int) -> bytes:
-            """The body, arriving at limits.body_rate bytes a second on average (a second's grace): a sender slower
-            than that is cut, so that it cannot keep its slot (16 senders of a byte a second held the slots and
-            delayed every score call to 148 s)."""
-            allowed, parts, got = 1 + size / limits.body_rate, [], 0
-            deadline = time.monotonic() + allowed
+        def _body(self, size: int, keep: bool = True) -> bytes:
+            """The body, its bytes arriving at limits.body_rate a second (a second's grace) at every moment: a sender
+            that falls behind is cut, so that it cannot keep its slot (16 senders of a byte a second held the slots
+            and delayed every score call to 148 s; a Content-Length of 100 MiB and then silence held one for the
+            request's deadline). keep=False: read and dropped."""
+            start, parts, got = time.monotonic(), [], 0
             while got < size:
+                due = start + 1 + (got + 1) / limits.body_rate  # when the next byte must be in
                 try:
-                    self.connection.settimeout(deadline - time.monotonic())  # ValueError once it is past
+                    if due <= time.monotonic():
+                        raise TimeoutError
+                    self.connection.settimeout(due - time.monotonic())
                     part = self.rfile.read1(min(size - got, 2**16))
-                except (TimeoutError, ValueError):
+                except (TimeoutError, ValueError):  # ValueError: settimeout's, had `due` passed meanwhile
                     raise Refused(408, f"the body came slower than {limits.body_rate:.0f} bytes a second "
-                                       f"(--body-rate): {got} of {size} bytes in {allowed:.1f} s") from None
+                                       f"(--body-rate): {got} of {size} bytes in {time.monotonic() - start:.1f} s") \
+                        from None
                 if not part:
                     raise Refused(400, f"the body ended after {got} of {size} bytes")
-                parts.append(part)
+                parts += [part] if keep else []
                 got += len(part)
             self.connection.settimeout(limits.request_timeout)
             return b"".join(parts)
@@ -337,11 +341,22 @@ def serve_cli(build, check, argv=None) -> None:
     limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
     if not all(0 < v < float("inf") for v in vars(limits).values()):
         p.error(f"every limit must be a finite number > 0, got {vars(limits)}")
+    if not 0 <= a.port < 2**16:
+        p.error(f"--port {a.port} is not a port (0 to 65535; 0 picks a free one)")
     try:
         check(a.reward)
     except ValueError as e:
         p.error(str(e))
-    server = make_server(build(a.reward), a.reward, a.host, a.port, limits)
+    built = []  # the reward, built once the address is bound: a port in use is said before a model loads
+    try:
+        server = make_server(lambda *request: built[0](*request), a.reward, a.host, a.port, limits)
+    except OSError as e:
+        p.error(f"--host {a.host} --port {a.port}: cannot listen there ({e.strerror or e})")
+    try:
+        built.append(build(a.reward))
+    except (ValueError, OSError, PeerError) as e:  # e.g. remote= a server that does not answer, weights out of reach
+        server.server_close()
+        p.error(f"--reward {a.reward}: {e}")
     print(f"serving reward {a.reward!r} on http://{a.host}:{server.server_address[1]} with limits {vars(limits)}",
           flush=True)
     server.serve_forever()

@@ -20,7 +20,8 @@ TEXT_BYTES = 2**16  # a PNG's text chunks and ICC profile, stored and inflated: 
 TEXT_CHUNKS = (b"tEXt", b"zTXt", b"iTXt", b"iCCP")
 MAX_CHUNKS = 2**17  # a PNG's chunks walked (ours: a few; 8 KiB IDAT chunks of a 64 MiB image: 8192)
 FORMATS = ("PNG", "JPEG")
-MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16", "I;16B", "CMYK", "YCbCr")  # those PNG and JPEG have: RGB-able
+# those PNG and JPEG have with 8 bits a channel (a 16-bit grey PNG's values over 255 turn white in RGB: refused)
+MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "YCbCr")
 PNG = b"\x89PNG\r\n\x1a\n"
 _CHECKED = {}  # (path, device, inode, size, modification time) -> check's answer
 
@@ -82,7 +83,8 @@ def _header(f) -> Image.Image:
     if w * h > SOURCE_PIXELS:
         raise ValueError(f"is {w}×{h}, more than {SOURCE_PIXELS} pixels: {resize}")
     if im.mode not in MODES:
-        raise ValueError(f"has pixel mode {im.mode}, which is not one of {', '.join(MODES)}: save it as an RGB PNG")
+        raise ValueError(f"has pixel mode {im.mode}, which is not one of {', '.join(MODES)}: save it as an 8-bit RGB "
+                         "PNG")
     return im
 
 

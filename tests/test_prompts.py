@@ -33,6 +33,8 @@ def test_txt_file_small_and_large(tmp_path):
     small.write_text("a cat\n\n   \nA dog  \r\n")
     s = prompts.load_prompts(str(small))
     assert s.train == [("a cat", {}), ("A dog", {})] and s.eval == s.train  # too few to hold out
+    small.write_bytes(b"\xef\xbb\xbfa cat\n")  # saved "UTF-8 with BOM": the mark was the first prompt's first letter
+    assert prompts.load_prompts(str(small)).train == [("a cat", {})]
     big = tmp_path / "big.txt"
     big.write_text("\n".join(f"prompt {i}" for i in range(35)) + "\n")
     s = prompts.load_prompts(str(big))
@@ -113,6 +115,7 @@ def test_a_jsonl_may_say_which_prompts_are_held_out(tmp_path):
     s = prompts.load_prompts(str(path))
     assert [p for p, _ in s.eval] == ["a 3", "a 7"] and len(s.train) == 8
     assert s.eval[0][1] == {"tag": "single", "split": "eval"}  # the metadata travels with the prompt
-    path.write_text("\n".join(map(json.dumps, lines[:9] + [{"prompt": "a 9", "split": "test"}])))
-    with pytest.raises(ValueError, match='every line needs "train" or "eval"'):
-        prompts.load_prompts(str(path))
+    for last, found in (({"prompt": "a 9", "split": "test"}, "test"), ({"prompt": "a 9"}, "none")):  # the second:
+        path.write_text("\n".join(map(json.dumps, lines[:9] + [last])))  # a KeyError's traceback before
+        with pytest.raises(ValueError, match=f'every line needs "train" or "eval" .*found \\[.?{found}.?\\]'):
+            prompts.load_prompts(str(path))

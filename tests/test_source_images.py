@@ -3,6 +3,7 @@ hostile names and bad lines refused in one line naming file and line, start-up t
 shows a long set, every reader bounded where a source is read (a file swapped after start-up), and a source whose
 pixels changed named on --resume. Through the CLI where the promise is its output; elsewhere through its first check
 (startup.check_args) or the reader the loop calls."""
+import base64
 import dataclasses
 import json
 import os
@@ -20,6 +21,7 @@ from PIL import Image, ImageFile
 import cli
 import flowgrpo
 import prompts as prompt_sets
+import reward_server
 import rewards
 import runlog
 import source_images
@@ -131,6 +133,18 @@ def test_every_reader_of_a_source_is_bounded_where_it_reads(tmp_path):
             assert isinstance(refused, ValueError) and "\n" not in str(refused), refused
             assert re.search(f"source image {re.escape(str(path))} {needle}.*changed since", str(refused)), refused
     assert np.asarray(source_images.read(write_png(tmp_path / "ok.png", 8, 8, 1))).shape == (8, 8, 3)
+
+
+def test_a_16_bit_source_is_refused_not_turned_white(tmp_path):
+    """A 16-bit grey PNG passed the check, and its mid-grey read as white: RGB clips a value over 255. Refused now,
+    at start-up and by the reward server."""
+    grey = tmp_path / "grey16.png"
+    Image.fromarray(np.full((4, 4), 32768, np.uint16)).save(grey)
+    assert Image.open(grey).mode.startswith("I")
+    with pytest.raises(ValueError, match=r"has pixel mode I.*save it as an 8-bit RGB PNG"):
+        source_images.check(str(grey))
+    with pytest.raises(reward_server.Refused, match=r"images\[0\] has pixel mode I.*send 8-bit channels"):
+        reward_server.read_images([base64.b64encode(grey.read_bytes()).decode()], reward_server.Limits())
 
 
 def test_a_source_whose_pixels_changed_is_named_on_resume(tmp_path):

@@ -23,6 +23,7 @@ from harness import OmniServer, http, set_lora_b, train_here
 from test_edit import edit_prompts, write_png
 from test_edit_qwen import SMALL, small_sources  # noqa: F401 (an autouse fixture: the Qwen sources at 32² here)
 from test_omni_families import GAP_TOL, TOL, trainer_logp_gap
+from test_reward_bounds import chunk, png_with_chunks
 
 import engine as eng
 import models
@@ -90,7 +91,9 @@ def test_served_edits_equal_the_local_backend(kontext, tmp_path):
     assert source_effect > 100 * max(diffs.values())  # the server used each request's own source
 
 
-def test_a_source_of_another_size_is_refused_and_the_server_stays_up(kontext, tmp_path):
+def test_a_source_of_another_size_or_kind_is_refused_and_the_server_stays_up(kontext, tmp_path):
+    """A source of another size than the request's, a JPEG, a 16-bit grey PNG (whose values over 255 RGB turned
+    white), a PNG of 5,000 empty chunks: each refused with its reason; the server answers on."""
     model = kontext["model"]
     [(_, body)] = rollout_backends.build_requests(model, ["make it red"], [0], steps=[0], num_steps=2, height=H,
                                                   width=W, cfg_scale=1.0, negative_prompt="", noise_level=0.7,
@@ -98,11 +101,19 @@ def test_a_source_of_another_size_is_refused_and_the_server_stays_up(kontext, tm
                                                   prefix=str(tmp_path / "r"),
                                                   metadata=[{"image": kontext["sources"][0]}])
     del body["lora"]
-    png = io.BytesIO()
-    Image.fromarray(np.zeros((16, 24, 3), dtype=np.uint8)).save(png, format="PNG")
-    body["extra_params"]["flowgrpo"]["source"] = base64.b64encode(png.getvalue()).decode()
-    status, resp = http("POST", kontext["server"].url + "/v1/images/generations", body)
-    assert status >= 400 and "source is 24×16, not the request's 32×32" in str(resp), (status, resp)
+    sent = {}
+    for kind, pixels, needle in [("PNG", np.zeros((16, 24, 3), np.uint8), "source is 24×16, not the request's 32×32"),
+                                 ("JPEG", np.zeros((H, W, 3), np.uint8), "source is not a base64 PNG within bounds"),
+                                 ("PNG", np.zeros((H, W), np.uint16), "source has pixel mode I")]:  # I;16 or I
+        encoded = io.BytesIO()
+        Image.fromarray(pixels).save(encoded, format=kind)
+        sent[needle] = base64.b64encode(encoded.getvalue()).decode()
+    # a million empty chunks took the server 7.7 s to parse before (the reward server's bound, and its test's image)
+    sent["has more than 4096 PNG chunks"] = png_with_chunks([chunk(b"prIv", b"")] * 5000)
+    for needle, source in sent.items():
+        body["extra_params"]["flowgrpo"]["source"] = source
+        status, resp = http("POST", kontext["server"].url + "/v1/images/generations", body)
+        assert status >= 400 and needle in str(resp), (needle, status, str(resp)[:2000])
     assert http("GET", kontext["server"].url + "/health")[0] == 200
 
 
