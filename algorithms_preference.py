@@ -43,8 +43,8 @@ def dgpo_objective(v, v_old, v_ref, x0, noise, adv, group, *, beta: float, group
         ratio = torch.exp(d_old - d)
         clipped = torch.where(adv > 0, ratio > 1.0 + clip_range, ratio < 1.0 - clip_range)
         d_ref = error(v_old if reference == "old" else v_ref)
-        _, index = torch.unique(group, return_inverse=True)  # (b,) each image's group, from 0
-        sums = torch.zeros(int(index.max()) + 1, dtype=d.dtype, device=d.device)
+        index = torch.unique(group, return_inverse=True)[1].to(d.device)  # (b,) each image's group, from 0 (ids: CPU)
+        sums = torch.zeros(len(index), dtype=d.dtype, device=d.device)  # at most b groups (their count is not read)
         weight = torch.sigmoid(sums.scatter_add_(0, index, adv * beta * (d - d_ref) / group_size))[index]
     d = torch.where(clipped, d.detach(), d)
     policy = (weight * adv * d).mean()
@@ -127,7 +127,8 @@ def dpo_loss(model, engine, mb: rollout.Batch, t, noise, a):
     """DPO on a micro-batch's pairs at σ = t (b,) with noise (b, *L) (the same for a pair: `dpo_draws`): one forward
     of the winners then the losers, without CFG as its training does; the reference's (the old policy, swapped into
     the weights) first, as its swap may not come between a forward and its backward."""
-    pair = torch.cat([(mb.advantages > 0).nonzero()[:, 0], (mb.advantages < 0).nonzero()[:, 0]])  # (2m,) groups' order
+    adv = mb.advantages.cpu()  # the pairs' indices on the CPU: they index the conditioning kept there too (Qwen-Image
+    pair = torch.cat([(adv > 0).nonzero()[:, 0], (adv < 0).nonzero()[:, 0]])  # 2.1's source_grid); (2m,) groups' order
     x0, t, noise = mb.x0[pair], t[pair], noise[pair]
     cond = {k: v[pair] for k, v in mb.cond.items()}
     velocity = functools.partial(model.velocity, sch.noised(x0, t, noise), t, cond, 1.0, a.height, a.width)

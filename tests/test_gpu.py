@@ -265,6 +265,31 @@ def test_every_policy_loss_takes_the_schedule_from_the_cpu_and_the_step_on_the_m
             assert loss.device == meta and loss.shape == () and stats["kl_term"].device == meta, (kl, guard, trust)
 
 
+@CUDA
+@pytest.mark.parametrize("name", ["nft", "awm", "dgpo", "dpo"])
+def test_every_forward_process_loss_runs_on_cuda(name):
+    """Each forward-process loss on a micro-batch on the GPU, Batch.ids on the CPU as every Batch has them, and one
+    conditioning entry on the CPU as Qwen-Image 2.1 keeps its source_grid. DGPO's scatter of its group sums with a CPU
+    index would have stopped its recipe's first update, DPO's pairs indexing a CPU source_grid with CUDA indices a
+    Qwen-Image 2.1 run's (found by reading, 2026-12-07). Not on the CPU: neither meta nor FakeTensorMode (on a CPU
+    build of torch) moves a CPU tensor to CUDA, which each fix does."""
+    loss = {"nft": algorithms.fwd.nft_loss, "awm": algorithms.fwd.awm_loss, "dgpo": algorithms.pref.dgpo_loss,
+            "dpo": algorithms.pref.dpo_loss}[name]
+    a = dataclasses.replace(flowgrpo.RECIPES["tiny"], algorithm=name, group_size=2, kl_beta=0.0)
+    engine = type("Engine", (), {"reference": lambda self: torch.no_grad(),
+                                 "old_weights": lambda self: torch.no_grad()})()
+    w = torch.nn.Parameter(torch.ones((), device="cuda"))
+    model = type("Model", (), {"velocity": lambda self, x, t, cond, cfg, h, w_: x * cond["embeds"].mean() * w})()
+    cuda, b = torch.device("cuda"), 4
+    mb = rollout.Batch(["a"] * b, [{}] * b, torch.tensor([0, 0, 1, 1]), None, None, torch.tensor([1.0, 0.0]), 1.0,
+                       {"embeds": torch.rand(b, 3, 8, device=cuda), "source_grid": torch.tensor([[2, 2]] * b)}, None,
+                       advantages=torch.tensor([1.0, -1.0, -1.0, 1.0], device=cuda),
+                       x0=torch.rand(b, 4, 8, device=cuda), ids=torch.arange(b))
+    value, _ = loss(model, engine, mb, torch.full((b,), 0.5, device=cuda), torch.randn(b, 4, 8, device=cuda), a)
+    value.backward()
+    assert value.device == w.grad.device and w.grad.isfinite(), (value, w.grad)
+
+
 class RandomTextWan(models_wan.Wan):
     """Wan with UMT5-XXL's output shape, 512 × 4096 random states per prompt, in place of its 5.7 B-parameter
     encoder (as bench/gpu.py's RandomText for Qwen-Image): what the transformer sees, not what the text means."""
