@@ -149,10 +149,10 @@ class Engine:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 net.add_adapter(self.lora_config)
-            if mixed_precision:  # fp32 master weights for the adapter; FSDP computes in bf16
-                for p in net.parameters():
-                    if p.requires_grad:
-                        p.data = p.data.float()
+        if mixed_precision:  # fp32 master weights for what trains (a GPU loads the model in bf16, where AdamW's steps
+            for p in net.parameters():  # of lr 1e-5 moved 16% of full-finetune weights); FSDP computes in bf16
+                if p.requires_grad:
+                    p.data = p.data.float()
         # 2. Activation checkpointing inside each block (before compile, so the recompute is compiled too).
         if activation_checkpointing:
             net.enable_gradient_checkpointing()
@@ -193,10 +193,13 @@ class Engine:
         for module in [*model.blocks, net] if self.sharded else []:
             fully_shard(module, **kw)
         # The rollout keeps what it gathers (rollout_weights) where the whole transformer, unsharded, takes at most half
-        # of the device's memory free now, and nothing is offloaded; every rank alike, as each decides on the same sizes
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else psutil.virtual_memory().available
+        # of the device's memory free now (the least of any rank's: ranks that kept and ranks that gathered would call
+        # FSDP2's collectives apart, and wait on each other for ever), and nothing is offloaded
+        free = torch.tensor([float(torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else
+                                   psutil.virtual_memory().available)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
         whole = sum(p.numel() for p in net.parameters()) * (2 if mixed_precision else 4)
-        self.keep_gathered = self.sharded and not offload and whole <= free / 2
+        self.keep_gathered = self.sharded and not offload and whole <= free.item() / 2
         if sp > 1:  # an --sp rank's gradient is a partial sum over its tokens: sum them, average over data parallelism
             seqpar.sum_over_sequence([*model.blocks, net], self.dp_size)
         if shard_text_encoder and self.sharded:  # frozen, only forwards: shard it to save memory on every rank
