@@ -53,15 +53,24 @@ def fit(model, engine, a, images_per_step: int, prompts: list[tuple[str, dict]],
     if engine.device.type != "cuda":
         choice = max([b for b in fits if b <= CPU_MICRO_BATCH] or fits[:1])
     else:
-        budget = HEADROOM * (limit_gib * 2**30 or torch.cuda.get_device_properties(engine.device).total_memory)
-        measure = functools.cache(lambda b: _peak(model, engine, a, b, (prompts * b)[:b]))  # the allocator's peak
-        one, two = measure(1), measure(2)
-        kept = _kept(model, a, prompts[:1]) * len(algorithms.ALGORITHMS[a.algorithm].rollout_steps(a, 0)) \
-            * images_per_step if a.reuse_rollout_forward else 0  # each trained step of each image of the step
+        # Every figure the same on every rank (the least budget, the largest peak): each measurement runs FSDP2's
+        # collectives, which ranks that decided apart, one measuring once more, would wait on for ever
+        budget = _agreed(engine, HEADROOM * (limit_gib * 2**30 or
+                                             torch.cuda.get_device_properties(engine.device).total_memory), "min")
+        measure = functools.cache(lambda b: _agreed(engine, _peak(model, engine, a, b, (prompts * b)[:b]), "max"))
+        one, two = measure(1), measure(2)  # the allocator's peaks
+        # --reuse-rollout-forward keeps one image's velocity call for each trained step of each image of the step
+        steps = len(algorithms.ALGORITHMS[a.algorithm].rollout_steps(a, 0)) * images_per_step
+        kept = _agreed(engine, _kept(model, a, prompts[:1]), "max") * steps if a.reuse_rollout_forward else 0
         choice = choose(fits, one, two - one, kept, budget, measure)
-    box = torch.tensor([choice], device=engine.device)
-    dist.all_reduce(box, op=dist.ReduceOp.MIN)
-    return int(box)
+    return int(_agreed(engine, choice, "min"))
+
+
+def _agreed(engine, value: float, op: str) -> float:
+    """`value` over the ranks: their least (op "min") or largest ("max")."""
+    box = torch.tensor([float(value)], dtype=torch.float64, device=engine.device)
+    dist.all_reduce(box, op={"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    return box.item()
 
 
 def choose(fits: list[int], one: int, per_image: int, kept: int, budget: float, measure) -> int:
