@@ -15,6 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import checkpoint
+
 
 @dataclass
 class Claim:
@@ -180,12 +182,10 @@ def interrupted() -> str:
     """What an interrupted run leaves, said by rank 0: the newest checkpoint of its run directory, or that none was
     written."""
     run_dir = _LOCKS[-1]["run_dir"] if _LOCKS else None
-    root = os.path.join(run_dir, "checkpoints") if run_dir else ""
-    names = sorted((n for n in os.listdir(root) if re.fullmatch(r"iter_\d+", n)), key=lambda n: int(n[5:])) \
-        if os.path.isdir(root) else []  # by iteration: iter_1000000 is newer than iter_999999
-    if names:
-        return (f"flowgrpo.py: interrupted; its newest checkpoint is {os.path.join(root, names[-1])} (iteration "
-                f"{int(names[-1][5:])}): --resume auto --run-dir {run_dir} continues after it")
+    done = checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints")) if run_dir else []  # oldest first
+    if done:
+        return (f"flowgrpo.py: interrupted; its newest checkpoint is {done[-1]} (iteration "
+                f"{checkpoint.iteration_of(done[-1])}): --resume auto --run-dir {run_dir} continues after it")
     return "flowgrpo.py: interrupted before any checkpoint was written: nothing to resume"
 
 

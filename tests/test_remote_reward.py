@@ -173,7 +173,7 @@ def test_cli_server_stopped_mid_run_retries_then_names_url(fast_retries):
     assert fast_retries == [0.01, 0.02]  # exponential backoff between the 3 attempts
 
 
-def test_the_servers_start_up_failures_are_one_line_before_the_reward_is_built(fast_retries, capsys):
+def test_the_servers_start_up_failures_are_one_line_before_the_reward_is_built(capsys):
     """`rewards.py serve` with a port out of range (an OverflowError's traceback before), a port in use (found only
     once the reward was built, which may load a model: now the address is bound first), a reward that cannot be built
     (a remote= server down: 23 lines of traceback before)."""
