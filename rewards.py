@@ -309,6 +309,12 @@ def check_prompts_for_reward(spec: str, prompts: list[str], metadata: list[dict]
                              f"of the {len(prompts)} prompts have none (the first: {missing[0]!r}): "
                              f"{reward_judge.SOURCE_FIX}")
 
+def check_size_for_reward(spec: str, height: int, width: int) -> None:
+    """Start-up validation that every reward of spec reads images of the run's size (the laptop tasks' readers)."""
+    for _, kind, _, _, _ in _parse(spec):
+        if kind in SIZE_CHECKS:
+            SIZE_CHECKS[kind](height, width)
+
 def check_servable(spec: str) -> None:
     """`python rewards.py serve`'s check: check_reward_spec, and no reward that reads a source image. Its path comes in
     each request's metadata: a server would open whatever file a client names, on the server's machine."""
@@ -458,6 +464,7 @@ VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B,
 # compare with the source image (nano-edit's reward and judge too): read from a path in each prompt's metadata
 SOURCE_REWARDS = {"preserve", *nano_edit.REWARDS, *(f"judge:{k}" for k, t in JUDGE_TASKS.items() if t.source)}
 START_CHECKS = {"aesthetic": lambda model=None: _aesthetic_head_path(), "preserve": _preserve_side}  # set-up, at start
+SIZE_CHECKS = nano.SIZE_CHECKS | nano_edit.SIZE_CHECKS  # the task readers that take one image size: at start-up
 PROMPT_CHECKS = {"ocr": ocr_target, **{name: check for name, (_, check) in TASK_REWARDS.items()},
                  **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}
 

@@ -110,6 +110,7 @@ def check_args(a) -> tuple[str, dict] | None:
          f"{adapter.omni_unserved}: use --rollout local")
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
                                      [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
+    rewards.check_size_for_reward(a.reward, a.height, a.width)  # the laptop tasks' readers: one size
     rollout_backends.check_backend(a.rollout, a.rollout_url)
     rollout_ranks.check(a, int(os.environ.get("WORLD_SIZE", 1)))  # --rollout-ranks, --off-policy (offpolicy.check)
     if not a.resume:

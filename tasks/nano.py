@@ -72,11 +72,16 @@ def gray(images: np.ndarray, side: int) -> np.ndarray:
     """uint8 images (N, H, W, 3) -> (N, side²) float: the channel mean, averaged over blocks to side × side, on the
     data's 0–16 scale. H and W must be multiples of `side`."""
     n, h, w, _ = images.shape
-    if h % side or w % side:
-        raise ValueError(f"the digit classifiers read images whose sides are multiples of {side} (nano: "
-                         f"--height {SIDE} --width {SIDE}), got {h}×{w}")
+    check_side(h, w, side)
     g = images.astype(np.float64).mean(-1) * (16 / 255)
     return g.reshape(n, side, h // side, side, w // side).mean((2, 4)).reshape(n, side * side)
+
+
+def check_side(height: int, width: int, side: int = SIDE) -> None:
+    """The digit readers' size rule, also checked at start-up (SIZE_CHECKS), before a model is built."""
+    if height % side or width % side:
+        raise ValueError(f"the digit classifiers read images whose sides are multiples of {side} (nano: "
+                         f"--height {SIDE} --width {SIDE}), got {height}×{width}")
 
 
 def target_digit(prompt: str) -> int:
@@ -151,6 +156,7 @@ def proxy(name: str):
 PROXIES = ("digit_knn", "digit_bayes")  # GARDO's proxy rewards here (tasks/nano_compare.py's GARDO row)
 REWARDS = {"digit": (digit, target_digit), "digit_judge": (digit_judge, target_digit),  # rewards.py's registry reads it
            **{name: (functools.partial(proxy, name), target_digit) for name in PROXIES}}
+SIZE_CHECKS = dict.fromkeys(REWARDS, check_side)  # (height, width) -> None or ValueError, as rewards.py reads it
 
 
 def held_out_accuracy() -> dict:
@@ -169,12 +175,13 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
              ema: float) -> dict:
     """Train the nano VAE and transformer on the train split and write them to `out` (vae/, transformer/: diffusers'
     own format, float16) for `--model nano --model-path out`. Returns what each stage reached (out/pretrain.json)."""
+    used = {k: v for k, v in locals().items() if k in PRETRAIN or k.startswith("per_")}  # the values given
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     x_train, x_test, y_train, y_test = split()
     train_images, test_images = render(x_train) * 2 - 1, render(x_test) * 2 - 1  # (N, 3, 16, 16) in [-1, 1]
-    report, start = {"command": " ".join(["python -m tasks.nano pretrain", *sys.argv[2:]]), "config": PRETRAIN}, time.time()
+    report, start = {"command": " ".join(["python -m tasks.nano pretrain", *sys.argv[2:]]), "config": used}, time.time()
 
     # 1. VAE: reconstruction MSE + a small KL to N(0, 1), on batches of the train split; then its latents' per-channel
     #    mean and std over the train split, by which the pipeline normalises them

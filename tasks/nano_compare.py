@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 import cli
 import flowgrpo
+import prompts as prompt_sets
 import recipes
 import rundir
 import startup
@@ -158,12 +159,13 @@ def run_method(task, name: str, flags, seed: int, out: str, iterations: int, eva
     if holder:
         raise ValueError(f"{run_dir} is in use by {holder}: let that run end, or give another --out")
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    finished = os.path.isfile(metrics) and os.path.isdir(os.path.join(run_dir, "lora"))
-    if finished and sum(1 for _ in open(metrics)) == iterations:
+    if os.path.isfile(metrics) and os.path.isdir(os.path.join(run_dir, "lora")):  # a finished run (its LoRA exported)
+        # other flags (another --iterations among them) are refused, never deleted: the run may have cost CPU-hours
         if differs := made_with_other_flags(run_dir, argv):
             raise ValueError(f"{run_dir} holds a finished run made with other flags ({differs}, as [found, wanted]): "
                              "remove it, or give another --out")
-        return run_dir
+        if sum(1 for _ in open(metrics)) == iterations:
+            return run_dir
     if os.path.exists(run_dir):  # an unfinished attempt of this comparison (no process holds it): start it again
         shutil.rmtree(run_dir)
     with own_file(run_dir + ".log") as log:  # ours: the comparison holds <out>'s lock
@@ -174,6 +176,19 @@ def run_method(task, name: str, flags, seed: int, out: str, iterations: int, eva
             said = ([line.strip() for line in log if line.strip()] or ["(nothing)"])[-1][:300]
         raise ValueError(f"the run {run_dir} failed (exit {done.returncode}): {said} (its log: {run_dir}.log)")
     return run_dir
+
+
+def check_categories(task, eval_images: int) -> None:
+    """The loop evaluates the first `eval_images` of its held-out prompts, which come category by category: each
+    category's curve (curve below) needs one of them at least."""
+    if not task.CATEGORIES:
+        return
+    held = prompt_sets.load_prompts(recipes.RECIPES[task.MODEL]["prompts"]).eval
+    tags = [held[i % len(held)][1].get("tag") for i in range(max(eval_images, len(held)))]
+    needed = max(tags.index(c) for c in task.CATEGORIES) + 1
+    if eval_images < needed:
+        raise ValueError(f"--eval-images {eval_images} evaluates no held-out prompt of "
+                         f"{[c for c in task.CATEGORIES if c not in tags[:eval_images]]}: give at least {needed}")
 
 
 def curve(task, run_dir: str) -> dict:
@@ -258,7 +273,7 @@ def table(task, methods: dict, measured: dict) -> list[str]:
              f"{budget['seconds']:.0f} CPU s | final judge | final reward | final diversity |", "|---" * 10 + "|",
              f"| base model | | | | {base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | "
              f"{base['judge_accuracy']:.1%} | {base['judge_accuracy']:.1%} | {base['reward_mean']:.3f} | "
-             f"{base['diversity']:.3f} |"]
+             f"{'—' if np.isnan(base['diversity']) else format(base['diversity'], '.3f')} |"]
     for name, cs in runs.items():
         at = {axis: [np.interp(budget[axis], c[axis], c["judge"]) for c in cs] for axis in AXES}
         per = [c["per_iteration"] for c in cs]
@@ -394,6 +409,7 @@ def main(argv=None) -> None:
         for flag, path in (("--plot", plot_path), ("--markdown", a.markdown), ("--hacking", a.hacking)):  # written after every run: checked now
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{flag} {path}: its folder {os.path.dirname(os.path.abspath(path))} does not exist")
+        check_categories(task, a.eval_images)
         methods = {m: flags_of(task, m) for m in a.methods}
         for flags in methods.values():  # what flowgrpo.py would refuse, refused before the first run
             startup.check_args(cli.parse_args(flowgrpo.Args, command(task, flags, 0, os.path.join(out, "x"),

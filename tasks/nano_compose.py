@@ -33,6 +33,7 @@ import os
 import numpy as np
 import torch
 
+import model_checks
 import models_nano
 from tasks import nano
 from tasks import nano_compose_pretrain
@@ -272,8 +273,10 @@ def evaluate(pipe, per_cat: int = 50, steps: int = 10) -> dict:
     overall, repeated = cats.pop("overall"), [p for p in set(prompts) if prompts.count(p) > 1]
     keep = np.isin(prompts, repeated)  # the diversity of prompts drawn more than once
     return {"images": len(prompts), **cats, "judge_accuracy": overall, "novel": judged[novel].mean(),
-            "seen": judged[~novel].mean(), "reward_mean": reward_scores(images, prompts).mean()} | (
-        {"diversity": nano.diversity(pixels[torch.from_numpy(keep)], np.array(prompts)[keep])} if keep.any() else {})
+            "seen": judged[~novel].mean(), "reward_mean": reward_scores(images, prompts).mean(),
+            # NaN where no prompt repeats (per_cat up to 10): what nano_compare's table shows as "—"
+            "diversity": nano.diversity(pixels[torch.from_numpy(keep)], np.array(prompts)[keep]) if keep.any() else
+            float("nan")}
 
 
 def grid(run_dir: str, out: str, per_cat: int = 6, cell: int = 64, model_path: str | None = None) -> dict:
@@ -367,6 +370,10 @@ def main(argv=None) -> None:
         nano_compose_pretrain.pretrain(a.out, lambda x, ps: by_category(judge_scores(x, ps), ps), evaluate,
                                        a.per_category, **{k: getattr(a, k) for k in nano_compose_pretrain.PRETRAIN})
     elif a.cmd == "evaluate":
+        try:  # a wrong directory: one line now, not a traceback (or a hub download) after the imports
+            a.model_path and model_checks.check_model_path(MODEL, a.model_path)
+        except ValueError as err:
+            ap.exit(2, f"{ap.prog}: error: {err}\n")
         print(json.dumps(evaluate(load(a.model_path), a.per_category)))
     elif a.cmd == "judge":
         for category, figures in measure(a.per_category, a.seed).items():

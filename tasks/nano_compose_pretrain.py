@@ -47,10 +47,11 @@ def pretrain(out: str, judge: Callable, evaluate: Callable, per_cat: int = 50, *
     reached (out/pretrain.json). The task's gates: `judge(uint8 images, prompts)` -> {category: the judge's mean,
     "overall": their mean} (gate (a)); `evaluate(pipe, per_category)` -> a pipeline's figures on the held-out prompts
     (gates (b) and (c))."""
+    used = {k: v for k, v in locals().items() if k in PRETRAIN or k.startswith("per_")}  # the values given
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    report = {"command": " ".join(["python -m tasks.nano_compose pretrain", *sys.argv[2:]]), "config": PRETRAIN}
+    report = {"command": " ".join(["python -m tasks.nano_compose pretrain", *sys.argv[2:]]), "config": used}
 
     # 1. VAE on renders whose every glyph takes a random palette colour (so that no colour is rare), the error weighed
     #    1 + bright·ink (the canvas is mostly black: unweighted, black is the best first answer), the decoder read

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import model_checks
 import models_nano
 import prompts as prompt_sets
 import rollout
@@ -103,11 +104,16 @@ def target(sources: torch.Tensor, prompt: str) -> torch.Tensor:
 
 # ---- the judge and the reward ------------------------------------------------------------------------
 
+def check_size(height: int, width: int) -> None:
+    """The judge's and the reward's canvas, also checked at start-up (SIZE_CHECKS), before a model is built."""
+    if (height, width) != (SIDE, SIDE):
+        raise ValueError(f"nano-edit's judge and reward read {SIDE}×{SIDE} images (--height {SIDE} --width {SIDE}), "
+                         f"got {height}×{width}")
+
+
 def to_gray(images: np.ndarray) -> torch.Tensor:
     """uint8 images (N, H, W, 3) -> (N, 1, 16, 16) float in [0, 1]: the channel mean (a 16×16 canvas only)."""
-    if images.shape[1:3] != (SIDE, SIDE):
-        raise ValueError(f"nano-edit's judge and reward read {SIDE}×{SIDE} images (--height {SIDE} --width {SIDE}), "
-                         f"got {images.shape[1]}×{images.shape[2]}")
+    check_size(*images.shape[1:3])
     return torch.from_numpy(images.astype(np.float32).mean(-1) / 255)[:, None]
 
 
@@ -213,6 +219,7 @@ def fitted(scores):
 
 # rewards.py's registry reads it: `--reward edit` the smooth 8×8 scorer; `edit_judge`, which the recipe logs at weight 0
 REWARDS = {"edit": (fitted(reward_scores), parse), "edit_judge": (fitted(judge_scores), parse)}
+SIZE_CHECKS = dict.fromkeys(REWARDS, check_size)  # (height, width) -> None or ValueError, as rewards.py reads it
 
 
 # ---- the prompt set: train glyphs for RL, held-out glyphs for evaluation ---------------------------------
@@ -352,7 +359,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tasks.nano_edit", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("evaluate", help="the base (or --model-path, with a run's --lora) per instruction, held out")
-    e.add_argument("--model-path"), e.add_argument("--lora", help="a finished run's lora/ directory")
+    e.add_argument("--model-path"), e.add_argument("--lora", help="a finished run's directory (or its lora/)")
     e.add_argument("--seeds", type=int, default=3)
     j = sub.add_parser("judge", help="the judge and the reward on exact targets, sources, noise and wrong edits")
     sub.add_parser("prompts", help="write the prompt set and its source PNGs").add_argument("--out", default=PROMPTS)
@@ -363,7 +370,13 @@ def main(argv=None) -> None:
                                             "seeds": (getattr(a, "seeds", 1), 100)})
     torch.set_num_threads(1)
     if a.cmd == "evaluate":
-        print(json.dumps(evaluate(load(a.model_path, a.lora), a.per_kind, a.seeds)))
+        try:  # checked before anything loads: a LoRA of another task's run, a wrong directory, in one line
+            a.model_path and model_checks.check_model_path(MODEL, a.model_path)
+            given = os.path.normpath(a.lora or ".")
+            lora = a.lora and nano.run_lora(os.path.dirname(given) if os.path.basename(given) == "lora" else given, MODEL)
+        except ValueError as err:
+            ap.exit(2, f"{ap.prog}: error: {err}\n")
+        print(json.dumps(evaluate(load(a.model_path, lora), a.per_kind, a.seeds)))
     elif a.cmd == "judge":
         for kind, figures in measure(a.per_kind).items():
             print(f"{kind:20s}", json.dumps({k: round(v, 4) for k, v in figures.items()}), flush=True)

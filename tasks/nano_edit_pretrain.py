@@ -96,10 +96,11 @@ def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int,
     """Write the base to `out`: nano's VAE (copied) and a transformer of nano's size (4 + 4 tokens at 16×16) trained on
     the train glyphs' edits, float16; return what it reached (out/pretrain.json): the VAE's ceiling (`ceiling`), the
     loss, CPU seconds, the held-out judge per instruction (and with curve_every, its curve over the steps)."""
+    used = {k: v for k, v in locals().items() if k in PRETRAIN or k.startswith("per_")}  # the values given
     from diffusers import QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    report = {"command": " ".join(["python -m tasks.nano_edit_pretrain", *sys.argv[1:]]), "config": PRETRAIN}
+    report = {"command": " ".join(["python -m tasks.nano_edit_pretrain", *sys.argv[1:]]), "config": used}
     vae = models_nano.build_nano_pipeline(models_nano.NANO_DIR).vae
     pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=QwenImageTransformer2DModel(**nano.TRANSFORMER))
     model, report["curve"] = models_nano.NanoEdit(pipe, "cpu", torch.float32), []

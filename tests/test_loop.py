@@ -227,6 +227,8 @@ def test_cli_rejects_bad_input_before_building_anything(flags, needle):
     (["--lora-targets", "to_q", "nosuch"], "--lora-targets nosuch: no module of --model tiny's transformer"),
     (["--reward", "brightness=1e999"], "--reward"), (["--reward", "remote=http://h:99999"], "--reward"),
     (["--lr", "inf"], "--lr must be a finite number"), (["--prompts", "/dev/null/x.txt"], "x.txt"),
+    (["--prompts", "digits", "--reward", "digit", "--height", "24", "--width", "24"],  # once said after a rollout
+     "the digit classifiers read images whose sides are multiples of 16 (nano: --height 16 --width 16), got 24×24"),
 ])
 def test_bad_input_is_refused_in_one_line_before_the_model_is_built(flags, needle, tmp_path, monkeypatch, capfd):
     """What flowgrpo.py runs (its parse, then main), in this process: an error its `__main__` prints as its one line

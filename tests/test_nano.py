@@ -68,6 +68,7 @@ def test_pretraining_on_a_few_steps_lowers_its_losses_and_loads_as_nano(tmp_path
     assert vae["last_mse"] < 0.8 * vae["first_mse"], vae  # measured: 0.39 -> ~0.26
     assert transformer["last_loss"] < transformer["first_loss"], transformer
     assert "vae: steps 30" in run.stdout and "transformer: steps 20" in run.stdout and "base model:" in run.stdout
+    assert report["config"] | {"vae_steps": 30, "transformer_steps": 20, "per_digit": 2} == report["config"]  # as run
     tiny_setup.check_pretrained("nano", out, "a handwritten digit 3", 16)
     with pytest.raises(ValueError, match="--model-path .*: no vae/, transformer/ with a config.json"):
         model_checks.check_model_path("nano", str(tmp_path))

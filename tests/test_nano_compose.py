@@ -139,6 +139,12 @@ def test_pretraining_on_a_few_steps_writes_a_model_that_loads_as_nano_compose(pr
     assert {f"judge_on_reconstructions/{c}" for c in (*ncr.CATEGORIES, "overall")} <= vae.keys()  # gate (a)'s figures
     assert np.isfinite(transformer["last_loss"]) and base["images"] == 7 and set(ncr.CATEGORIES) <= base.keys(), base
     assert "vae: steps 30" in stdout and "transformer: steps 4" in stdout and "base model:" in stdout
+    assert report["config"]["vae_steps"] == 30 and report["config"]["transformer_steps"] == 4  # as run, not PRETRAIN's
+    # one image a category: no prompt repeats, so no diversity, which the comparison's table shows as "—" (it was a
+    # KeyError there, after every run)
+    from tasks import nano_compare
+    table = nano_compare.table(nc, {}, {"base": base, "budget": dict.fromkeys(nano_compare.AXES, 1.0), "runs": {}})
+    assert np.isnan(base["diversity"]) and table[2].endswith("| — |"), table[2]
     tiny_setup.check_pretrained("nano-compose", out, "a red 3 and a blue 5", 32)  # starts, loads what was written
 
 

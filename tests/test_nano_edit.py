@@ -173,6 +173,23 @@ def test_start_up_refuses_prompts_without_sources_and_takes_the_recipe():
     bad = cli.parse_args(flowgrpo.Args, ["--model", "nano-edit", "--prompts", "digits"])
     with pytest.raises(ValueError, match="edits a source image.*\"image\""):
         startup.check_args(bad)
+    big = cli.parse_args(flowgrpo.Args, ["--model", "nano-edit", "--height", "32", "--width", "32"])
+    with pytest.raises(ValueError, match="judge and reward read 16×16 images .*got 32×32"):  # once: after a rollout
+        startup.check_args(big)
+
+
+def test_evaluate_takes_a_nano_edit_run_and_refuses_another_models_in_one_line(tmp_path, capsys):
+    """`evaluate --lora`: a run directory (or its lora/) of `--model nano-edit`; a nano run's LoRA fits the same
+    transformer and once loaded without a word, a wrong path was a traceback."""
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    (tmp_path / "args.json").write_text(json.dumps({"model": "nano"}))
+    for given in (tmp_path, tmp_path / "lora", tmp_path / "missing"):
+        with pytest.raises(SystemExit) as e:
+            ne.main(["evaluate", "--lora", str(given)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert ("no exported LoRA" if given.name == "missing" else "is a run of --model nano, not nano-edit") in err
 
 
 def test_pretraining_on_a_few_steps_writes_a_model_that_loads(tmp_path):
@@ -187,6 +204,7 @@ def test_pretraining_on_a_few_steps_writes_a_model_that_loads(tmp_path):
     ceiling = next(v for k, v in report.items() if k.startswith("vae"))
     assert set(ceiling) == set(ne.INSTRUCTIONS) and min(ceiling.values()) > 0.3, ceiling
     assert report["transformer"]["steps"] == 3 and report["base model"]["images"] == 27
+    assert report["config"]["transformer_steps"] == 3 and report["config"]["per_kind"] == 1  # what ran (not PRETRAIN)
     model_checks.check_model_args("nano-edit", height=16, width=16, cfg_scale=1.0, guidance=None, model_path=str(out))
     assert models.load_model("nano-edit", str(out), "cpu").transformer.dtype == torch.float32
 

@@ -23,7 +23,7 @@ import rundir
 import runlog
 import startup
 from tiny_setup import main_here
-from tasks import nano, nano_compare
+from tasks import nano, nano_compare, nano_compose, nano_edit
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -288,6 +288,25 @@ def test_a_finished_run_is_reused_only_if_made_with_the_same_flags(tmp_path, mon
     Path(run, "args.json").write_text(json.dumps(made | {"lr": 3e-3}))
     with pytest.raises(ValueError, match=r"made with other flags \(\{'lr': \[0.003, 0.001\]\}"):
         nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200)
+    # another --iterations is other flags too: refused, the finished run kept (it was deleted, hours of CPU with it)
+    Path(run, "args.json").write_text(json.dumps(made))
+    with pytest.raises(ValueError, match=r"made with other flags \(\{'iterations': \[3, 5\]\}"):
+        nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 5, 10, 200)
+    assert os.path.isdir(os.path.join(run, "lora")) and len(Path(run, "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_comparison_whose_eval_images_miss_a_category_is_refused_before_its_runs(tmp_path):
+    """The loop evaluates the first --eval-images held-out prompts, which come category by category: fewer than reach
+    every category left the comparison's curves without one, a KeyError after every run had finished."""
+    out = subprocess.run([sys.executable, "-m", "tasks.nano_compare", "--task", "nano-compose", "--out",
+                          str(tmp_path / "c"), "--seeds", "1", "--methods", "window 2", "--eval-images", "64"], cwd=ROOT,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and not (tmp_path / "c").exists(), out.stderr[-2000:]
+    assert "--eval-images 64 evaluates no held-out prompt of ['position', 'attribution', 'number']: give at least " \
+           "111" in out.stderr, out.stderr[-2000:]
+    nano_compare.check_categories(nano_compose, 111)
+    with pytest.raises(ValueError, match=r"no held-out prompt of \['make it a \{d\}'\]: give at least 9"):
+        nano_compare.check_categories(nano_edit, 8)
 
 
 def test_a_runs_final_evaluation_is_kept_and_read_back(tmp_path):
