@@ -155,6 +155,13 @@ def draw(it: int, scorer, *, a: Args, algo, engine, model, backend, reward_fn, t
 
 # ---- evaluation ------------------------------------------------------------------------------------
 
+def seed_groups(evalset: list[tuple[str, dict]]) -> list[list[int]]:
+    """The eval images of each (prompt, source image): they differ by their seeds alone (an edit's instruction on
+    other sources differs by its source, no measure of diversity)."""
+    keys = [(p, m.get("image_sha256")) for p, m in evalset]
+    return [[i for i, k in enumerate(keys) if k == q] for q in dict.fromkeys(keys)]
+
+
 def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.RunLog) -> dict:
     """ODE samples of the eval prompts with fixed seeds, split over ranks; the captioned grid on rank 0."""
     share = a.eval_images // engine.dp_size
@@ -172,8 +179,7 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
     for tag in dict.fromkeys(t for t in tags if t):
         mask = torch.tensor([t == tag for t in tags])
         parts |= {f"eval/{k}/{tag}/mean": v[mask].mean().item() for k, v in gathered.items()}
-    groups = [[i for i, (p, _) in enumerate(evalset) if p == q] for q in dict(evalset)]  # each eval prompt's images
-    spread = [images[g].std(0).mean().item() for g in groups if len(g) > 1]  # pixel std across a prompt's images
+    spread = [images[g].std(0).mean().item() for g in seed_groups(evalset) if len(g) > 1]  # pixel std across seeds
     parts |= regularisers.velocity_norm_ratio(model, engine, a, [p for p, _ in mine], [m for _, m in mine],
                                               engine.dp_rank * share)  # every run, regularised or not
     return {"eval/reward_mean": scores.mean().item(), **parts} | ({"eval/diversity": np.mean(spread)} if spread else {})

@@ -77,7 +77,8 @@ def grid_image(images: torch.Tensor, captions: list[str], sources: list[str | No
     images = beside_sources(images, sources) if pairs else images
     n, _, h, w = images.shape
     prompts = [c.rpartition(" | ")[0] for c in captions]
-    rows = {p: [i for i, q in enumerate(prompts) if q == p] for p in dict.fromkeys(prompts)}
+    keys = list(zip(prompts, sources or [None] * n))  # an edit's instruction on another source is another row
+    rows = {k: [i for i, q in enumerate(keys) if q == k] for k in dict.fromkeys(keys)}
     per_prompt = len(rows) < n
     if per_prompt:
         rows = {p: ids[:PER_ROW] for p, ids in list(rows.items())[:ROWS]}

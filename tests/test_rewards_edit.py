@@ -210,6 +210,19 @@ def test_grid_draws_each_result_beside_its_source(tmp_path):
                         source[:8, :8])
 
 
+def test_an_instruction_on_other_sources_is_another_prompt_of_the_grid_and_of_eval_diversity(tmp_path):
+    """One instruction on two sources, two seeds each: two rows of the grid and two groups of eval/diversity (the
+    spread across seeds), not one of four, whose spread was that of the sources (nano-edit's eval set of 180 distinct
+    pairs once logged 16 groups)."""
+    a, b = (write_png(tmp_path / f"{k}.png", random_pixels(32, 32, seed=k)) for k in (0, 1))
+    images = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    same = runlog.grid_image(images, ["make it red | 0.5"] * 4, [a, b, a, b])
+    assert same.size == runlog.grid_image(images, ["x | 0.5", "y | 0.5"] * 2, [a, b, a, b]).size  # 2 rows of 2
+    evalset = [("make it red", {"image": a, "image_sha256": "a"}), ("make it red", {"image": b, "image_sha256": "b"})]
+    assert flowgrpo.seed_groups(evalset * 2) == [[0, 2], [1, 3]]
+    assert flowgrpo.seed_groups([("a cat", {}), ("a dog", {}), ("a cat", {})]) == [[0, 2], [1]]
+
+
 def test_an_edit_run_with_preserve_shows_sources_in_its_grid(tmp_path):
     """1 iteration of `flowgrpo.py --model tiny-flux-kontext --reward preserve`: rewards in [0, 1], and the
     evaluation grid holds each source's colours (the sources are 4×4 blocks of solid colour, which any resize keeps)."""
