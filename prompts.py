@@ -4,8 +4,8 @@
 (one `{"prompt": ..., **metadata}` object per line; the metadata is handed to the reward), or a built-in
 name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: a `.jsonl` may say it, line by line
 (`"split": "train"` or `"eval"`, a GenEval-style split); otherwise, with fewer than 20 prompts the eval set is
-the whole file (too few to hold any out), else every 10th prompt (the 10th, 20th, ...) is held out for eval and
-never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
+the whole file (too few to hold any out), else every 10th distinct prompt (the 10th, 20th, ...), with every line
+that repeats it, is held out for eval and never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
 splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses;
 `compose` (the nano-compose task's) is a shipped `.jsonl` with its own split.
 
@@ -83,8 +83,14 @@ class PromptSet:
     eval: list[tuple[str, dict]]
 
 def _hold_out(pairs, every: int) -> PromptSet:
-    """Every `every`-th pair (the every-th, 2*every-th, ...) for eval, the rest for training."""
-    return PromptSet([x for i, x in enumerate(pairs) if i % every != every - 1], pairs[every - 1::every])
+    """Every `every`-th distinct prompt (the every-th, 2*every-th, ...; an edit's with its source) for eval, with each
+    line that repeats it, the rest for training: a file that repeats a prompt never trains on one held out. Fewer
+    than `every` distinct prompts: all of them for both (too few to hold any out)."""
+    keys = [(p, m.get("image_sha256")) for p, m in pairs]
+    held = set(list(dict.fromkeys(keys))[every - 1::every])
+    if not held:
+        return PromptSet(pairs, list(pairs))
+    return PromptSet([x for x, k in zip(pairs, keys) if k not in held], [x for x, k in zip(pairs, keys) if k in held])
 
 _DIGITS = [(f"a handwritten digit {d}", {}) for d in range(10)]  # tasks/nano.py: digit d at index d
 MAX_PROMPTS, MAX_FILE_BYTES = 10**6, 2**30  # a prompt file's lines and bytes
@@ -117,7 +123,8 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         line = raw[:e.start].count(b"\n") + 1
         raise ValueError(f"--prompts: {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
                          "as UTF-8") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    # lines end at "\n" (or "\r\n") only: str.splitlines also breaks at U+2028 and form feeds, legal inside a JSON string
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not 0 < len(lines) <= MAX_PROMPTS:
         raise ValueError(f"--prompts: prompt file {path} has {len(lines) or 'no'} prompts (at most {MAX_PROMPTS}, "
                          "blank lines skipped)")

@@ -40,6 +40,15 @@ def test_txt_file_small_and_large(tmp_path):
     s = prompts.load_prompts(str(big))
     assert [p for p, _ in s.eval] == ["prompt 9", "prompt 19", "prompt 29"]  # every 10th held out
     assert len(s.train) == 32 and not {p for p, _ in s.train} & {p for p, _ in s.eval}
+    # a file that repeats its prompts: every 10th distinct one held out with all its lines (every 10th line was, and
+    # 4 of its 4 eval prompts were trained on); fewer than 10 distinct ones: all for both, as a small file
+    big.write_text("\n".join(f"prompt {i % 30}" for i in range(60)) + "\n")
+    s = prompts.load_prompts(str(big))
+    assert [p for p, _ in s.eval] == ["prompt 9", "prompt 19", "prompt 29"] * 2 and len(s.train) == 54
+    assert not {p for p, _ in s.train} & {p for p, _ in s.eval}
+    big.write_text("\n".join(f"prompt {i % 5}" for i in range(40)) + "\n")
+    s = prompts.load_prompts(str(big))
+    assert s.eval == s.train and len(s.train) == 40
 
 
 def test_jsonl_file_passes_metadata(tmp_path):
@@ -47,6 +56,16 @@ def test_jsonl_file_passes_metadata(tmp_path):
     f.write_text('{"prompt": "a sign \\"OPEN\\"", "text": "OPEN", "id": 3}\n\n{"prompt": "a cat"}\n')
     s = prompts.load_prompts(str(f))
     assert s.train == [('a sign "OPEN"', {"text": "OPEN", "id": 3}), ("a cat", {})]
+
+
+def test_a_line_ends_at_a_newline_only(tmp_path):
+    """A raw U+2028 inside a JSON string is legal JSON, and a form feed a character of a prompt: str.splitlines broke
+    the line at both (the first read as "not valid JSON", the second as two prompts). Windows line ends still end."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes('{"prompt": "a sign \u2028OPEN"}\r\n{"prompt": "a cat"}\n'.encode())
+    assert prompts.read_prompt_file(f) == [("a sign \u2028OPEN", {}), ("a cat", {})]
+    (tmp_path / "p.txt").write_bytes(b"a cat\x0ca dog\r\na bird\n")
+    assert prompts.read_prompt_file(tmp_path / "p.txt") == [("a cat\x0ca dog", {}), ("a bird", {})]
 
 
 @pytest.mark.parametrize("lines, message", [
