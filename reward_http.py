@@ -52,6 +52,10 @@ class Watchdog:
         self.timer.cancel()
 
 
+class ReplyTooLarge(http.client.HTTPException):
+    """A reply past the caller's bound: asked again, the same request gets the same answer, so it is not retried."""
+
+
 def exchange(url: str, path: str, body: bytes | None, deadline: float, max_reply: int) -> tuple[int, bytes]:
     """One GET (body None) or JSON POST -> (status, reply body), all of it within `deadline` seconds; a direct
     connection, whatever the proxy variables say. Raises OSError or HTTPException (TimeoutError past the deadline)."""
@@ -77,7 +81,7 @@ def exchange(url: str, path: str, body: bytes | None, deadline: float, max_reply
     if dog.fired:  # a reply without Content-Length ends at the shutdown as if complete
         raise TimeoutError(f"no complete answer within the {deadline:g} s deadline")
     if len(raw) > max_reply:
-        raise http.client.HTTPException(f"a reply of more than {max_reply} bytes")
+        raise ReplyTooLarge(f"a reply of more than {max_reply} bytes")
     return status, raw
 
 
@@ -90,7 +94,8 @@ RETRIES = 6
 @dataclass(frozen=True)
 class Client:
     """JSON over HTTP to one kind of server (`what`, named in every error). Connection errors, the deadline and 5xx
-    are retried with exponential backoff (backoff, 2·backoff, ...); 4xx and replies that are not JSON are not."""
+    are retried with exponential backoff (backoff, 2·backoff, ...); 4xx, replies past max_reply and replies that are not
+    JSON are not."""
     what: str
     hint: str  # what to check when a server stays down
     deadline: float = 120.0  # seconds for one attempt: connect, send, wait, read
@@ -105,7 +110,10 @@ class Client:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 status, raw = exchange(url, path, data, self.deadline, self.max_reply)
-            except (OSError, http.client.HTTPException) as e:  # refused, reset, cut off, past the deadline, too long
+            except ReplyTooLarge as e:
+                raise PeerError(f"{self.what} {url}{path} answered{about} with {e}: is it the server this run "
+                                f"expects? {self.hint}") from None
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, cut off, past the deadline
                 last = f"{type(e).__name__}: {e}"
                 continue
             text = raw.decode(errors="replace")

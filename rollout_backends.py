@@ -26,6 +26,9 @@ from rollout import Batch, image_seed, sample
 BACKENDS = ("local", "vllm-omni")
 KEY, FORMAT = "flowgrpo", "flowgrpo-trajectory-v2"  # as in omni/pipeline.py (not imported: it needs vllm_omni)
 MAX_N = 10  # vLLM-Omni's limit on images per request (ImageGenerationRequest.n <= 10)
+# An answer's images are never read (the trajectory file holds them): asked as JPEG at quality 1, 10 images of 1328²
+# are kB; as PNG at vLLM-Omni's default (no compression) they were 67 MiB, past this bound
+MAX_REPLY = 64 * 2**20
 # FLOWGRPO_ROLLOUT_<NAME>: (default, lowest, highest), checked at start-up; and FLOWGRPO_ROLLOUT_DIR (a path)
 OMNI_KNOBS = dict(timeout=(600.0, 1e-3, 86400.0), retries=(3, 0, 20), backoff=(2.0, 0.0, 3600.0),
                   concurrency=(2, 1, 256))
@@ -108,7 +111,8 @@ def build_requests(model, prompts, image_ids, *, steps, num_steps, height, width
                          noise_level=noise_level, sde_type=sde_type, max_sequence_length=model.max_sequence_length,
                          num_frames=model.num_frames, **extra)
             jobs.append((pos, dict(prompt=prompt, n=len(pos), size=f"{width}x{height}", num_inference_steps=num_steps,
-                                   seed=seeds[0], output_format="png", extra_params={KEY: knobs}, lora=lora,
+                                   seed=seeds[0], output_format="jpeg", output_compression=1,  # unread: smallest
+                                   extra_params={KEY: knobs}, lora=lora,
                                    **model.omni_request(cfg_scale, negative_prompt))))
     return jobs
 
@@ -295,7 +299,9 @@ class OmniBackend:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                status, raw = reward_http.exchange(url, path, data, self.timeout, max_reply=64 * 2**20)
+                status, raw = reward_http.exchange(url, path, data, self.timeout, max_reply=MAX_REPLY)
+            except reward_http.ReplyTooLarge as e:  # the same request would get the same answer: not retried
+                raise reward_http.PeerError(f"vLLM-Omni server {url} answered {what} with {e}") from None
             except (OSError, http.client.HTTPException) as e:  # refused/reset connections, the deadline, cut replies
                 last = f"{type(e).__name__}: {e}"
                 continue

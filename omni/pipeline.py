@@ -1,7 +1,7 @@
 """vLLM-Omni 0.30.0 custom pipelines: Qwen-Image, SD3.5, FLUX.1 and Wan2.1 T2V sampled with this project's
 `scheduler.step`, each writing the trajectory the trainer needs (rollout.Batch's tensors) to the file a request names.
 
-    PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
+    PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --host 127.0.0.1 --dtype float32 --custom-pipeline-args \
         '{"pipeline_class": "omni.pipeline.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOQwenImagePipeline, FlowGRPOSD3Pipeline, FlowGRPOFluxPipeline,
@@ -35,6 +35,7 @@ prompt conditioning: the trainer re-encodes the prompts with its own (identical,
 embeddings would be the largest tensors in the file, and shipping them would hide part of the rollout-vs-trainer
 gap that `train/logp_gap` is there to measure.
 """
+import contextlib
 import inspect
 import json
 import os
@@ -393,7 +394,13 @@ def write_trajectory(root: str, rel: str, name: str, tensors: dict, metadata: di
             fd = sub
         tmp = f".{name}.{uuid.uuid4().hex[:8]}.tmp"  # O_EXCL: never opens what is already there (a FIFO, a link)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=fd), "wb") as f:
-            f.write(data)
-        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            try:
+                f.write(data)
+                f.flush()
+                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except BaseException:  # a full /dev/shm: the partial file would keep the next writes failing
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=fd)
+                raise
     finally:
         os.close(fd)

@@ -1,7 +1,7 @@
 """vLLM-Omni 0.30.0 custom pipelines of the 2026 families it serves, Z-Image and FLUX.2 [klein], sampled with this
 project's sampler (omni.pipeline.FlowGRPOSampler: the same `scheduler.step`, the same knobs and trajectory file).
 
-    PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --dtype float32 --custom-pipeline-args \
+    PYTHONPATH=<this repo> vllm serve <pipeline dir> --omni --host 127.0.0.1 --dtype float32 --custom-pipeline-args \
         '{"pipeline_class": "omni.pipeline_2026.<CLASS>", "trajectory_root": "/dev/shm/flowgrpo"}'
 
 <CLASS>: the adapter's `omni_pipeline_class` (FlowGRPOZImagePipeline, FlowGRPOFlux2KleinPipeline). Only the server

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 import models
 import models_qwen
+import reward_http
 import rollout
 import rollout_backends
 import scheduler as sch
@@ -469,6 +470,40 @@ def test_a_server_that_is_or_goes_down_is_named(tmp_path, standin, model):
     with pytest.raises(RuntimeError, match=f"{standin.url} stayed down for the request for prompt 'a cat'"):
         backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
     standin.httpd = SimpleNamespace(shutdown=lambda: None, server_close=lambda: None)  # already stopped
+
+
+def test_an_answer_past_the_reply_bound_is_said_at_once_not_asked_again(monkeypatch):
+    """A reply over MAX_REPLY (vLLM-Omni's 10 images of 1328² as uncompressed PNG were 67 MiB) is the answer the same
+    request would get again: one POST, then the error; before, four whole generations, then "stayed down"."""
+    posts = []
+
+    class TooLong(BaseHTTPRequestHandler):
+        def do_POST(self):
+            posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            body = b'{"data": ["' + b"A" * 5000 + b'"]}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), TooLong)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setattr(rollout_backends, "MAX_REPLY", 4096)
+    me, url = SimpleNamespace(retries=3, backoff=0.0, timeout=30.0), f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(RuntimeError, match="answered the request for 'p' with a reply of more than 4096 bytes"):
+            rollout_backends.OmniBackend._call(me, url, "/v1/images/generations", {"prompt": "p", "n": 10},
+                                               "the request for 'p'")
+        assert len(posts) == 1, f"{len(posts)} requests for one answer"
+        client = reward_http.Client("reward server", "is it running?", retries=3, backoff=0.0, max_reply=4096)
+        with pytest.raises(RuntimeError, match="answered with a reply of more than 4096 bytes"):  # the reward's too
+            client.call(url, "/score", {"n": 1})
+        assert len(posts) == 2, f"{len(posts) - 1} requests for one answer"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_sample_needs_sync_first_and_takes_the_local_arguments(tmp_path, standin, model):

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import harness
 from harness import ROOT, Forwarder, OmniServer, http, set_lora_b, train_here
 
 import checkpoint
@@ -176,13 +177,37 @@ def test_png_response_is_the_trajectory_image_quantised(omni_server, trainer, tm
                                                   cfg_scale=1.0, sde_type="sde", lora=None,
                                                   prefix=str(tmp_path / "t"), **sampler)
     del body["lora"]  # the base model
-    status, resp = http("POST", omni_server.url + "/v1/images/generations", body)
+    # the trainer asks for the smallest answer (it reads the trajectory file); a user of the server sees PNGs
+    assert (body["output_format"], body["output_compression"]) == ("jpeg", 1)
+    status, resp = http("POST", omni_server.url + "/v1/images/generations", body | {"output_format": "png"})
     assert status == 200, resp
     images = load_file(body["extra_params"]["flowgrpo"]["trajectory"])["images"]  # (2, 3, H, W) float32
     for item, image in zip(resp["data"], images, strict=True):
         png = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))).astype(np.float32) / 255
         err = np.abs(png - image.permute(1, 2, 0).numpy()).max()
         assert err <= 0.5 / 255 + 1e-6, err  # the reward sees `images`; the PNG is them rounded to 8 bits
+
+
+FAILED_WRITE = """
+import os, resource, signal, sys, torch
+from omni.pipeline import write_trajectory
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), as on a full /dev/shm (ENOSPC)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.RLIM_INFINITY))
+try:
+    write_trajectory(sys.argv[1], "t", "it000001-r0-x-0000.safetensors", {"latents": torch.zeros(2**19)}, {})
+except OSError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_failed_trajectory_write_leaves_no_partial_file(tmp_path):
+    """A trajectory the server cannot write whole (a full tmpfs) raises and leaves nothing: before, its partial
+    temporary file stayed, and on a full tmpfs kept the next writes failing."""
+    (tmp_path / "t").mkdir()
+    out = subprocess.run([str(harness.OMNI_VENV / "bin" / "python"), "-c", FAILED_WRITE, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert "refused:" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert os.listdir(tmp_path / "t") == []
 
 
 def test_a_bad_request_is_an_error_and_the_server_stays_up(omni_server, tmp_path):
