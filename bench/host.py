@@ -219,7 +219,7 @@ def gather_rows(t: list):
     assert r["same"], "the rollout on kept weights differs from the one gathering at every step"
     row(t, "rollout: bytes gathered per image at 2 ranks, weights kept ÷ gathered at every step", [r["keep"] / r["step"]],
         "×", "≪ 1: a rollout's gathers, not each call's", f"tiny recipe, 8 images a rank in chunks of 4, {r['calls']} "
-        "transformer calls a chunk; "
+        "transformer calls in all; "
         f"{r['step'] / 2**20:.2f} vs {r['keep'] / 2**20:.2f} MiB per image; the same latents, log-probs and images")
 
 

@@ -195,7 +195,9 @@ def model_rows(t: list, o, a: flowgrpo.Args):
     r = measure({"rollout": rollout_only, "serial": lambda: fns["ocr"](up(rollout_only().images), texts),
                  "overlapped": lambda: (sample(model, ac, window, on_images=submit), pool.collect())}, o.repeats)
     roll, serial, over = (np.array(r[k]) for k in ("rollout", "serial", "overlapped"))
-    best = 1 - np.minimum(serial - roll, roll * (o.chunks - 1) / o.chunks) / serial  # hidden behind all chunks but one
+    # at best a chunk's reward runs beside the next chunk's rollout: all but the last chunk's reward hidden (reward the
+    # shorter), or all but the first chunk's rollout (rollout the shorter)
+    best = 1 - (o.chunks - 1) / o.chunks * np.minimum(serial - roll, roll) / serial
     row(t, "rollout + OCR reward: AsyncRewards overlapped ÷ serial", over / serial, "×", f"≥ {med(best):.2f} (perfect "
         f"overlap)", f"hides {med((serial - over) / (serial - roll)):.0%} of the reward time; {o.chunks} chunks × {n} "
         f"images {a.height}² (OCR at 64²); rollout {ms(roll)}, serial {ms(serial)}")
