@@ -211,8 +211,7 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
     pretraining.save_parts(out, vae=vae, transformer=pipe.transformer)
     pretraining.reached(report, "base model", **evaluate(load(out), per_digit))
     report["classifiers_held_out"] = held_out_accuracy()
-    with open(os.path.join(out, "pretrain.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    pretraining.save_report(out, report)
     return report
 
 

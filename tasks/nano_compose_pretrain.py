@@ -106,6 +106,5 @@ def pretrain(out: str, judge: Callable, evaluate: Callable, per_cat: int = 50, *
     # 3. Write, then measure what was written: gate (c), the held-out prompts' judge per category
     pretraining.save_parts(out, vae=vae, transformer=pipe.transformer)
     pretraining.reached(report, "base model", **evaluate(nano.load(out), per_cat))
-    with open(os.path.join(out, "pretrain.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    pretraining.save_report(out, report)
     return report

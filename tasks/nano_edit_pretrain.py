@@ -118,8 +118,7 @@ def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int,
                         cpu_seconds=time.process_time() - start)
     pretraining.save_parts(out, vae=pipe.vae, transformer=pipe.transformer)
     pretraining.reached(report, "base model", **ne.evaluate(ne.load(out), per_kind))
-    with open(os.path.join(out, "pretrain.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    pretraining.save_report(out, report)
     return report
 
 

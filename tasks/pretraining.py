@@ -3,13 +3,16 @@ transformer on a training set's latents (conditioned on the frozen tiny text enc
 parts written in diffusers' format, and what each stage reached said as it ends. Each task's recipe is its own and
 calls these: tasks/nano.py's `pretrain`, tasks/nano_compose_pretrain.py, tasks/nano_edit_pretrain.py.
 """
+import json
 import math
 import os
+import shutil
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+import atomic_files
 import models_qwen
 
 
@@ -124,11 +127,30 @@ def conditioning(model, texts: list[str], chunk: int = 64) -> dict:
 
 def save_parts(out: str, **parts) -> None:
     """Write the trained parts (vae=…, transformer=…) in diffusers' own format, in float16: half the bytes, and what
-    loads is what is measured next."""
-    for name, part in parts.items():
-        for t in [*part.parameters(), *part.buffers()]:  # (not .to(): diffusers warns about modules kept in fp32)
-            t.data = t.data.half()
-        part.save_pretrained(os.path.join(out, name))
+    loads is what is measured next. Each is written whole beside its place, then put there (atomic_files): a crash
+    leaves the base it replaces (by default the shipped one, assets/<task>) as it was."""
+    os.makedirs(out, exist_ok=True)
+    written = {}
+    try:
+        for name, part in parts.items():
+            for t in [*part.parameters(), *part.buffers()]:  # (not .to(): diffusers warns about modules kept in fp32)
+                t.data = t.data.half()
+            written[name] = atomic_files.temporary(os.path.join(out, name))
+            part.save_pretrained(written[name])
+    except BaseException:  # a full disk: nothing half-written left beside the base
+        for tmp in written.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for name, tmp in written.items():
+        atomic_files.replace_dir(tmp, os.path.join(out, name))
+
+
+def save_report(out: str, report: dict) -> None:
+    """out/pretrain.json, what the stages reached, written whole, then renamed."""
+    path = os.path.join(out, "pretrain.json")
+    with open(tmp := atomic_files.temporary(path), "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, path)
 
 
 

@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import flowgrpo
 import model_checks
@@ -16,7 +18,7 @@ import rewards
 import rollout
 import startup
 import tiny_setup
-from tasks import nano
+from tasks import nano, pretraining
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NANO = flowgrpo.RECIPES["nano"]
@@ -55,6 +57,29 @@ def test_the_judge_sees_what_the_reward_averages_away():
     moved = np.abs(judge.decision_function(nano.gray(detailed, 16)) -
                    judge.decision_function(nano.gray(images.astype(np.uint8), 16))).max()
     assert moved > 0.05, moved
+
+
+def test_pretraining_writes_its_parts_whole_or_leaves_the_base_as_it_was(tmp_path):
+    """save_parts writes each part beside its place and moves it there only when every part is written: a failure (a
+    full disk) mid-way leaves the base, by default the shipped one, as it was, and nothing half-written beside it."""
+    out = tmp_path / "base"
+    (out / "transformer").mkdir(parents=True)
+    (out / "transformer" / "config.json").write_text("the shipped one")
+
+    class Part(torch.nn.Linear):
+        def save_pretrained(self, directory):
+            os.makedirs(directory, exist_ok=True)  # as diffusers: into what is there
+            Path(directory, "config.json").write_text("new")
+
+    class FullDisk(Part):
+        def save_pretrained(self, directory):
+            super().save_pretrained(directory)
+            raise OSError("No space left on device")
+    with pytest.raises(OSError, match="No space"):
+        pretraining.save_parts(str(out), vae=Part(2, 2), transformer=FullDisk(2, 2))
+    assert os.listdir(out) == ["transformer"] and (out / "transformer" / "config.json").read_text() == "the shipped one"
+    pretraining.save_parts(str(out), vae=Part(2, 2), transformer=Part(2, 2))
+    assert sorted(os.listdir(out)) == ["transformer", "vae"] and (out / "transformer" / "config.json").read_text() == "new"
 
 
 def test_pretraining_on_a_few_steps_lowers_its_losses_and_loads_as_nano(tmp_path):
