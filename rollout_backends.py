@@ -293,7 +293,8 @@ class OmniBackend:
 
     def _call(self, url: str, path: str, body: dict | None, what: str) -> bytes:
         """GET (body None) or POST JSON -> the body, all of it within the timeout (reward_http.exchange: a direct
-        connection, a whole-request deadline); connection errors, the deadline, 502/503/504 retried with backoff."""
+        connection, a whole-request deadline); connection errors, 502/503/504 and a GET's deadline retried with
+        backoff (a POST's deadline is not: the server may still be generating it)."""
         data, last = None if body is None else json.dumps(body).encode(), None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -302,6 +303,13 @@ class OmniBackend:
                 status, raw = reward_http.exchange(url, path, data, self.timeout, max_reply=MAX_REPLY)
             except reward_http.ReplyTooLarge as e:  # the same request would get the same answer: not retried
                 raise reward_http.PeerError(f"vLLM-Omni server {url} answered {what} with {e}") from None
+            except TimeoutError as e:  # a generation past the deadline still runs there: asked again, it would run twice
+                if body is None:
+                    last = f"{type(e).__name__}: {e}"
+                    continue
+                raise reward_http.PeerError(f"vLLM-Omni server {url}, {what}: {e} (FLOWGRPO_ROLLOUT_TIMEOUT), and "
+                                            "may still be generating it: raise FLOWGRPO_ROLLOUT_TIMEOUT, or serve "
+                                            "with more servers (--rollout-url)") from None
             except (OSError, http.client.HTTPException) as e:  # refused/reset connections, the deadline, cut replies
                 last = f"{type(e).__name__}: {e}"
                 continue

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -501,6 +502,38 @@ def test_an_answer_past_the_reply_bound_is_said_at_once_not_asked_again(monkeypa
         with pytest.raises(RuntimeError, match="answered with a reply of more than 4096 bytes"):  # the reward's too
             client.call(url, "/score", {"n": 1})
         assert len(posts) == 2, f"{len(posts) - 1} requests for one answer"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_generation_past_the_deadline_is_not_asked_again():
+    """A generation that outlasts FLOWGRPO_ROLLOUT_TIMEOUT still runs on the server: sent again, the server would run
+    it twice and its queue grow with every retry. One POST, then the error naming the setting; a GET (/health) past
+    its deadline is still retried."""
+    seen = []
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append("GET")
+            time.sleep(1.5)
+
+        def do_POST(self):
+            seen.append("POST")
+            time.sleep(1.5)
+
+        def log_message(self, *args):
+            pass
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    me, url = SimpleNamespace(retries=2, backoff=0.0, timeout=0.5), f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(RuntimeError, match="within the 0.5 s deadline .*FLOWGRPO_ROLLOUT_TIMEOUT.*may still be"):
+            rollout_backends.OmniBackend._call(me, url, "/v1/images/generations", {"prompt": "p"}, "the request for 'p'")
+        assert seen == ["POST"], seen
+        with pytest.raises(RuntimeError, match="stayed down for GET /health: 3 attempts"):
+            rollout_backends.OmniBackend._call(me, url, "/health", None, "GET /health")
+        assert seen == ["POST", "GET", "GET", "GET"], seen
     finally:
         httpd.shutdown()
         httpd.server_close()
