@@ -67,10 +67,10 @@ class Exchange:
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("flowgrpo-exchange/", store), self.rank, self.world,
                                            TIMEOUT)
         self.is_rollout = self.rank >= self.trainers
+        cuda = eng.local_device() if torch.cuda.is_available() else None
+        if cuda is not None:  # every rank's, a rollout rank's too: what is made on "cuda" lands on its own GPU
+            torch.cuda.set_device(cuda)
         if not self.is_rollout:  # the engine's world: the training ranks alone (engine.init_distributed finds it)
-            cuda = eng.local_device() if torch.cuda.is_available() else None
-            if cuda is not None:
-                torch.cuda.set_device(cuda)
             dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", device_id=cuda, rank=self.rank,
                                     store=dist.PrefixStore("flowgrpo-train/", store), world_size=self.trainers)
 
