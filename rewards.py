@@ -10,7 +10,8 @@ reward_http.py, the bounded server in reward_server.py): a remote reward (`remot
 A reward: fn(images (B,3,H,W) float in [0,1] on CPU, or uint8 pixels, prompts, metadata) -> (scores (B,) float64,
 info), info = each component's unweighted scores by name; total = sum(weight * score). Images are first quantised to
 uint8 exactly as a PNG stores them, so a remote reward or a judge scores bit-identical pixels. Videos (B,F,3,H,W): an
-image reward scores every FRAME_STRIDE-th frame (0, 4, 8, …) and averages; a VIDEO_REWARDS one sees whole videos.
+image reward scores every FRAME_STRIDE-th frame (0, 4, 8, …) and averages (ocr: Flow-GRPO's video formula, its
+`video`); a VIDEO_REWARDS one sees whole videos.
 ARG of the CLIP rewards: a hub id or a directory holding a CLIPModel and its CLIPProcessor; of preserve, the side in
 pixels at which result and source are compared; TASK of the judge: a key of JUDGE_TASKS.
 """
@@ -116,14 +117,18 @@ def ocr_score(recognised: str, target: str) -> float:
     rec, tgt = "".join(recognised.split()).casefold(), "".join(target.split()).casefold()
     return 1.0 if tgt in rec else 1.0 - min(Levenshtein.distance(rec, tgt), len(tgt)) / len(tgt)
 
+# PaddleOCR 2.x's `ocr()` (Flow-GRPO pins 2.9.1) keeps a line only if its confidence is >= its drop_score, 0.5 by
+# default (tools/infer/predict_system.py, TextSystem.__call__); Flow-GRPO's own `> 0` test then drops nothing more
+OCR_MIN_SCORE = 0.5
+
 @lru_cache(maxsize=1)
 def _ocr_engine():
     from rapidocr import RapidOCR
-    # As Flow-GRPO's PaddleOCR 2.x call: no angle classifier; every line kept whatever its confidence, so partly
-    # legible text earns partial credit; detection shrinks only images over 960 px (rapidocr's default enlarges
-    # every image to >= 736 px, ~10x slower on small ones).
-    return RapidOCR(params={"Global.log_level": "critical", "Global.use_cls": False, "Global.text_score": 0.0,
-                            "Det.limit_type": "max", "Det.limit_side_len": 960})
+    # As Flow-GRPO's PaddleOCR 2.x call: no angle classifier; lines read with confidence under OCR_MIN_SCORE dropped
+    # (rapidocr drops score < text_score, as Paddle); detection shrinks only images over 960 px (rapidocr's default
+    # enlarges every image to >= 736 px, ~10x slower on small ones).
+    return RapidOCR(params={"Global.log_level": "critical", "Global.use_cls": False,
+                            "Global.text_score": OCR_MIN_SCORE, "Det.limit_type": "max", "Det.limit_side_len": 960})
 
 def ocr_read(images: np.ndarray) -> list[str]:
     """The text recognised in each uint8 (B, H, W, 3) RGB image, its lines joined in reading order."""
@@ -134,6 +139,21 @@ def ocr():
     def fn(images, prompts, metadata):
         targets = [ocr_target(p) for p in prompts]  # before the slow part
         return [ocr_score(text, t) for text, t in zip(ocr_read(images), targets)]
+
+    def video(videos, prompts, metadata):
+        """Flow-GRPO's video OCR (flow_grpo/ocr.py, OcrScorer_video_or_image): frames 0, FRAME_STRIDE, … each scored
+        1 − min(edit distance, len)/len, with no containment rule (text beside the target costs), averaged over the
+        frames scoring above 0 (0 where none does)."""
+        from rapidfuzz.distance import Levenshtein
+        targets = ["".join(ocr_target(p).split()).casefold() for p in prompts]
+        frames = videos[:, ::FRAME_STRIDE]
+        read = np.array(ocr_read(frames.reshape(-1, *frames.shape[2:])), dtype=object).reshape(frames.shape[:2])
+        out = []
+        for texts, tgt in zip(read, targets):
+            per = [1 - min(Levenshtein.distance("".join(t.split()).casefold(), tgt), len(tgt)) / len(tgt) for t in texts]
+            out.append(float(np.mean([r for r in per if r > 0])) if any(r > 0 for r in per) else 0.0)
+        return out
+    fn.video = video  # _checked's scorer of videos, in place of the image reward per frame
     return fn
 
 # ---------------------------------------------------------------- CLIP family (transformers' CLIP classes)
@@ -353,7 +373,7 @@ def _checked(label, fn, serial, video=False):
     # Model rewards run one call at a time: they are not assumed thread-safe (transformers' fast tokenizers are
     # not, transformers#47085), and torch/onnxruntime use every core per call anyway. HTTP calls may overlap.
     lock = threading.Lock() if serial else contextlib.nullcontext()
-    per_frame = _per_frame(fn)
+    per_frame = getattr(fn, "video", None) or _per_frame(fn)  # a reward's own video form (ocr's), else per frame
 
     def reward(images, prompts, metadata=None):
         prompts = list(prompts)

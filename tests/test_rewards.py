@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from rapidfuzz.distance import Levenshtein
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,6 +47,62 @@ def test_ocr_right_wrong_partial_text_and_formula(ocr):
     read = rewards.ocr_read(rewards.to_uint8(images))
     assert read[0].replace(" ", "").upper() == "HELLOWORLD"
     assert scores.tolist() == [rewards.ocr_score(t, "Hello World") for t in read]
+
+
+def test_ocr_keeps_the_lines_paddleocr_keeps(ocr):
+    """Flow-GRPO reads with PaddleOCR 2.9.1 (its README at 9745241), whose ocr() drops every line read with confidence
+    under its drop_score, 0.5 (tools/infer/predict_system.py, TextSystem.__call__: `score >= self.drop_score` kept);
+    Flow-GRPO's own `res[1][1] > 0` then drops nothing more. Random pen strokes in a line of "text" are read as low-
+    confidence gibberish, which earned partial credit when every line was kept (0.30 for one such image)."""
+    rng, eng = np.random.default_rng(0), rewards._ocr_engine()
+    images = []
+    for _ in range(12):
+        im = Image.new("RGB", (512, 512), tuple(int(v) for v in rng.integers(150, 256, 3)))
+        pen = ImageDraw.Draw(im)
+        for k in range(int(rng.integers(6, 14))):
+            x, ys = 30 + 34 * k, rng.integers(200, 260, 3)
+            pen.line([(x, ys[0]), (x + int(rng.integers(5, 30)), ys[1]), (x + int(rng.integers(0, 30)), ys[2])],
+                     fill="black", width=6)
+        images.append(np.asarray(im))
+    try:
+        raw = [eng(Image.fromarray(a), text_score=0.0) for a in images]  # every line, with its confidence
+    finally:
+        eng.update_params(text_score=rewards.OCR_MIN_SCORE)
+    lines = [list(zip(r.txts or (), r.scores or ())) for r in raw]
+    public = ["".join(t if s > 0 else "" for t, s in ls if s >= 0.5) for ls in lines]
+    assert any(s < 0.5 for ls in lines for _, s in ls), lines  # the case in question occurs
+    assert rewards.ocr_read(np.stack(images)) == public, (lines, public)
+
+
+def fg_video_ocr(readings: list[list[str]], prompts: list[str]) -> list[float]:
+    """Flow-GRPO's video OCR reward re-typed (flow_grpo/ocr.py at 9745241, OcrScorer_video_or_image.__call__, lines
+    89-124), given what the OCR read in each sampled frame (its frames 0, 4, 8, …)."""
+    out = []
+    for texts, prompt in zip(readings, prompts):
+        target, kept = prompt.split('"')[1].replace(" ", "").lower(), []
+        for text in texts:
+            text = text.replace(" ", "").lower()
+            score = 1 - min(Levenshtein.distance(text, target), len(target)) / len(target)
+            if score > 0:
+                kept.append(score)
+        out.append(sum(kept) / len(kept) if kept else 0.0)
+    return out
+
+
+def test_video_ocr_is_flow_grpos(ocr, monkeypatch):
+    """A video's OCR reward is Flow-GRPO's video formula, not the image one per frame: no containment rule (text
+    beside the target costs: "OPEN NOW" scored 1 here, 0.25 there) and the mean over the frames scoring above 0 (one
+    legible frame of three scored 1/3 here, 1 there)."""
+    cases = [["OPEN NOW"] * 3, ["OPEN", "", ""], ["OPEN 24 HOURS", "open", "XYZ"], ["", "", ""], ["0PEN", "OPFN", "OP"]]
+    rng = np.random.default_rng(0)
+    cases += [["".join(rng.choice(list("OPEN XZ"), int(rng.integers(0, 8)))) for _ in range(3)] for _ in range(200)]
+    readings = iter([t for c in cases for t in c])
+    monkeypatch.setattr(rewards, "ocr_read", lambda frames: [next(readings) for _ in frames])
+    videos = torch.zeros(len(cases), 9, 3, 8, 8)  # frames 0, 4, 8 read
+    prompts = ['a neon sign that says "Open"'] * len(cases)
+    scores, _ = ocr(videos, prompts, [{}] * len(cases))
+    np.testing.assert_allclose(scores, fg_video_ocr(cases, prompts), rtol=0, atol=1e-12)
+    assert scores[:3].tolist() == [0.25, 1.0, 1.0]
 
 
 def test_ocr_score_formula():
