@@ -174,7 +174,7 @@ RECIPES: dict[str, dict] = {
                                   prompts_per_iteration=8, micro_batch=16, optimizer_steps=1, num_steps=10, eval_steps=14,
                                   cfg_scale=4.5, clip_range=1e-2, kl_beta=0.02, dgpo_beta=100.0, dgpo_switch=200,
                                   old_decay="dgpo", train_timesteps=4, train_timestep_range=(0, 7), lora_rank=64,
-                                  lora_alpha=128, ema_decay=0.9, ema_every=8, checkpoint_every=60,
+                                  lora_alpha=128, ema_decay=0.9, ema_every=8, ema_repeat=2, checkpoint_every=60,
                                   eval_every=60),
     # flow_grpo's online Diffusion-DPO (scripts/train_sd3_dpo.py; config/dpo.py pickscore_sd3 on base.py, one GPU as
     # scripts/single_node/dpo.sh): one group of 24 an epoch, its best and worst image the pair, int(40·0.99) = 39

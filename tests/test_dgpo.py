@@ -153,7 +153,13 @@ def test_dgpo_flags_are_checked(change, needle):
 
 
 def test_the_public_recipe_passes_its_checks():
-    startup.check_args(flowgrpo.RECIPES["sd3.5-medium-dgpo-ocr"])
+    """And its EMA fires as the public run's: train_sd3_dgpo.py:1215 steps the EMA once per micro-batch of the loop
+    over samples_batched, and general_ocr_sd3_4gpu (config/dgpo.py:96-126) gives each GPU
+    num_batches_per_epoch = int(8 / (4 * 16 / 16)) = 2 of them an optimizer step (gradient_accumulation_steps): M = 2."""
+    recipe = flowgrpo.RECIPES["sd3.5-medium-dgpo-ocr"]
+    startup.check_args(recipe)
+    gpus, per_batch, group, groups = 4, 16, 16, 8
+    assert (recipe.ema_decay, recipe.ema_every, recipe.ema_repeat) == (0.9, 8, int(groups / (gpus * per_batch / group)))
 
 
 # ---- the script --------------------------------------------------------------------------------------------------------
