@@ -114,7 +114,7 @@ def gardo_advantages(r: torch.Tensor, group: torch.Tensor, features: torch.Tenso
     of image i's features to its nearest other image of the group. r, group: (N,); features (N, D)."""
     r = r.double()
     f = features.double()
-    f = f / f.norm(dim=1, keepdim=True)
+    f = f / f.norm(dim=1, keepdim=True).clamp_min(1e-12)  # an all-black image's pixels: 0, not 0/0
     adv = torch.zeros_like(r)
     for g in group.unique():
         idx = (group == g).nonzero()[:, 0]
@@ -122,7 +122,8 @@ def gardo_advantages(r: torch.Tensor, group: torch.Tensor, features: torch.Tenso
         distance = 1 - (f[idx] @ f[idx].T).clamp(-1, 1)
         distance.fill_diagonal_(float("inf"))
         nearest = distance.min(dim=1).values
-        adv[idx] = centred * torch.where(centred < 0, torch.ones_like(nearest), nearest / nearest.mean())
+        scale = nearest / nearest.mean() if nearest.mean() > 0 else torch.ones_like(nearest)  # a collapsed group: 1
+        adv[idx] = centred * torch.where(centred < 0, torch.ones_like(nearest), scale)
     return adv
 
 

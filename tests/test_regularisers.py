@@ -67,6 +67,15 @@ def test_gardo_advantages_equal_the_public_stat_tracker():
     assert (theirs == theirs[:, :1]).all()  # the script's per-timestep copies are one advantage
     equal = torch.cat([torch.full((G,), 1 - 1 / 7, dtype=torch.float64), r[G:].double()])  # its mean misses by an ulp
     assert reg.gardo_advantages(equal, torch.arange(G * P) // G, features)[:G].abs().max() == 0  # A = 0 exactly
+    # degenerate groups, which the script's DINOv3 features never give (here NaN spread to whole groups, and a NaN
+    # loss skipped every step): an all-black image's pixels (features 0), a collapsed group (every distance 0)
+    black = features.clone()
+    black[1] = 0
+    ours = reg.gardo_advantages(r, torch.arange(G * P) // G, black)
+    assert torch.isfinite(ours).all() and torch.equal(ours[G:], reg.gardo_advantages(r, torch.arange(G * P) // G,
+                                                                                       features)[G:])
+    same = reg.gardo_advantages(r[:G], torch.zeros(G, dtype=torch.long), features[:1].repeat(G, 1))
+    assert torch.equal(same, r[:G].double() - r[:G].double().mean())  # d_i / mean(d): 1 where every d is 0
 
 
 # ---- GARDO's gate: scripts/train_sd3_gardo.py ----------------------------------------------------------------------
