@@ -12,6 +12,7 @@ rank's choice.
 """
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -57,12 +58,12 @@ def fit(model, engine, a, images_per_step: int, prompts: list[tuple[str, dict]],
         # collectives, which ranks that decided apart, one measuring once more, would wait on for ever
         budget = _agreed(engine, HEADROOM * (limit_gib * 2**30 or
                                              torch.cuda.get_device_properties(engine.device).total_memory), "min")
-        measure = functools.cache(lambda b: _agreed(engine, _peak(model, engine, a, b, (prompts * b)[:b]), "max"))
-        one, two = measure(1), measure(2)  # the allocator's peaks
+        measure = functools.cache(lambda b: _agreed(engine, _measured(model, engine, a, b, (prompts * b)[:b]), "max"))
+        one, two = measure(1), measure(2)  # the allocator's peaks (infinite: out of memory)
         # --reuse-rollout-forward keeps one image's velocity call for each trained step of each image of the step
         steps = len(algorithms.ALGORITHMS[a.algorithm].rollout_steps(a, 0)) * images_per_step
         kept = _agreed(engine, _kept(model, a, prompts[:1]), "max") * steps if a.reuse_rollout_forward else 0
-        choice = choose(fits, one, two - one, kept, budget, measure)
+        choice = choose(fits, one, two - one if math.isfinite(two) else math.inf, kept, budget, measure)
     return int(_agreed(engine, choice, "min"))
 
 
@@ -96,6 +97,17 @@ def _inputs(model, a, prompts: list[tuple[str, dict]]) -> tuple:
                               a.height, a.width)
     x = model.noise([torch.Generator().manual_seed(i) for i in range(len(prompts))], a.height, a.width)
     return x, torch.full((len(prompts),), 0.5), cond
+
+
+def _measured(model, engine, a, b: int, prompts: list[tuple[str, dict]]) -> float:
+    """_peak, or infinity where the micro-batch ran out of memory: it does not fit (on one GPU; of several ranks, one
+    that runs out inside FSDP2's collectives leaves the others waiting there, as any out-of-memory error does)."""
+    try:
+        return _peak(model, engine, a, b, prompts)
+    except torch.cuda.OutOfMemoryError:
+        engine.optimizer.zero_grad(set_to_none=False)  # what a backward cut short had accumulated
+        torch.cuda.empty_cache()
+        return math.inf
 
 
 def _peak(model, engine, a, b: int, prompts: list[tuple[str, dict]]) -> int:

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -190,6 +191,26 @@ def test_micro_batch_0_on_a_gpu_measures_what_it_foretells_and_leaves_room_for_t
     with pytest.raises(ValueError, match=r"--reuse-rollout-forward keeps .* 45.0 GiB .* micro-batch of 1 \(10.0 GiB"
                                          r" at its peak\) passes the 50.0 GiB budget"):
         memory.choose(fits, 10 * G, 2 * G, 45 * G, 50 * G, measure)
+
+
+def test_micro_batch_0_takes_a_micro_batch_that_runs_out_of_memory_for_one_that_does_not_fit(monkeypatch):
+    """On a GPU where 2 images run out of memory, --micro-batch 0's measurement at 2 (always made: the line through 1
+    and 2) stopped the run with the allocator's error; it is a size that does not fit. (A stand-in device: the
+    measurement itself is tests/test_gpu.py's.)"""
+    G, zeroed = 2**30, []
+    engine = SimpleNamespace(device=torch.device("cuda", 0), optimizer=SimpleNamespace(zero_grad=lambda **k: zeroed.append(k)))
+    monkeypatch.setattr(memory, "_agreed", lambda engine, value, op: value)  # one rank
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * G))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def peak(model, engine, a, b, prompts):  # 60 GiB at 1 image, out of memory from 2
+        if b >= 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 30.00 GiB")
+        return 60 * G
+    monkeypatch.setattr(memory, "_peak", peak)
+    for images_per_step in (1, 4):
+        assert memory.fit(None, engine, TINY, images_per_step, [("a cat", {})]) == 1
+    assert len(zeroed) == 2  # the gradients a cut backward left, zeroed each time
 
 
 def test_image_assignment_is_world_size_invariant_per_optimizer_step():
