@@ -483,7 +483,18 @@ REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility,
 VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B, F, H, W, 3); the others images
 # compare with the source image (nano-edit's reward and judge too): read from a path in each prompt's metadata
 SOURCE_REWARDS = {"preserve", *nano_edit.REWARDS, *(f"judge:{k}" for k, t in JUDGE_TASKS.items() if t.source)}
-START_CHECKS = {"aesthetic": lambda model=None: _aesthetic_head_path(), "preserve": _preserve_side}  # set-up, at start
+def _local_model(name: str):
+    """A CLIP reward's ARG written as a path (/…, ./…, ~/…) must be a directory: said at start-up, not after the
+    policy model is built (a hub id, "owner/name", is looked up when the reward is built)."""
+    def check(model=None):
+        if model and model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(model)):
+            raise ValueError(f"--reward {name}:{model}: no such directory; give a directory holding the CLIP model and "
+                             "its processor, or a hub id")
+    return check
+
+START_CHECKS = {"aesthetic": lambda model=None: (_local_model("aesthetic")(model), _aesthetic_head_path()),
+                "pickscore": _local_model("pickscore"), "clipscore": _local_model("clipscore"),
+                "preserve": _preserve_side}  # set-up, at start
 SIZE_CHECKS = nano.SIZE_CHECKS | nano_edit.SIZE_CHECKS  # the task readers that take one image size: at start-up
 PROMPT_CHECKS = {"ocr": ocr_target, **{name: check for name, (_, check) in TASK_REWARDS.items()},
                  **{f"judge:{k}": t.check for k, t in JUDGE_TASKS.items() if t.check}}

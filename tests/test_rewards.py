@@ -175,6 +175,9 @@ def test_start_up_checks_build_no_models():
     ("judge:match=http://a:1+http://b:70000", "bad server URL 'http://b:70000'"),
     ("brightness=0", "every term has weight 0 .* nothing trains"),  # before: a run that trained nothing, silently
     ("ocr=0,brightness=0.0", "every term has weight 0"),
+    # a directory that is not there: said at start-up, where it was said after the policy model was built
+    ("pickscore:/nonexistent/PickScore_v1", "pickscore:/nonexistent/PickScore_v1: no such directory"),
+    ("ocr=1,clipscore:./no-clip=0.5", "clipscore:./no-clip: no such directory"),
 ])
 def test_bad_reward_specs(spec, message):
     with pytest.raises(ValueError, match=message):  # a regular expression
