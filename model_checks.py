@@ -11,6 +11,7 @@ import torch
 
 import model_files
 from models import MODELS, SPECS, adapter_class, check_frames
+from models_wan import check_wan21
 
 
 def check_resolution(model: str, height: int, width: int) -> None:
@@ -94,14 +95,15 @@ def check_model_path(model: str, path: str) -> None:
             raise ValueError(f"--model-path {path}: no such directory, and not a hub id of the form org/name")
         return
     try:
-        found = model_files.read_config(index)["_class_name"]
+        config = model_files.read_config(index)
     except ValueError as e:
         raise ValueError(f"--model-path {path}: model_index.json {e}") from None
-    want = SPECS[model].pipeline
+    found, want = config["_class_name"], SPECS[model].pipeline
     if found != want:
         fits = [m for m, s in SPECS.items() if s.pipeline == found and not s.trained_parts]
         raise ValueError(f"--model-path {path} holds a {found}, but --model {model} needs a {want}"
                          + (f": use --model {' or '.join(fits)}" if fits else ""))
+    check_wan21(config, f"--model-path {path}")  # (any pipeline: only WanPipeline's configs have its keys)
 
 
 def check_trained_part(model: str, path: str, part: str) -> None:

@@ -77,6 +77,19 @@ def frame_wise_decoder(vae) -> None:
             module.time_conv.bias[half:] = module.time_conv.bias[:half]
 
 
+WAN22_KEYS = ("transformer_2", "boundary_ratio", "expand_timesteps")  # WanPipeline's Wan2.2 parts
+
+
+def check_wan21(config: dict, where: str) -> None:
+    """A WanPipeline config (model_index.json's, or a loaded pipeline's) that sets Wan2.2's second expert or per-token
+    timesteps samples otherwise than this adapter (one transformer, one timestep a call): refused, not sampled wrong."""
+    extra = [k for k in WAN22_KEYS if (any(v is not None for v in config[k]) if isinstance(config.get(k), list)
+                                       else config.get(k))]
+    if extra:
+        raise ValueError(f"{where} is a Wan2.2 pipeline ({', '.join(extra)} set), which the Wan adapter does not sample "
+                         "(one transformer, one timestep a call): give a Wan2.1 checkpoint")
+
+
 class Wan(Adapter):
     """Wan2.1 T2V around WanPipeline. Latents as the pipeline keeps them, (B, C, F', h, w), float32 (cast to the model
     dtype at the transformer's input); decoded samples are videos (B, F, 3, H, W) in [0, 1] (docs/algorithm.md §13)."""
@@ -90,6 +103,7 @@ class Wan(Adapter):
     build_tiny = staticmethod(build_tiny_wan_pipeline)
 
     def __init__(self, pipe, device, dtype: torch.dtype, num_frames: int = 1):
+        check_wan21(dict(pipe.config, transformer_2=[getattr(pipe, "transformer_2", None)]), "the pipeline")
         pipe.scheduler = wan_scheduler_class()(**WAN_SCHEDULER)  # in place of the checkpoint's UniPC
         super().__init__(pipe, device, dtype)
         self.num_frames = num_frames

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import algorithms
 import cli
 import engine as eng
 import flowgrpo
+import model_checks
 import models
 import models_wan
 import rewards
@@ -60,6 +62,25 @@ def test_tiny_is_deterministic_saves_and_reloads_and_encodes_as_the_pipeline(wan
     # --sp's start-up count, from the name and flags before anything loads, is the loaded model's (docs §14)
     counted = models.adapter_class("tiny-wan").sp_sequences("tiny-wan", models.SPECS["tiny-wan"], H, W, FRAMES)
     assert counted == {"video tokens": wan.image_seq_len(H, W)}
+
+
+def test_a_wan22_pipeline_is_refused_at_start_up_and_when_loaded(tmp_path):
+    """WanPipeline also loads Wan2.2: a second expert below a boundary σ (A14B) or a timestep per token (TI2V-5B), which
+    the adapter (one transformer, one timestep a call) would have sampled and trained wrong without a word: its
+    model_index.json is refused before anything loads, and a loaded pipeline by the adapter."""
+    path = models.save_tiny_pipeline(str(tmp_path / "w"), 0, "tiny-wan")
+    model_checks.check_model_path("tiny-wan", path)  # Wan2.1's: its keys unset (null, false)
+    index = json.loads(Path(path, "model_index.json").read_text())
+    assert set(models_wan.WAN22_KEYS) <= set(index), sorted(index)  # diffusers writes them: what is read is there
+    for change in ({"transformer_2": ["diffusers", "WanTransformer3DModel"], "boundary_ratio": 0.875},
+                   {"expand_timesteps": True}):
+        Path(path, "model_index.json").write_text(json.dumps(index | change))
+        with pytest.raises(ValueError, match=f"is a Wan2.2 pipeline \\({', '.join(change)} set\\).*Wan2.1"):
+            model_checks.check_model_path("tiny-wan", path)
+    pipe = models.adapter_class("tiny-wan").build_tiny(0)
+    pipe.register_to_config(expand_timesteps=True)
+    with pytest.raises(ValueError, match="the pipeline is a Wan2.2 pipeline"):
+        models_wan.Wan(pipe, torch.device("cpu"), torch.float32, num_frames=FRAMES)
 
 
 @pytest.mark.parametrize("cfg", [1.0, 4.5])
