@@ -50,6 +50,16 @@ class SD3(Adapter):
                          "dispatcher that does the all-to-alls. Use --sp 1 (FSDP2 alone: SD3.5 at 512² has 1024 image "
                          "tokens)")
 
+    @classmethod
+    def check_size(cls, model: str, spec: Spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
+        """SD3's transformer crops its position embedding from a table of `pos_embed_max_size` patches a side (SD3.5
+        Medium's 384, the tiny one's 64): a larger image fails its first call. Unknown here (no config): unchecked."""
+        table = getattr(getattr(transformer(), "config", None), "get", lambda k: None)("pos_embed_max_size")
+        for flag, side in (("--height", height), ("--width", width)):
+            if table and side // spec.multiple > table:
+                raise ValueError(f"{flag} must be at most {table * spec.multiple} for --model {model}, got {side}: its "
+                                 f"transformer's position table (pos_embed_max_size) holds {table} patches a side")
+
     def __init__(self, pipe, device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)
         self.multiple = pipe.vae_scale_factor * self.transformer.config.patch_size

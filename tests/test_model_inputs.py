@@ -148,6 +148,20 @@ def test_wans_limits_are_its_rotary_tables_own():
             rope(torch.empty(1, 16, *grid, device="meta"))
 
 
+def test_an_image_beyond_sd3s_position_table_is_refused_at_start_up():
+    """SD3 crops its position embedding from a table of pos_embed_max_size patches a side (the tiny one's 64): 528 px
+    passed the start-up checks and the rollout's first call raised; the largest size accepted is the table's, and
+    diffusers' transformer takes it."""
+    with pytest.raises(ValueError, match=re.escape("--height must be at most 512 for --model tiny-sd3, got 528: its "
+                                                   "transformer's position table (pos_embed_max_size) holds 64")):
+        model_checks.check_model_args("tiny-sd3", **ARGS | dict(height=528))
+    model_checks.check_model_args("tiny-sd3", **ARGS | dict(height=512, width=512))
+    embed = model_checks.meta_transformer("tiny-sd3", None).pos_embed  # takes latent sides: 512 px, 128 latents
+    assert embed.cropped_pos_embed(128, 128).shape[1] == 64 * 64
+    with pytest.raises(ValueError, match="cannot be greater than `pos_embed_max_size`: 64"):
+        embed.cropped_pos_embed(132, 128)  # 528 px
+
+
 def test_an_image_beyond_qwen_images_rotary_table_is_refused_at_start_up():
     """QwenEmbedRope holds 4096 positions: a side of 4096 patches leaves 2·1024 for the text after it (its 1024 tokens,
     padded for --sp); at 6146 patches not even 1024 are left: the table ends and the attention would crash."""
