@@ -34,8 +34,9 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
         raise ValueError(f"--cfg-scale must be 1 for --model {model}: it is guidance-distilled and has no second CFG "
                          f"pass; set its guidance embedding with --guidance (the recipe's 3.5), got {cfg_scale}")
     if not spec.guidance_embedding and guidance is not None:
-        raise ValueError(f"--guidance applies only to models with a guidance embedding (tiny-flux, flux.1-dev); "
-                         f"--model {model} takes --cfg-scale instead")
+        raise ValueError(f"--guidance applies only to models with a guidance embedding "
+                         f"({', '.join(m for m, s in SPECS.items() if s.guidance_embedding)}); --model {model} takes "
+                         "--cfg-scale instead")
     if cfg_scale > 1 and getattr(spec.adapter, "step_distilled", False):  # models_flux2.Flux2KleinDistilled
         raise ValueError(f"--cfg-scale must be 1 for --model {model}: it is step-distilled and its pipeline runs no CFG "
                          f"(its base model takes CFG), got {cfg_scale}")

@@ -91,7 +91,10 @@ def load_model(model: str, path: str | None, device, seed: int = 0, guidance: fl
     if SPECS[model].frame_multiple:
         options["num_frames"] = num_frames
     adapter = adapter_class(model).load(model, path, device, seed, **options)
-    assert adapter.multiple == SPECS[model].multiple, (adapter.multiple, model)  # the table matches the VAE
+    if adapter.multiple != SPECS[model].multiple:  # the table's sizes are checked at start-up: the VAE must agree
+        raise ValueError(f"--model-path {path}: its VAE and patch make images in multiples of {adapter.multiple}, "
+                         f"--model {model}'s are {SPECS[model].multiple}: it is another model of the family (a tiny one "
+                         f"for a real one, or the reverse); give the --model it is")
     if prefix_kv_cache:
         adapter.prefix_kv_cache = True
     return adapter

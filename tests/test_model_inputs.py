@@ -148,6 +148,15 @@ def test_wans_limits_are_its_rotary_tables_own():
             rope(torch.empty(1, 16, *grid, device="meta"))
 
 
+def test_a_pipeline_of_another_scale_in_the_family_is_said_in_one_line(tmp_path):
+    """A tiny SD3 directory given to --model sd3.5-medium passes the start-up checks (the same pipeline class) and
+    loads; its VAE makes images in multiples of 8 where the model's table says 16. That was a bare assert (gone under
+    python -O, the run then going on with the table's multiple)."""
+    path = models.save_tiny_pipeline(str(tmp_path / "t"), 0, "tiny-sd3")
+    with pytest.raises(ValueError, match=re.escape("multiples of 8, --model sd3.5-medium's are 16")):
+        models.load_model("sd3.5-medium", path, "cpu")
+
+
 def test_an_image_beyond_sd3s_position_table_is_refused_at_start_up():
     """SD3 crops its position embedding from a table of pos_embed_max_size patches a side (the tiny one's 64): 528 px
     passed the start-up checks and the rollout's first call raised; the largest size accepted is the table's, and
