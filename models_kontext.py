@@ -29,9 +29,10 @@ class FluxKontext(EditAdapter, Flux):
     """FLUX.1 Kontext around FluxKontextPipeline. x is FLUX's packed latents (B, S, C·4); `cond["source"]` the
     packed source latents (B, S, C·4) in the model dtype, beside FLUX's `embeds` and `pooled`.
 
-    The output size is the run's --height/--width and the source is resized to it: the pipeline's behaviour with
-    `_auto_resize=False` (no snapping to its preferred resolutions) and `max_area=height·width` (else it rescales the
-    output to 1024² pixels) for a source of the output's aspect ratio, which prompts.py checks at start-up."""
+    The output size is the run's --height/--width and the source is resized to it, as Flow-GRPO's Kontext script
+    does (PIL's bicubic to the output size, scripts/train_flux_kontext.py:229 at 9745241; its pipeline's resize to that
+    size is then none). diffusers' FluxKontextPipeline, with `_auto_resize=False` and `max_area=height·width`, keeps a
+    source at its own size: the two agree for a source at the output size (tests/test_edit.py)."""
     pipeline_class = "FluxKontextPipeline"
     default_path = "black-forest-labs/FLUX.1-Kontext-dev"
     omni_pipeline_class = "omni.pipeline_edit.FlowGRPOFluxKontextPipeline"
@@ -53,8 +54,8 @@ class FluxKontext(EditAdapter, Flux):
         return cond
 
     def resized_source(self, path: str, height: int, width: int) -> Image.Image:
-        """One source image (an RGB image file) at the output size, resized as the pipeline resizes it."""
-        return self.pipe.image_processor.resize(source_images.read(path), height, width)
+        """One source image (an RGB image file) at the output size, resized as Flow-GRPO's script resizes it."""
+        return source_images.read(path).resize((width, height), Image.BICUBIC)
 
     def omni_knobs(self, metadata: dict, height: int, width: int) -> dict:
         """`source`: the prompt's source image at the output size, a base64 PNG (the same pixels). vLLM-Omni's Kontext

@@ -49,6 +49,18 @@ def kontext():
     return models.load_model("tiny-flux-kontext", None, "cpu", seed=0)
 
 
+def test_a_kontext_source_of_another_size_is_resized_as_flow_grpos_script_resizes_it(kontext, tmp_path):
+    """Flow-GRPO (scripts/train_flux_kontext.py:229 at 9745241) resizes each source with PIL's default filter to the
+    output size, then its pipeline (flux_kontext_pipeline_with_logprob.py:154) resizes it to the output size again, a
+    no-op; here it was diffusers' resize (Lanczos) alone. A source at the output size is untouched either way."""
+    for side, name in ((64, "big"), (32, "same")):
+        path = write_png(tmp_path / f"{name}.png", side, side, seed=1)
+        theirs = kontext.pipe.image_processor.resize(Image.open(path).convert("RGB").resize((32, 32)), 32, 32)
+        assert np.array_equal(np.asarray(kontext.resized_source(path, 32, 32)), np.asarray(theirs)), name
+    lanczos = np.asarray(kontext.pipe.image_processor.resize(Image.open(tmp_path / "big.png").convert("RGB"), 32, 32))
+    assert not np.array_equal(np.asarray(kontext.resized_source(str(tmp_path / "big.png"), 32, 32)), lanczos)
+
+
 @pytest.mark.parametrize("height,width", [(32, 32), (32, 48)])
 def test_ode_rollout_reproduces_the_kontext_pipeline(kontext, tmp_path, height, width):
     """From the same per-image generators, embeddings and source images, our ODE rollout's final latents equal
