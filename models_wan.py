@@ -77,14 +77,11 @@ def frame_wise_decoder(vae) -> None:
             module.time_conv.bias[half:] = module.time_conv.bias[:half]
 
 
-WAN22_KEYS = ("transformer_2", "boundary_ratio", "expand_timesteps")  # WanPipeline's Wan2.2 parts
-
-
 def check_wan21(config: dict, where: str) -> None:
     """A WanPipeline config (model_index.json's, or a loaded pipeline's) that sets Wan2.2's second expert or per-token
     timesteps samples otherwise than this adapter (one transformer, one timestep a call): refused, not sampled wrong."""
-    extra = [k for k in WAN22_KEYS if (any(v is not None for v in config[k]) if isinstance(config.get(k), list)
-                                       else config.get(k))]
+    extra = [k for k in ("transformer_2", "boundary_ratio", "expand_timesteps")  # model_index.json: [null, null]
+             if config.get(k) not in (None, False, [None, None])]
     if extra:
         raise ValueError(f"{where} is a Wan2.2 pipeline ({', '.join(extra)} set), which the Wan adapter does not sample "
                          "(one transformer, one timestep a call): give a Wan2.1 checkpoint")

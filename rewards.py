@@ -110,12 +110,13 @@ def ocr_target(prompt: str) -> str:
                          'must be quoted, e.g. \'a shop sign that says "OPEN"\' (the prompts of --prompts ocr are)')
     return m.group(1)
 
-def ocr_score(recognised: str, target: str) -> float:
-    """Whitespace removed, case-folded; 1 if the target occurs in the recognised text, else
-    1 - min(edit distance, len)/len (capped: much unrelated text costs no more than none), as Flow-GRPO's OCR reward."""
+def ocr_score(recognised: str, target: str, containment: bool = True) -> float:
+    """Whitespace removed, case-folded; 1 if the target occurs in the recognised text (unless not `containment`: its
+    video reward's), else 1 - min(edit distance, len)/len (capped: much unrelated text costs no more than none), as
+    Flow-GRPO's OCR reward."""
     from rapidfuzz.distance import Levenshtein
     rec, tgt = "".join(recognised.split()).casefold(), "".join(target.split()).casefold()
-    return 1.0 if tgt in rec else 1.0 - min(Levenshtein.distance(rec, tgt), len(tgt)) / len(tgt)
+    return 1.0 if containment and tgt in rec else 1.0 - min(Levenshtein.distance(rec, tgt), len(tgt)) / len(tgt)
 
 # PaddleOCR 2.x's `ocr()` (Flow-GRPO pins 2.9.1) keeps a line only if its confidence is >= its drop_score, 0.5 by
 # default (tools/infer/predict_system.py, TextSystem.__call__); Flow-GRPO's own `> 0` test then drops nothing more
@@ -141,18 +142,12 @@ def ocr():
         return [ocr_score(text, t) for text, t in zip(ocr_read(images), targets)]
 
     def video(videos, prompts, metadata):
-        """Flow-GRPO's video OCR (flow_grpo/ocr.py, OcrScorer_video_or_image): frames 0, FRAME_STRIDE, … each scored
-        1 − min(edit distance, len)/len, with no containment rule (text beside the target costs), averaged over the
-        frames scoring above 0 (0 where none does)."""
-        from rapidfuzz.distance import Levenshtein
-        targets = ["".join(ocr_target(p).split()).casefold() for p in prompts]
-        frames = videos[:, ::FRAME_STRIDE]
-        read = np.array(ocr_read(frames.reshape(-1, *frames.shape[2:])), dtype=object).reshape(frames.shape[:2])
-        out = []
-        for texts, tgt in zip(read, targets):
-            per = [1 - min(Levenshtein.distance("".join(t.split()).casefold(), tgt), len(tgt)) / len(tgt) for t in texts]
-            out.append(float(np.mean([r for r in per if r > 0])) if any(r > 0 for r in per) else 0.0)
-        return out
+        """Flow-GRPO's video OCR (flow_grpo/ocr.py, OcrScorer_video_or_image): frames 0, FRAME_STRIDE, … scored without
+        the containment rule (text beside the target costs), averaged over the frames scoring above 0 (else 0)."""
+        targets, frames = [ocr_target(p) for p in prompts], videos[:, ::FRAME_STRIDE]  # targets before the slow part
+        read = iter(ocr_read(frames.reshape(-1, *frames.shape[2:])))
+        scores = [[ocr_score(next(read), t, containment=False) for _ in range(frames.shape[1])] for t in targets]
+        return [float(np.mean([s for s in per if s > 0])) if max(per) > 0 else 0.0 for per in scores]
     fn.video = video  # _checked's scorer of videos, in place of the image reward per frame
     return fn
 
