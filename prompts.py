@@ -5,9 +5,9 @@
 name. Every prompt is a `(prompt, metadata)` pair. Eval split of a file: a `.jsonl` may say it, line by line
 (`"split": "train"` or `"eval"`, a GenEval-style split); otherwise, with fewer than 20 prompts the eval set is
 the whole file (too few to hold any out), else every 10th distinct prompt (the 10th, 20th, ...), with every line
-that repeats it, is held out for eval and never trained on. The built-in `ocr` and `general` sets have their own disjoint eval
-splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no rollout uses;
-`compose` (the nano-compose task's) is a shipped `.jsonl` with its own split.
+that repeats it, is held out for eval and never trained on. The built-in `ocr` and `general` sets have their own
+disjoint eval splits; `digits` (the nano task's ten prompts) is evaluated on its training prompts, with seeds no
+rollout uses; `compose` (the nano-compose task's) is a shipped `.jsonl` with its own split.
 
 Editing: a `.jsonl` line may carry a source image, `{"prompt": ..., "image": "relative/path.png"}` (relative to the
 file), checked as the file is read (`source_images.from_prompt_line`: nothing decoded); it travels in the metadata,
@@ -123,7 +123,7 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         line = raw[:e.start].count(b"\n") + 1
         raise ValueError(f"--prompts: {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
                          "as UTF-8") from None
-    # lines end at "\n" (or "\r\n") only: str.splitlines also breaks at U+2028 and form feeds, legal inside a JSON string
+    # lines end at "\n" (or "\r\n") only: str.splitlines also breaks at U+2028 and form feeds (legal in JSON strings)
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not 0 < len(lines) <= MAX_PROMPTS:
         raise ValueError(f"--prompts: prompt file {path} has {len(lines) or 'no'} prompts (at most {MAX_PROMPTS}, "

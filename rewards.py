@@ -478,6 +478,7 @@ REWARDS = {f.__name__: f for f in (jpeg_compressibility, jpeg_incompressibility,
 VIDEO_REWARDS = {"temporal_consistency", "motion"}  # they take whole videos (B, F, H, W, 3); the others images
 # compare with the source image (nano-edit's reward and judge too): read from a path in each prompt's metadata
 SOURCE_REWARDS = {"preserve", *nano_edit.REWARDS, *(f"judge:{k}" for k, t in JUDGE_TASKS.items() if t.source)}
+
 def _local_model(name: str):
     """A CLIP reward's ARG written as a path (/…, ./…, ~/…) must be a directory: said at start-up, not after the
     policy model is built (a hub id, "owner/name", is looked up when the reward is built)."""
