@@ -100,7 +100,7 @@ class Wan(Adapter):
     build_tiny = staticmethod(build_tiny_wan_pipeline)
 
     def __init__(self, pipe, device, dtype: torch.dtype, num_frames: int = 1):
-        check_wan21(dict(pipe.config, transformer_2=[getattr(pipe, "transformer_2", None)]), "the pipeline")
+        check_wan21(dict(pipe.config, transformer_2=getattr(pipe, "transformer_2", None)), "the pipeline")
         pipe.scheduler = wan_scheduler_class()(**WAN_SCHEDULER)  # in place of the checkpoint's UniPC
         super().__init__(pipe, device, dtype)
         self.num_frames = num_frames
