@@ -264,7 +264,9 @@ COMPANIONS = {"lora_rank": LORA, "lora_alpha": LORA, "lora_targets": LORA, "ema_
               "is_cap": ("--stale-correction decoupled", lambda a: a.stale_correction == "decoupled"),
               "dppo_threshold": ("--trust-region dppo", lambda a: a.trust_region == "dppo"),
               "cps_density": ("--sde-type cps", lambda a: a.sde_type == "cps"),  # sde's densities are the exact ones
-              "kl_form": ("--kl-beta > 0", lambda a: a.kl_beta > 0)}
+              "kl_form": ("--kl-beta > 0", lambda a: a.kl_beta > 0),
+              "negative_prompt": ("--cfg-scale > 1", lambda a: a.cfg_scale > 1),  # encoded only for CFG's second branch
+              "normguard_margin": ("--normguard > 0", lambda a: a.normguard > 0)}
 
 
 def check_companions(a: Args, recipe: Args) -> None:

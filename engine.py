@@ -376,7 +376,9 @@ class Engine:
                 ckpt.write_meta(tmp, dict(meta, world_size=self.world_size))
                 atomic_files.replace_dir(tmp, directory)
                 for old in ckpt.list_checkpoints(root, run_id=meta["run_id"])[:-keep]:
-                    shutil.rmtree(old)
+                    gone = atomic_files.temporary(old)  # renamed first: what a kill mid-delete leaves, the next save's
+                    os.rename(old, gone)  # remove_temporaries finishes (an iter_N without its meta.json: nothing did)
+                    shutil.rmtree(gone)
         except (OSError, CheckpointException) as e:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)

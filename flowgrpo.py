@@ -100,8 +100,8 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
     images, k, b = a.prompts_per_iteration * a.group_size, a.optimizer_steps, a.micro_batch or 1  # 0: sized later
     if images % (k * world_size * b):
         raise ValueError(f"P·G = {a.prompts_per_iteration}·{a.group_size} = {images} images per iteration must split "
-                         f"into {k} optimizer step(s) × {world_size} rank(s) × whole micro-batches of {a.micro_batch}: "
-                         f"choose P·G divisible by {k * world_size * a.micro_batch} (--prompts-per-iteration, "
+                         f"into {k} optimizer step(s) × {world_size} rank(s) × whole micro-batches of {b}: "
+                         f"choose P·G divisible by {k * world_size * b} (--prompts-per-iteration, "
                          "--group-size, --optimizer-steps, --micro-batch)")
     if a.eval_every and a.eval_images % world_size:
         raise ValueError(f"--eval-images {a.eval_images} must be divisible by the world size {world_size}")
@@ -226,12 +226,11 @@ def main(a: Args) -> list[dict]:
         arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
-    sampler = prompt_sets.PromptSampler(len(trainset), a.seed)
+    sampler = prompt_sets.PromptSampler(len(trainset), a.seed)  # (--seed, iteration): nothing of it to resume
     start = 0
     if ckpt:  # --iterations stays the total: continue after the checkpoint's iteration
         loop = engine.load_checkpoint(ckpt)["loop"]
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
-        sampler.load_state_dict(loop["sampler"])
         algorithms.resume_state(algo, engine, loop, ckpt)  # e.g. GARDO's gate's controller, its reset count
     backend = rollout_ranks.RankBackend(exchange, engine) if exchange else rollout_backends.make_backend(  # local, or
         a.rollout, a.rollout_url, run_dir, engine)  # vLLM-Omni servers (a collective)
@@ -282,6 +281,8 @@ def main(a: Args) -> list[dict]:
             r_all = torch.empty_like(gathered).index_copy_(0, assignment.flatten(), gathered)  # (P·G,) by image id
             rewards.check_iteration(r_all, a.reward)  # a finite mean and spread, or the run stops naming the reward
 
+            stop.hold(it)  # from here to the checkpoint the state is between iterations (GARDO's advantages move its
+            # gate's controller): a signal waits till then
             # --- 4. group-relative advantages over the whole iteration; keep this rank's images' ------
             adv, zero_std = algorithms.advantages(algo, r_all, a, engine=engine, batch=batch, info=info,
                                                   assignment=assignment)
@@ -289,7 +290,6 @@ def main(a: Args) -> list[dict]:
             weights = algorithms.ZERO_ADVANTAGE[a.zero_advantage](adv, assignment, a.optimizer_steps)  # (P·G,) by id
             batch.weights = weights[mine].to(engine.device)
 
-            stop.hold(it)  # from the update to the checkpoint the weights are between iterations: finish first
             # --- 5. policy update: grpo's PPO-clip over the trained steps, or a forward-process loss ---------
             model.transformer.train()
             stats = engine.mean_over_ranks(algo.update(model, engine, batch, a, arith, engine.is_main))

@@ -14,8 +14,10 @@ latents, log-probs, images and final latents, and the scores) into the checkpoin
 trains on exactly those. Sampling it again would need the weights before the last update and servers that repeat
 themselves to the bit; the tensors of one iteration cost little.
 """
+import fnmatch
 import glob
 import os
+import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -74,6 +76,22 @@ def check(a) -> None:
          "sample while this process trains: --rollout vllm-omni (servers) or --rollout-ranks R (torchrun ranks)")
     need(a.off_policy == 0 or not a.shard_text_encoder, "--off-policy 1 with --shard-text-encoder: the prompts are "
          "encoded in the rollout thread, where a sharded encoder's collectives would interleave with training's")
+
+
+def check_resume(a, meta: dict, training_ranks: int) -> None:
+    """--off-policy 1's resume, at start-up: a checkpoint's rollout in flight is split over its training ranks, so it
+    resumes on as many (before: refused once the model was built). One that holds none, though written one ahead, is a
+    run's last: extended by a larger --iterations, its next iteration is sampled on the weights after the update
+    before it, where the straight run's was sampled one update earlier: the runs part there, and it is said."""
+    held = len(fnmatch.filter(meta["manifest"], INFLIGHT.format("*")))  # its files, as `load` finds them
+    if not a.off_policy:
+        return
+    need(not held or held == training_ranks, f"the checkpoint holds a rollout in flight over {held} training rank(s), "
+         f"this run has {training_ranks}: resume --off-policy 1 on as many (torchrun's ranks less --rollout-ranks)")
+    if not held and meta["flags"].get("off_policy") == 1:
+        print(f"warning: the checkpoint ends its --off-policy 1 run: nothing was in flight, so iteration "
+              f"{meta['loop']['iteration'] + 1} is sampled on the weights after the update before it (staleness 0), "
+              "not one update earlier as in a run that went on straight", file=sys.stderr, flush=True)
 
 
 class Rollouts:

@@ -185,10 +185,6 @@ class PromptSampler:
         return [int(self._perm(p // self.n)[p % self.n]) for p in positions]
 
     def state_dict(self) -> dict:
+        """What a checkpoint records of it (read back by nothing: a resumed run's sampler is its own flags', the same on
+        every rank, rollout ranks included, and a prompt set changed by --allow-change prompts may have any size)."""
         return {"n": self.n, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["n"] != self.n:
-            raise ValueError(f"checkpoint's prompt sampler was over {state['n']} prompts, this run has {self.n}: "
-                             "resume with the same prompt set")
-        self.seed, self._cache = state["seed"], (None, None)

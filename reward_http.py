@@ -17,11 +17,12 @@ import json
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import urllib.parse
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image
@@ -117,11 +118,13 @@ class Client:
                 last = f"{type(e).__name__}: {e}"
                 continue
             text = raw.decode(errors="replace")
+            if status >= 300:  # said in one line: a proxy's or web server's error page is HTML over many
+                said = " ".join(text.split())
             if status >= 500:
-                last = f"HTTP {status}: {text[:500]}"
+                last = f"HTTP {status}: {said[:500]}"
                 continue
             if status >= 300:
-                raise ValueError(f"{self.what} {url}{path} refused the request{about}: HTTP {status}: {text[:2000]}")
+                raise ValueError(f"{self.what} {url}{path} refused the request{about}: HTTP {status}: {said[:2000]}")
             try:
                 return json.loads(text)
             except (ValueError, RecursionError):
@@ -160,7 +163,7 @@ def server_urls(text: str, item: str, one: str) -> list[str]:
     for url in urls:
         u = urllib.parse.urlsplit(url)
         try:
-            port = u.port
+            port = u.port or 0  # None: none written (the error asks for one)
         except ValueError:  # not a number, or outside 0-65535
             port = 0
         if u.scheme not in ("http", "https") or not u.hostname or u.username or port == 0 or u.path or u.query \
@@ -170,11 +173,44 @@ def server_urls(text: str, item: str, one: str) -> list[str]:
     return urls
 
 
+def remote_knobs():
+    """(client, images per request) of the remote reward, from FLOWGRPO_REMOTE_*: checked at start-up (rewards._parse)."""
+    return (client_from_env("FLOWGRPO_REMOTE", "remote reward server",
+                            "is `python rewards.py serve` running and reachable there?"),
+            knob("FLOWGRPO_REMOTE_BATCH", 16, 1, 4096))
+
+
+def ask_once(label: str, client: Client, ask, seconds: float = 10.0) -> None:
+    """Start-up's question to the server of --reward item `label`, `ask(client)`, once, within `seconds`: a wrong answer
+    raises (a ValueError: a 4xx, not JSON, not the server asked for); no answer yet (refused, a 5xx, past `seconds`) is
+    a warning only, as a vLLM judge opens its port once its model is loaded: the reward, built after the policy, asks
+    again under the full retry policy. One rank asks (torchrun's rank 0)."""
+    if int(os.environ.get("RANK", 0)):
+        return
+    try:
+        served = ask(replace(client, retries=0, deadline=min(client.deadline, seconds)))
+    except PeerError as e:
+        print(f"warning: --reward {label}: no answer yet ({str(e).split(';')[0]}); asked again once the model is "
+              "loaded", file=sys.stderr, flush=True)
+    else:
+        print(f"--reward {label}: up" + (f", serving {served!r}" if served else ""), flush=True)
+
+
+def check_health(url: str, client: Client) -> str | None:
+    """GET /health of a `python rewards.py serve` at `url` -> the reward it names; an answer that is not its
+    {"status": "ok", ...} is a ValueError (the wrong server), not retried."""
+    reply = client.call(url, "/health")
+    if not (isinstance(reply, dict) and reply.get("status") == "ok"):
+        raise ValueError(f"{client.what} {url}/health answered {json.dumps(reply)[:200]}, not a `python rewards.py "
+                         'serve`\'s {"status": "ok", ...}: is it the server this run expects?')
+    return reply.get("reward")
+
+
 def score_client(url: str, client: Client, batch: int):
     """The client end of reward_server.make_server's POST /score at `url`, the server checked up now (at start-up,
     not mid-run): fn(images (B, H, W, 3) uint8, prompts, metadata) -> B scores, `batch` images a request sent as PNGs,
     each answer checked to hold one number per image of its request."""
-    client.call(url, "/health")
+    check_health(url, client)
 
     def fn(images, prompts, metadata):
         scores = []

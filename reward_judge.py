@@ -91,7 +91,7 @@ def knobs(concurrency=None):
             concurrency or reward_http.knob("FLOWGRPO_JUDGE_CONCURRENCY", JUDGE_CONCURRENCY, 1, 256))
 
 
-def served_model(client, urls: list[str]) -> str:
+def served_model(urls: list[str], client) -> str:
     """The served model: FLOWGRPO_JUDGE_MODEL, else the one model every server lists at GET /v1/models."""
     want = os.environ.get("FLOWGRPO_JUDGE_MODEL")
     for url in urls:
@@ -117,7 +117,7 @@ def client(task: str, spec: JudgeTask, urls: list[str], concurrency: int | None 
     result's size, as the edit model sees it) before the result. `concurrency` requests in flight per server, each to
     whichever server is free. -> fn(images (B, H, W, 3) uint8, prompts, metadata) -> scores (B,)."""
     http, per_server = knobs(concurrency)
-    model = served_model(http, urls)
+    model = served_model(urls, http)
     workers = reward_http.Workers(urls * per_server, "judge")
 
     def ask(url, image, prompt, meta):

@@ -241,7 +241,9 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             ok = self.path == "/health"
             self._send(200 if ok else 404, {"status": "ok", "reward": name} if ok else {"error": "GET /health"})
 
-        def _read(self):
+        def _size(self) -> int:
+            """The body's declared size, checked before the request waits for a working slot: a request refused by its
+            headers holds none, nor does the draining of a body over the limit (within the request's deadline)."""
             if self.path != "/score":
                 raise Refused(404, "POST /score")
             size = self.headers.get("Content-Length")
@@ -255,7 +257,7 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
                     self._body(size, keep=False)
                 raise Refused(413, f"a request of {self.headers['Content-Length']} bytes is over the server's limit "
                                    f"of {max_bytes} (--max-request-mb): lower FLOWGRPO_REMOTE_BATCH")
-            return self._body(size)
+            return size
 
         def _body(self, size: int, keep: bool = True) -> bytes:
             """The body, its bytes arriving at limits.body_rate a second (a second's grace) at every moment: a sender
@@ -290,18 +292,22 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             none until its headers are in, nor once its reply is built."""
             self.server.busy(self.request)
             self.header_dog.cancel()
+            try:
+                size = self._size()
+            except Refused as e:
+                return e.code, {"error": str(e)}
             self.dog.cancel()
             if not self.server.slots.acquire(timeout=limits.request_timeout):
                 return 503, {"error": "busy: no slot came free within the request deadline (--request-timeout)"}
             self.dog = Watchdog(self.connection, limits.request_timeout)  # the body's deadline starts with its slot
             try:
-                return self._score()  # the request's text and pixels go as it returns
+                return self._score(size)  # the request's text and pixels go as it returns
             finally:
                 self.server.slots.release()  # before the reply is sent: the client's next request finds it free
 
-        def _score(self) -> tuple[int, dict]:
+        def _score(self, size: int) -> tuple[int, dict]:
             try:
-                encoded, prompts, metadata = parse_request(self._read(), limits)  # the body is freed here
+                encoded, prompts, metadata = parse_request(self._body(size), limits)  # the body is freed here
                 images = read_images(encoded, limits)
             except Refused as e:
                 return e.code, {"error": str(e)}
@@ -341,6 +347,10 @@ def serve_cli(build, check, argv=None) -> None:
     limits = Limits(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Limits)})
     if not all(0 < v < float("inf") for v in vars(limits).values()):
         p.error(f"every limit must be a finite number > 0, got {vars(limits)}")
+    if max(limits.header_timeout, limits.request_timeout) > 86400 or limits.body_rate < 1 or \
+            limits.max_request_mb > 2**20:  # past these, the server's clocks and socket timeouts overflow
+        p.error(f"--header-timeout and --request-timeout are at most 86400 s, --body-rate at least 1 byte a second, "
+                f"--max-request-mb at most 1048576; got {vars(limits)}")
     if not 0 <= a.port < 2**16:
         p.error(f"--port {a.port} is not a port (0 to 65535; 0 picks a free one)")
     try:

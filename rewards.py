@@ -26,7 +26,7 @@ import re
 import threading
 import time
 import urllib.parse
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 import torch
@@ -233,15 +233,15 @@ JUDGE_TASKS = {
 }
 
 # ---------------------------------------------------------------- rewards over HTTP (the transport: reward_http.py)
-def _remote_knobs():
-    """(client, images per request) of `remote`, from FLOWGRPO_REMOTE_*: checked at start-up by _parse."""
-    return (reward_http.client_from_env("FLOWGRPO_REMOTE", "remote reward server",
-                                        "is `python rewards.py serve` running and reachable there?"),
-            reward_http.knob("FLOWGRPO_REMOTE_BATCH", 16, 1, 4096))
+def probe(spec: str) -> None:
+    """Start-up, before the policy loads: each remote= and judge: server asked once (reward_http.ask_once)."""
+    for label, _, name, args, _ in _parse(spec):
+        if name in URL_ITEMS:  # a reward server's /health, a judge's model list
+            reward_http.ask_once(label, URL_ITEMS[name][1]()[0], partial(URL_ITEMS[name][2], args[-1]))
 
 def remote(url):
     """--reward remote=URL: POST /score of a `python rewards.py serve`, FLOWGRPO_REMOTE_BATCH images a request."""
-    return reward_http.score_client(url, *_remote_knobs())
+    return reward_http.score_client(url, *reward_http.remote_knobs())
 
 def judge(task: str, urls: list[str], concurrency: int | None = None):
     """--reward judge:TASK=URL[+URL...]: JUDGE_TASKS[task] asked of OpenAI-compatible servers (reward_judge.client);
@@ -262,7 +262,7 @@ def _remote_item(arg, text, item):
     url = reward_http.server_urls(text, item, "remote=http://HOST:PORT")
     if len(url) > 1:
         raise ValueError(f"--reward: remote takes one server, got {item!r}")
-    _remote_knobs()
+    reward_http.remote_knobs()
     return f"remote@{urllib.parse.urlsplit(url[0]).netloc}", "remote", (url[0],)
 
 def _judge_item(task, text, item):
@@ -274,7 +274,8 @@ def _judge_item(task, text, item):
     netlocs = "+".join(urllib.parse.urlsplit(u).netloc for u in urls)
     return f"judge:{task}@{netlocs}", f"judge:{task}", (task, urls)
 
-URL_ITEMS = {"remote": _remote_item, "judge": _judge_item}  # NAME[:ARG]=URL[=WEIGHT]: -> (label, kind, args)
+URL_ITEMS = {"remote": (_remote_item, reward_http.remote_knobs, reward_http.check_health),  # NAME[:ARG]=URL[=WEIGHT]: its
+             "judge": (_judge_item, reward_judge.knobs, reward_judge.served_model)}  # parse, knobs, start-up's question
 
 def _parse(spec):
     """[(label, kind, name, args, weight)], validated without importing or building anything. `kind` names the
@@ -289,7 +290,7 @@ def _parse(spec):
             raise ValueError(f"--reward: unknown reward {name!r}; valid: {valid}")
         if name in URL_ITEMS:  # the first "=" begins the URL(s), a second one the weight
             urls, eq, rest = rest.partition("=")
-            label, kind, args = URL_ITEMS[name](arg, urls, item)
+            label, kind, args = URL_ITEMS[name][0](arg, urls, item)
         elif arg and not inspect.signature(REWARDS[name]).parameters:
             raise ValueError(f"--reward: reward {name!r} takes no argument, got {item!r}")
         else:

@@ -26,6 +26,7 @@ import algorithms
 import engine as eng
 import models
 import offpolicy
+import precision
 import prompts as prompt_sets
 import reward_http
 import rollout
@@ -172,6 +173,15 @@ def serve(a, x: Exchange, algo) -> None:
     model = models.load_model(a.model, a.model_path, eng.local_device(), seed=a.seed, guidance=a.guidance,
                               num_frames=a.num_frames, prefix_kv_cache=a.prefix_kv_cache)
     model.transformer.add_adapter(LoraConfig(r=a.lora_rank, lora_alpha=a.lora_alpha, target_modules=list(a.lora_targets)))
+    if a.mixed_precision:  # computed as a training rank's Engine computes, to the bit: fp32 masters for the LoRA, bf16
+        for p in model.transformer.parameters():  # inputs and working copies (before, fp32 throughout: the first
+            if p.requires_grad:  # update's logp_gap 1.9e-4 where it is 0)
+                p.data = p.data.float()
+        precision.cast_inputs_to_bf16([*model.blocks, model.transformer])
+    if a.compile:  # the Engine's order: casts, compile, working copies
+        eng.compile_blocks(model.blocks)
+    if a.mixed_precision:
+        precision.bf16_working_copies(model.transformer)
     model.transformer.eval()
     own = get_peft_model_state_dict(model.transformer)
     names = sorted(own)

@@ -17,6 +17,7 @@ import cli
 import memory
 import model_checks
 import models
+import offpolicy
 import prompts as prompt_sets
 import recipes
 import rewards
@@ -113,10 +114,12 @@ def check_args(a) -> tuple[str, dict] | None:
     rewards.check_size_for_reward(a.reward, a.height, a.width)  # the laptop tasks' readers: one size
     rollout_backends.check_backend(a.rollout, a.rollout_url)
     rollout_ranks.check(a, int(os.environ.get("WORLD_SIZE", 1)))  # --rollout-ranks, --off-policy (offpolicy.check)
+    rewards.probe(a.reward)  # the reward's servers asked once, before the model loads
     if not a.resume:
         return None
     ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a),
                                            fingerprint(type(a)()))
+    offpolicy.check_resume(a, meta, int(os.environ.get("WORLD_SIZE", 1)) - a.rollout_ranks)
     # The shadows this run keeps must be in the checkpoint (dcp.load is strict); one it holds and this run does not
     # keep is not loaded (nft -> grpo: the weights and AdamW state carry over, the old policy is dropped).
     old, then = [k for k, algo in algorithms.ALGORITHMS.items() if algo.keeps_old], meta["flags"]

@@ -7,7 +7,7 @@ process, torchrun for 2 ranks): 1 process vs 2 ranks, exact resume, a tiny run t
 Public code (re-typed, not copied):
   DGPO  Luo-Yihong/DGPO @ 01ceb4b (git log's head): scripts/train_sd3_dgpo.py (compute_group_dgpo_loss_allreduce,
         precompute_group_info and generate_shared_noise_for_groups; the training loop's clip, reference and KL
-        around it; the ema_ref step after each optimizer step), config/dgpo.py (geneval_sd3_4gpu)
+        around it; the ema_ref step after each optimizer step), config/dgpo.py (general_ocr_sd3_4gpu, the recipe's)
 """
 import dataclasses
 from types import SimpleNamespace

@@ -435,6 +435,13 @@ def test_run_directories_never_mix_runs(straight, two_ranks, tmp_path, capsys):
     assert [r["iteration"] for r in rows(branch)] == [0, 1, 2, 3] and [r["iteration"] for r in rows(run)] == [0, 1, 2]
     resumes = json.loads((branch / "args.json").read_text())["resumes"]
     assert resumes[-1]["changed"] == {"seed": [3, 4]}
+    # Another prompt set, of another size, where docs/scaling.md says --allow-change prompts takes it: before, refused
+    # once the model was built ("the checkpoint's prompt sampler was over 40 prompts")
+    (tmp_path / "five.txt").write_text("".join(f"a photo of thing {i}\n" for i in range(5)))
+    other = tmp_path / "other-prompts"
+    train(other, "--iterations", "4", "--resume", run / "checkpoints" / "iter_000002", "--prompts",
+          tmp_path / "five.txt", "--allow-change", "prompts")
+    assert [r["iteration"] for r in rows(other)] == [0, 1, 2, 3]
 
 
 # `python -c EXITS '[status, ...]'`: engine imported once, then a child forked for each status (no thread runs yet)

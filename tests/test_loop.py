@@ -159,6 +159,8 @@ def test_batch_arithmetic_is_derived_and_checked():
         flowgrpo.batch_arithmetic(a, 3)
     with pytest.raises(ValueError, match="divisible by 12"):
         flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3), 1)
+    with pytest.raises(ValueError, match="whole micro-batches of 1: choose P·G divisible by 3 "):  # 0: sized later
+        flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3, micro_batch=0), 1)  # said "of 0 ... by 0"
     with pytest.raises(ValueError, match="need about .* GiB .* more than this machine's .* --group-size"):
         flowgrpo.batch_arithmetic(dataclasses.replace(a, group_size=2**30, micro_batch=2), 1)  # not std::bad_alloc
 

@@ -115,12 +115,8 @@ def test_sampler_epochs_without_replacement_and_determinism():
 def test_sampler_resume_needs_only_the_iteration():
     straight = prompts.PromptSampler(37, seed=11)
     expected = [straight.sample(i, 8) for i in range(12)]
-    state = prompts.PromptSampler(37, seed=11).state_dict()
-    resumed = prompts.PromptSampler(37, seed=0)
-    resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON round trip
+    resumed = prompts.PromptSampler(37, seed=11)  # a resumed run's: its flags' (flowgrpo.main loads nothing into it)
     assert [resumed.sample(i, 8) for i in range(6, 12)] == expected[6:]
-    with pytest.raises(ValueError, match="over 37 prompts, this run has 40"):
-        prompts.PromptSampler(40, seed=11).load_state_dict(state)
     with pytest.raises(ValueError, match="seed must be >= 0"):
         prompts.PromptSampler(5, seed=-1)
     with pytest.raises(ValueError, match="at least one prompt"):

@@ -325,12 +325,17 @@ def test_sigterm_stops_every_rank_like_ctrl_c_and_removes_the_exchange_directory
 
 # `python -c STOPPED_AT WHERE SIGNAL flowgrpo.py ...`: the script, sent SIGNAL by itself in its second iteration (1):
 # as its rollout starts ("rollout": the weights are still iteration 0's), or after the first of its two optimizer
-# steps ("update": the weights half-way between iterations 0 and 1), as a user's Ctrl-C or a scheduler's SIGTERM.
+# steps ("update": the weights half-way between iterations 0 and 1), or as its advantages are computed ("advantages"),
+# as a user's Ctrl-C or a scheduler's SIGTERM.
 STOPPED_AT = """
 import os, runpy, signal, sys
-import engine, offpolicy
+import algorithms, engine, offpolicy
 where, sig = sys.argv[1], getattr(signal, sys.argv[2])
-get, step, steps = offpolicy.Rollouts.get, engine.Engine.step, []
+get, step, steps, advantages = offpolicy.Rollouts.get, engine.Engine.step, [], algorithms.advantages
+def advantages_stopped(*args, **kwargs):
+    if where == "advantages" and kwargs["batch"].iteration == 1:
+        os.kill(os.getpid(), sig)
+    return advantages(*args, **kwargs)
 def get_stopped(self, it):
     if where == "rollout" and it == 1:
         os.kill(os.getpid(), sig)
@@ -340,7 +345,7 @@ def step_stopped(self):
     if where == "update" and len(steps) == 3:
         os.kill(os.getpid(), sig)
     return steps[-1]
-offpolicy.Rollouts.get, engine.Engine.step = get_stopped, step_stopped
+offpolicy.Rollouts.get, engine.Engine.step, algorithms.advantages = get_stopped, step_stopped, advantages_stopped
 sys.argv = sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -354,11 +359,13 @@ def unstopped(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("where,sig,kept", [("rollout", "SIGINT", 0), ("update", "SIGTERM", 1)])
+@pytest.mark.parametrize("where,sig,kept", [("rollout", "SIGINT", 0), ("update", "SIGTERM", 1), ("advantages", "SIGINT", 1)])
 def test_a_stopped_run_keeps_its_last_trained_iteration_and_resume_auto_continues_exactly(tmp_path, unstopped, where,
                                                                                            sig, kept):
     """Ctrl-C (SIGINT) as iteration 1's rollout starts: iteration 0's checkpoint is written on the way out. SIGTERM
-    half-way through iteration 1's update: the iteration finishes, is logged and checkpointed, then the run stops.
+    half-way through iteration 1's update, or Ctrl-C as its advantages are computed (which move GARDO's gate's
+    controller: before, that state was saved with iteration 0's weights): the iteration finishes, is logged and
+    checkpointed, then the run stops.
     Either way `--resume auto` ends on the weights and rows of a run never stopped, bit for bit. Before, both said
     "interrupted before any checkpoint was written: nothing to resume" and the iterations were lost."""
     run = tmp_path / "run"
@@ -371,7 +378,7 @@ def test_a_stopped_run_keeps_its_last_trained_iteration_and_resume_auto_continue
         f"{run} continues after it"), out.stderr[-3000:]
     assert [p.name for p in (run / "checkpoints").iterdir()] == [kept_dir.name] and checkpoint.verify_checkpoint(
         str(kept_dir))["loop"]["iteration"] == kept
-    assert ("stopping once iteration 1 is trained and checkpointed" in out.stderr) == (where == "update")
+    assert ("stopping once iteration 1 is trained and checkpointed" in out.stderr) == (where != "rollout")
     here(*STOP_RUN, "--run-dir", run, "--resume", "auto")
     weights = [load_file(str(r / "lora" / "pytorch_lora_weights.safetensors")) for r in (run, unstopped)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
@@ -419,6 +426,22 @@ def test_checkpoint_exceptions_become_a_line_or_an_interrupt(tmp_path, monkeypat
             engine.save_checkpoint(str(root / "iter_000001"), meta | {"loop": meta["loop"] | {"iteration": 1}}, keep=2)
         assert [p.name for p in root.iterdir()] == ["iter_000000"]  # intact, and no temporary left
     assert checkpoint.verify_checkpoint(str(root / "iter_000000"))["loop"]["iteration"] == 0
+    # A kill while the oldest is pruned (here after its meta.json went): what it leaves goes at the next save. Before,
+    # an iter_N without meta.json, which no listing saw and nothing removed.
+    monkeypatch.undo()
+    engine.save_checkpoint(str(root / "iter_000001"), meta | {"loop": meta["loop"] | {"iteration": 1}}, keep=2)
+
+    def killed(path, *args, rmtree=shutil.rmtree, **kwargs):  # the pruned checkpoint's delete only
+        if not os.path.basename(path).startswith("iter_000000"):
+            return rmtree(path, *args, **kwargs)
+        os.remove(os.path.join(path, "meta.json"))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(eng.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(str(root / "iter_000002"), meta | {"loop": meta["loop"] | {"iteration": 2}}, keep=2)
+    monkeypatch.undo()
+    engine.save_checkpoint(str(root / "iter_000003"), meta | {"loop": meta["loop"] | {"iteration": 3}}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_000002", "iter_000003"]
 
 
 # ---- 11. what a run says when it cannot learn ---------------------------------------------------------------

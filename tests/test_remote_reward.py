@@ -1,6 +1,7 @@
 """The remote reward over real HTTP on 127.0.0.1: `python rewards.py serve` and the `remote=URL` client, with
 well-behaved, broken and hostile peers on either side (fake servers and raw sockets here, bounded loops)."""
 import base64
+import contextlib
 import io
 import json
 import os
@@ -188,6 +189,9 @@ def test_the_servers_start_up_failures_are_one_line_before_the_reward_is_built(c
         port = taken.getsockname()[1]
         remote = "remote=http://127.0.0.1:9"
         for argv, build, said in [(["--port", "70000"], never, "--port 70000 is not a port (0 to 65535"),
+                                  # past a day, the first request's clock overflowed (OverflowError in the server's log)
+                                  (["--port", "0", "--request-timeout", "1e10"], never, "--request-timeout are at most 86400 s"),
+                                  (["--port", "0", "--body-rate", "1e-10"], never, "--body-rate at least 1 byte a second"),
                                   (["--port", str(port)], never, f"--port {port}: cannot listen there (Address"),
                                   (["--port", "0", "--reward", remote], down,
                                    f"--reward {remote}: remote reward server http://127.0.0.1:9/health failed")]:
@@ -214,9 +218,41 @@ def test_a_reward_server_down_at_start_is_one_line_through_the_cli(serve, tmp_pa
     out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "tiny", "--reward", f"remote={url}", "--no-wandb",
                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-3000:]
-    assert out.stderr.startswith(f"flowgrpo.py: error: remote reward server {url}/health failed 2 times"), out.stderr
+    # start-up's one question, before the model loads, warns (a judge still loading its model refuses connections too);
+    # the reward, built after the model, asks under the full retry policy and ends the run in one line
+    assert out.returncode == 1 and out.stderr.count("\n") == 2, out.stderr[-3000:]
+    warned, said = out.stderr.splitlines()
+    assert warned.startswith(f"warning: --reward remote@{url[7:]}: no answer yet (remote reward server {url}/health "
+                             "failed 1 times") and warned.endswith("asked again once the model is loaded"), warned
+    assert said.startswith(f"flowgrpo.py: error: remote reward server {url}/health failed 2 times"), out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_wrong_server_is_refused_before_the_model_loads(serve, fake, tmp_path, capsys, monkeypatch):
+    """Start-up asks each remote= and judge: server once (rewards.probe, from startup.check_args): one that answers,
+    but not as the server asked for (HTML at /health, a judge without FLOWGRPO_JUDGE_MODEL), is refused in one line
+    before anything is built (the run directory is made after start-up's checks; before, after the policy had loaded);
+    one that is up says what it serves."""
+    url, _ = serve("jpeg_compressibility")
+    rewards.probe(f"brightness,remote={url}=0.5")
+    assert capsys.readouterr().out == f"--reward remote@{url[7:]}: up, serving 'jpeg_compressibility'\n"
+
+    def handler(h):  # neither a reward server nor a judge: a web page, and one judge model
+        if h.path == "/v1/models":
+            return reply(h, 200, b'{"data": [{"id": "qwen2.5-vl"}]}')
+        reply(h, 200, b"<html><body>a web page</body></html>", "text/html")
+    wrong = fake(handler)
+    monkeypatch.setenv("FLOWGRPO_JUDGE_MODEL", "other-vl")
+    env = os.environ | {"WANDB_MODE": "offline"}
+    for spec, said in ((f"remote={wrong}", f"remote reward server {wrong}/health answered with a body that is not "
+                                           "JSON: '<html>"),
+                       (f"judge:match={wrong}", f"judge server {wrong} serves ['qwen2.5-vl'], not 'other-vl'")):
+        out = subprocess.run([sys.executable, "flowgrpo.py", "--model", "tiny", "--reward", spec, "--no-wandb",
+                              "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+        assert out.stderr.startswith(f"flowgrpo.py: error: {said}"), out.stderr
+        assert "batch arithmetic" not in out.stdout and not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- the server under broken and hostile clients
@@ -232,6 +268,44 @@ def test_oversized_and_malformed_requests_are_refused(serve, fast_retries):
     assert post(url, b"{not json")[0] == 400
     assert post(url, json.dumps({"images": ["not base64 png"], "prompts": ["a"]}).encode())[0] == 400
     assert fn(torch.rand(1, 3, 32, 32), ["small"])[0].shape == (1,)  # still healthy afterwards
+
+
+def test_a_request_over_the_size_limit_holds_no_working_slot(serve):
+    """A POST whose Content-Length is over --max-request-mb is refused (413), its body drained as it comes, before it
+    waits for a working slot. Before, it was drained in one: a client streaming such a body (fast enough for
+    --body-rate) held the server's only slot for the request's deadline, and an honest request waited it out (here 60 s,
+    past post()'s 20)."""
+    url, server = serve("brightness", max_requests=1, request_timeout=60, body_rate=100)
+    stop = threading.Event()
+    with socket.create_connection(server.server_address[:2], timeout=20) as hog:
+        hog.sendall(b"POST /score HTTP/1.0\r\nContent-Length: 1000000000000\r\n\r\n")
+
+        def stream():  # 500 bytes a second: the body rate's 100 and more
+            while not stop.wait(0.2):
+                with contextlib.suppress(OSError):
+                    hog.sendall(b"0" * 100)
+        threading.Thread(target=stream, daemon=True).start()
+        for _ in range(200):  # its headers read: no longer an idle connection (then, before, it took the slot)
+            if not server.idle:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        try:
+            status, text = post(url, json.dumps({"images": [png_b64(8, 8)], "prompts": ["a"]}).encode())
+            assert status == 200, text
+        finally:
+            stop.set()
+
+
+def test_error_pages_are_said_in_one_line(fake, fast_retries):
+    """A 4xx or 5xx with an HTML body (a proxy's, a web server's): its text in the error, on one line."""
+    page = b"<html>\n<head><title>Forbidden</title></head>\n<body>\n<h1>403</h1>\n</body>\n</html>\n"
+    for code in (403, 502):
+        url = fake(lambda h, code=code: reply(h, code, page, "text/html"))
+        with pytest.raises((ValueError, RuntimeError)) as e:
+            rewards.make_reward(f"remote={url}")
+        assert "\n" not in str(e.value) and f"HTTP {code}: <html> <head><title>Forbidden</title>" in str(e.value), \
+            str(e.value)
 
 
 @pytest.mark.parametrize("body, message", [

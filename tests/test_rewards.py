@@ -163,6 +163,8 @@ def test_start_up_checks_build_no_models():
     ("remote=http://host:port", "bad server URL 'http://host:port'"),
     ("remote=http://h:99999", r"bad server URL 'http://h:99999' in 'remote=http://h:99999' \(port 1-65535"),
     ("remote=http://h:0", "bad server URL 'http://h:0'"),
+    ("remote=http://h", "bad server URL 'http://h'"),  # no port (it passed: the error itself asks for one)
+    ("judge:ocr=http://a:1+http://a:", "bad server URL 'http://a:'"),
     ("remote=http://host:1/score?x=1", "bad server URL"),
     ("remote=http://user@host:1", "bad server URL"),
     ("remote=http://a:1+http://b:2", "remote takes one server"),

@@ -50,16 +50,23 @@ def torchrun(run_dir, *flags, n=2, wait=True, script=(os.path.join(ROOT, "flowgr
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_rollout_rank_in_turn_takes_the_synchronous_loops_steps(tmp_path):
-    plain = main_here(*FLAGS, "--run-dir", tmp_path / "plain")
-    ranks = torchrun(tmp_path / "ranks", "--rollout-ranks", "1")
+@pytest.mark.parametrize("precision", [(), ("--mixed-precision",)], ids=["fp32", "mixed-precision"])
+def test_a_rollout_rank_in_turn_takes_the_synchronous_loops_steps(tmp_path, precision):
+    """The same images, rewards and LoRA as one process; with --mixed-precision too (the GPU recipes' dtypes: before,
+    the rollout rank sampled in fp32, the first update's logp_gap 1.9e-4)."""
+    plain = main_here(*FLAGS, *precision, "--run-dir", tmp_path / "plain")
+    ranks = torchrun(tmp_path / "ranks", "--rollout-ranks", "1", *precision)
     assert [r["reward/mean"] for r in ranks] == [r["reward/mean"] for r in plain]
     assert all(r["train/logp_gap"] == 0 for r in ranks), [r["train/logp_gap"] for r in ranks]
     rel, worst = relative_difference(lora(tmp_path / "plain"), lora(tmp_path / "ranks"))
     assert rel < 1e-6, f"the LoRA differs by {rel:.3g} relative (max |Δ| {worst:.3g})"
 
 
-def test_one_ahead_overlaps_and_resumes_to_the_bit(tmp_path):
+def test_one_ahead_overlaps_and_resumes_to_the_bit(tmp_path, monkeypatch, capsys):
+    """The rollout of k+1 overlaps the update of k; a checkpoint resumes to the bit. And start-up's checks of such a
+    checkpoint (offpolicy.check_resume, in this process): its rollout in flight, over 1 training rank, is refused on 2
+    in one line (before, once the model was built); the run's last, with nothing in flight, extended by a larger
+    --iterations, says its next iteration is sampled on other weights than a straight run's."""
     run = tmp_path / "run"
     rows = torchrun(run, "--rollout-ranks", "1", "--off-policy", "1", "--checkpoint-every", "1",
                     "--keep-checkpoints", "3")
@@ -68,8 +75,23 @@ def test_one_ahead_overlaps_and_resumes_to_the_bit(tmp_path):
         assert max(this["time/train_start"], following["time/rollout_start"]) < \
             min(this["time/train_end"], following["time/rollout_end"]), (this, following)
     assert rows[0]["train/logp_gap"] == 0 and min(r["train/logp_gap"] for r in rows[1:]) > 0
+    ahead, _, last = checkpoint.list_checkpoints(str(run / "checkpoints"))
+    flags = [*FLAGS, "--rollout-ranks", "1", "--off-policy", "1", "--run-dir", str(tmp_path / "branch"),
+             "--iterations", "5"]
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError) as e:
+        startup.check_args(cli.parse_args(flowgrpo.Args, [*flags, "--resume", ahead]))
+    assert str(e.value).startswith("the checkpoint holds a rollout in flight over 1 training rank(s), this run has 2"), \
+        str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert startup.check_args(cli.parse_args(flowgrpo.Args, [*flags, "--resume", ahead]))
+    assert "warning" not in capsys.readouterr().err
+    assert startup.check_args(cli.parse_args(flowgrpo.Args, [*flags, "--resume", last]))
+    assert "warning: the checkpoint ends its --off-policy 1 run: nothing was in flight, so iteration 3 is sampled" in \
+        capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
     first = lora(run)
-    shutil.rmtree(checkpoint.list_checkpoints(str(run / "checkpoints"))[-1])  # stopped after iteration 1's
+    shutil.rmtree(last)  # stopped after iteration 1's
     again = torchrun(run, "--rollout-ranks", "1", "--off-policy", "1", "--checkpoint-every", "1",
                      "--keep-checkpoints", "3", "--resume", "auto")
     assert again[2]["reward/mean"] == rows[2]["reward/mean"] and again[2]["train/grad_norm"] == rows[2]["train/grad_norm"]

@@ -92,6 +92,11 @@ def test_a_run_dir_inside_a_runs_and_a_copied_checkpoint_without_one_are_refused
      "--slide-every 3 --window 1 --window-schedule sliding"),
     ("--cps-density exact", "--cps-density acts only with --sde-type cps", "--cps-density exact --sde-type cps"),
     ("--kl-form exact", "--kl-form acts only with --kl-beta > 0", "--kl-form exact --kl-beta 0.01"),
+    # encoded only for CFG's second branch; a margin of a hinge that is off (each ran bit for bit as without it)
+    ("--negative-prompt blurry", "--negative-prompt acts only with --cfg-scale > 1",
+     "--negative-prompt blurry --cfg-scale 2"),
+    ("--normguard-margin 0.2", "--normguard-margin acts only with --normguard > 0",
+     "--normguard-margin 0.2 --normguard 0.1"),
 ])
 def test_a_flag_given_without_the_flag_it_acts_with_is_refused_naming_it(given, needle, accepted):
     """Before, each ran to its end changing nothing (full mode trained every step; no EMA ran; ...). A recipe's own
