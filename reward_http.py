@@ -174,7 +174,8 @@ def server_urls(text: str, item: str, one: str) -> list[str]:
 
 
 def remote_knobs():
-    """(client, images per request) of the remote reward, from FLOWGRPO_REMOTE_*: checked at start-up (rewards._parse)."""
+    """(client, images per request) of the remote reward, from FLOWGRPO_REMOTE_*: checked at start-up (rewards._parse).
+    """
     return (client_from_env("FLOWGRPO_REMOTE", "remote reward server",
                             "is `python rewards.py serve` running and reachable there?"),
             knob("FLOWGRPO_REMOTE_BATCH", 16, 1, 4096))
@@ -196,28 +197,38 @@ def ask_once(label: str, client: Client, ask, seconds: float = 10.0) -> None:
         print(f"--reward {label}: up" + (f", serving {served!r}" if served else ""), flush=True)
 
 
-def check_health(url: str, client: Client) -> str | None:
-    """GET /health of a `python rewards.py serve` at `url` -> the reward it names; an answer that is not its
-    {"status": "ok", ...} is a ValueError (the wrong server), not retried."""
+def check_health(url: str, client: Client) -> dict:
+    """GET /health of a `python rewards.py serve` at `url`: its {"status": "ok", "reward": SPEC, "limits": {...}}; an
+    answer without "status": "ok" is a ValueError (the wrong server), not retried."""
     reply = client.call(url, "/health")
     if not (isinstance(reply, dict) and reply.get("status") == "ok"):
         raise ValueError(f"{client.what} {url}/health answered {json.dumps(reply)[:200]}, not a `python rewards.py "
                          'serve`\'s {"status": "ok", ...}: is it the server this run expects?')
-    return reply.get("reward")
+    return reply
+
+
+def served_reward(url: str, client: Client) -> str | None:
+    """Start-up's question to a reward server (rewards.probe): the reward it serves."""
+    return check_health(url, client).get("reward")
 
 
 def score_client(url: str, client: Client, batch: int):
     """The client end of reward_server.make_server's POST /score at `url`, the server checked up now (at start-up,
-    not mid-run): fn(images (B, H, W, 3) uint8, prompts, metadata) -> B scores, `batch` images a request sent as PNGs,
-    each answer checked to hold one number per image of its request."""
-    check_health(url, client)
+    not mid-run): fn(images (B, H, W, 3) uint8, prompts, metadata) -> B scores, `batch` images a request sent as PNGs
+    (fewer where the server's /health says it takes fewer images or pixels a request: not a 413 mid-run), each answer
+    checked to hold one number per image of its request."""
+    limits = check_health(url, client).get("limits")
+    most = {k: v for k, v in (limits if isinstance(limits, dict) else {}).items()
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
     def fn(images, prompts, metadata):
-        scores = []
-        for i in range(0, len(images), batch):
-            n = len(images[i:i + batch])
-            body = {"images": [png_base64(a) for a in images[i:i + batch]], "prompts": prompts[i:i + batch],
-                    "metadata": metadata[i:i + batch]}
+        scores, pixels = [], images.shape[1] * images.shape[2]
+        per = max(1, min(batch, most.get("max_request_images", batch), most.get("max_request_pixels", 0) // pixels
+                         or batch))
+        for i in range(0, len(images), per):
+            n = len(images[i:i + per])
+            body = {"images": [png_base64(a) for a in images[i:i + per]], "prompts": prompts[i:i + per],
+                    "metadata": metadata[i:i + per]}
             reply = client.call(url, "/score", body, f" for images {i}-{i + n - 1}")
             got = reply.get("scores") if isinstance(reply, dict) else None
             if not (isinstance(got, list) and len(got) == n

@@ -239,7 +239,9 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             self.server.busy(self.request)
             self.header_dog.cancel()
             ok = self.path == "/health"
-            self._send(200 if ok else 404, {"status": "ok", "reward": name} if ok else {"error": "GET /health"})
+            self._send(200 if ok else 404, {"status": "ok", "reward": name, "limits": {  # the client sizes requests by
+                k: getattr(limits, k) for k in ("max_request_images", "max_request_pixels")}} if ok else  # these
+                {"error": "GET /health"})
 
         def _size(self) -> int:
             """The body's declared size, checked before the request waits for a working slot: a request refused by its

@@ -274,8 +274,8 @@ def _judge_item(task, text, item):
     netlocs = "+".join(urllib.parse.urlsplit(u).netloc for u in urls)
     return f"judge:{task}@{netlocs}", f"judge:{task}", (task, urls)
 
-URL_ITEMS = {"remote": (_remote_item, reward_http.remote_knobs, reward_http.check_health),  # NAME[:ARG]=URL[=WEIGHT]: its
-             "judge": (_judge_item, reward_judge.knobs, reward_judge.served_model)}  # parse, knobs, start-up's question
+URL_ITEMS = {"remote": (_remote_item, reward_http.remote_knobs, reward_http.served_reward),  # NAME[:ARG]=URL[=WEIGHT]:
+             "judge": (_judge_item, reward_judge.knobs, reward_judge.served_model)}  # parse, knobs, start-up's ask
 
 def _parse(spec):
     """[(label, kind, name, args, weight)], validated without importing or building anything. `kind` names the

@@ -297,6 +297,27 @@ def test_a_request_over_the_size_limit_holds_no_working_slot(serve):
             stop.set()
 
 
+def test_requests_are_sized_to_the_servers_published_limits(serve, fast_retries, monkeypatch):
+    """The server's /health publishes --max-request-images and --max-request-pixels; the client's requests take at most
+    those (before: FLOWGRPO_REMOTE_BATCH's 16 images a request, answered 413 at the first score call, once the policy
+    had loaded and sampled). The scores are the in-process reward's."""
+    monkeypatch.setenv("FLOWGRPO_REMOTE_BATCH", "16")
+    images = torch.rand(7, 3, 8, 8)
+    here, _ = rewards.make_reward("brightness")(images, ["p"] * 7)
+    for limit in (dict(max_request_images=2), dict(max_request_pixels=3 * 8 * 8)):
+        url, server = serve("brightness", **limit)
+        sizes = []
+        score = server.RequestHandlerClass._score  # each request's body size, counted
+
+        def counted(handler, size, score=score):
+            sizes.append(size)
+            return score(handler, size)
+        monkeypatch.setattr(server.RequestHandlerClass, "_score", counted)
+        scores, _ = rewards.make_reward(f"remote={url}")(images, ["p"] * 7)
+        requests = 4 if "max_request_images" in limit else 3  # 7 images, 2 a request or 3
+        assert np.array_equal(scores, here) and len(sizes) == requests, (limit, sizes)
+
+
 def test_error_pages_are_said_in_one_line(fake, fast_retries):
     """A 4xx or 5xx with an HTML body (a proxy's, a web server's): its text in the error, on one line."""
     page = b"<html>\n<head><title>Forbidden</title></head>\n<body>\n<h1>403</h1>\n</body>\n</html>\n"
