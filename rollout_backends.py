@@ -52,7 +52,7 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
     for i, url in enumerate(given):
         p = urllib.parse.urlsplit(url)
         try:
-            ok = p.scheme in ("http", "https") and p.hostname and not (p.path or p.query) and p.port != 0
+            ok = p.scheme in ("http", "https") and p.hostname and not (p.path or p.query) and p.port  # None: none given
         except ValueError:  # a port that is not a number
             ok = False
         if not ok or url in given[:i]:

@@ -164,7 +164,8 @@ def closed_port_url():
     ("vllm", None, "--rollout must be"), ("local", "http://h:1", "--rollout-url is only"),
     ("vllm-omni", None, "needs --rollout-url"), ("vllm-omni", " , ", "needs --rollout-url"),
     ("vllm-omni", "127.0.0.1:8000", "not of the form"), ("vllm-omni", "http://h:port", "not of the form"),
-    ("vllm-omni", "http://h:1/v1", "not of the form"), ("vllm-omni", "http://h:1,http://h:1/", "listed twice")])
+    ("vllm-omni", "http://h:1/v1", "not of the form"), ("vllm-omni", "http://h:1,http://h:1/", "listed twice"),
+    ("vllm-omni", "http://h", "not of the form"), ("vllm-omni", "http://h:0", "not of the form")])  # no port: passed
 def test_check_backend_names_the_flag(kind, urls, needle):
     with pytest.raises(ValueError, match=needle):
         rollout_backends.check_backend(kind, urls)
