@@ -83,9 +83,9 @@ def check_resume(a, meta: dict, training_ranks: int) -> None:
     resumes on as many (before: refused once the model was built). One that holds none, though written one ahead, is a
     run's last: extended by a larger --iterations, its next iteration is sampled on the weights after the update
     before it, where the straight run's was sampled one update earlier: the runs part there, and it is said."""
-    held = len(fnmatch.filter(meta["manifest"], INFLIGHT.format("*")))  # its files, as `load` finds them
     if not a.off_policy:
         return
+    held = len(fnmatch.filter(meta["manifest"], INFLIGHT.format("*")))  # its files, as `load` finds them
     need(not held or held == training_ranks, f"the checkpoint holds a rollout in flight over {held} training rank(s), "
          f"this run has {training_ranks}: resume --off-policy 1 on as many (torchrun's ranks less --rollout-ranks)")
     if not held and meta["flags"].get("off_policy") == 1:
