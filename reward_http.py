@@ -181,20 +181,21 @@ def remote_knobs():
             knob("FLOWGRPO_REMOTE_BATCH", 16, 1, 4096))
 
 
-def ask_once(label: str, client: Client, ask, seconds: float = 10.0) -> None:
-    """Start-up's question to the server of --reward item `label`, `ask(client)`, once, within `seconds`: a wrong answer
-    raises (a ValueError: a 4xx, not JSON, not the server asked for); no answer yet (refused, a 5xx, past `seconds`) is
-    a warning only, as a vLLM judge opens its port once its model is loaded: the reward, built after the policy, asks
-    again under the full retry policy. One rank asks (torchrun's rank 0)."""
+def ask_once(flag: str, client: Client, ask, seconds: float = 10.0) -> None:
+    """Start-up's question to the server that `flag` names ("--reward ITEM", "--rollout-url URL"), `ask(client)`, once,
+    within `seconds`: a wrong answer raises (a ValueError: a 4xx, not JSON, not the server asked for); no answer yet
+    (refused, a 5xx, past `seconds`) is a warning only, as a vLLM server opens its port once its model is loaded: the
+    reward or the rollout backend, built after the policy, asks again under the full retry policy. One rank asks
+    (torchrun's rank 0)."""
     if int(os.environ.get("RANK", 0)):
         return
     try:
         served = ask(replace(client, retries=0, deadline=min(client.deadline, seconds)))
     except PeerError as e:
-        print(f"warning: --reward {label}: no answer yet ({str(e).split(';')[0]}); asked again once the model is "
-              "loaded", file=sys.stderr, flush=True)
+        print(f"warning: {flag}: no answer yet ({str(e).split(';')[0]}); asked again once the model is loaded",
+              file=sys.stderr, flush=True)
     else:
-        print(f"--reward {label}: up" + (f", serving {served!r}" if served else ""), flush=True)
+        print(f"{flag}: up" + (f", serving {served!r}" if served else ""), flush=True)
 
 
 def check_health(url: str, client: Client) -> dict:

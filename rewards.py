@@ -237,7 +237,7 @@ def probe(spec: str) -> None:
     """Start-up, before the policy loads: each remote= and judge: server asked once (reward_http.ask_once)."""
     for label, _, name, args, _ in _parse(spec):
         if name in URL_ITEMS:  # a reward server's /health, a judge's model list
-            reward_http.ask_once(label, URL_ITEMS[name][1]()[0], partial(URL_ITEMS[name][2], args[-1]))
+            reward_http.ask_once(f"--reward {label}", URL_ITEMS[name][1]()[0], partial(URL_ITEMS[name][2], args[-1]))
 
 def remote(url):
     """--reward remote=URL: POST /score of a `python rewards.py serve`, FLOWGRPO_REMOTE_BATCH images a request."""

@@ -13,6 +13,7 @@ import shutil
 import time
 import urllib.parse
 import uuid
+from functools import partial
 
 import torch
 from safetensors.torch import load, save_file
@@ -60,6 +61,29 @@ def check_backend(kind: str, urls: str | None) -> list[str]:
     if given:
         omni_options()  # the knobs too, before anything is built
     return given
+
+
+def served_pipeline(url: str, client: reward_http.Client) -> list[str]:
+    """GET /health and /v1/models of a vLLM-Omni server: the models it serves (their paths). A /health that is not
+    vLLM-Omni's {"status": "healthy"} (a reward server's "ok", a web page) is a ValueError: the wrong server."""
+    health = client.call(url, "/health")
+    if not (isinstance(health, dict) and health.get("status") == "healthy"):
+        raise ValueError(f"--rollout-url {url}: GET /health answered {json.dumps(health)[:200]}, not vLLM-Omni's "
+                         '{"status": "healthy"}: is it a vLLM-Omni server running omni/pipeline.py (docs/vllm-omni.md)?')
+    try:
+        listed = client.call(url, "/v1/models")  # what it serves is said, not checked: a path here, a hub id there
+    except ValueError:
+        return []
+    cards = listed.get("data") if isinstance(listed, dict) else None
+    return [str(c.get("root") or c.get("id")) for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+
+
+def probe(urls: list[str]) -> None:
+    """Start-up, before the policy loads: each --rollout-url server asked once (reward_http.ask_once): the wrong server
+    is refused in one line there, not after minutes of loading; one still loading its model (its port closed) warns."""
+    client = reward_http.Client("vLLM-Omni server", "is it running, reachable from here (docs/vllm-omni.md)?")
+    for url in urls:
+        reward_http.ask_once(f"--rollout-url {url}", client, partial(served_pipeline, url))
 
 
 def omni_options() -> dict:

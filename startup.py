@@ -112,9 +112,9 @@ def check_args(a) -> tuple[str, dict] | None:
     rewards.check_prompts_for_reward(a.reward, [p for p, _ in prompts.train + prompts.eval],  # ocr: quoted text?
                                      [m for _, m in prompts.train + prompts.eval])  # preserve: a source?
     rewards.check_size_for_reward(a.reward, a.height, a.width)  # the laptop tasks' readers: one size
-    rollout_backends.check_backend(a.rollout, a.rollout_url)
     rollout_ranks.check(a, int(os.environ.get("WORLD_SIZE", 1)))  # --rollout-ranks, --off-policy (offpolicy.check)
-    rewards.probe(a.reward)  # the reward's servers asked once, before the model loads
+    rollout_backends.probe(rollout_backends.check_backend(a.rollout, a.rollout_url))  # the servers asked once, and
+    rewards.probe(a.reward)  # the reward's, before the model loads
     if not a.resume:
         return None
     ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a),

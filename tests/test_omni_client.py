@@ -33,6 +33,7 @@ import reward_http
 import rollout
 import rollout_backends
 import scheduler as sch
+from tiny_setup import main_here
 
 H = W = 32
 STEPS, NUM_STEPS = [0, 1, 2], 4
@@ -110,7 +111,9 @@ class StandIn:
                 self.end_headers()
                 self.wfile.write(raw)
 
-            def do_GET(self):
+            def do_GET(self):  # vLLM-Omni's answers (its api_server.py: health, show_available_models)
+                if self.path == "/v1/models":
+                    return self._send(200, {"object": "list", "data": [{"id": "tiny", "root": "/models/tiny"}]})
                 self._send(200, {"status": "healthy"})
 
             def do_POST(self):
@@ -472,6 +475,44 @@ def test_a_server_that_is_or_goes_down_is_named(tmp_path, standin, model):
     with pytest.raises(RuntimeError, match=f"{standin.url} stayed down for the request for prompt 'a cat'"):
         backend.sample(model, ["a cat"] * 2, [{}] * 2, [0, 0], [0, 1], **KW)
     standin.httpd = SimpleNamespace(shutdown=lambda: None, server_close=lambda: None)  # already stopped
+
+
+def test_the_servers_are_asked_once_before_the_model_loads(tmp_path, standin, capsys):
+    """Start-up asks each --rollout-url server once (rollout_backends.probe, from startup.check_args): the wrong server
+    (a reward server, a web page) is refused in one line before anything is built; before, the backend's GET /health,
+    after the policy had loaded, took any 2xx, and the run stopped at its first rollout with a 404. One still loading
+    its model (its port closed) warns; one that is up says what it serves."""
+    rollout_backends.probe([standin.url])
+    assert capsys.readouterr().out == f"--rollout-url {standin.url}: up, serving ['/models/tiny']\n"
+    dead = closed_port_url()
+    rollout_backends.probe([dead])
+    assert capsys.readouterr().err.startswith(f"warning: --rollout-url {dead}: no answer yet (vLLM-Omni server "
+                                              f"{dead}/health failed 1 times")
+
+    class Other(BaseHTTPRequestHandler):  # a reward server (python rewards.py serve), or a web server
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(self.server.body)))
+            self.end_headers()
+            self.wfile.write(self.server.body)
+
+        def log_message(self, *args):
+            pass
+    for body, said in ((b'{"status": "ok", "reward": "brightness"}', 'GET /health answered {"status": "ok", "reward": '
+                        '"brightness"}, not vLLM-Omni\'s {"status": "healthy"}'),
+                       (b"<html>a web page</html>", "answered with a body that is not JSON: '<html>")):
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+        httpd.body = body
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        url, run = f"http://127.0.0.1:{httpd.server_address[1]}", tmp_path / "run"
+        try:
+            with pytest.raises(ValueError) as e:
+                main_here("--model", "tiny", "--rollout", "vllm-omni", "--rollout-url", url, "--run-dir", run)
+            assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+            assert not run.exists() and "batch arithmetic" not in capsys.readouterr().out
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
 
 
 def test_an_answer_past_the_reply_bound_is_said_at_once_not_asked_again(monkeypatch):

@@ -280,11 +280,11 @@ class HungRollout(BaseHTTPRequestHandler):
     """A vLLM-Omni server that is up (GET /health) and never answers a rollout request."""
     posted = threading.Event()
 
-    def do_GET(self):
+    def do_GET(self):  # vLLM-Omni's /health (and /v1/models, which start-up also asks: said, not checked)
         self.send_response(200)
-        self.send_header("Content-Length", "2")
+        self.send_header("Content-Length", "21")
         self.end_headers()
-        self.wfile.write(b"{}")
+        self.wfile.write(b'{"status": "healthy"}')
 
     def do_POST(self):
         self.posted.set()
