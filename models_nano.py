@@ -63,6 +63,9 @@ class NanoEdit(NanoQwenImage):
     The source arrives as a path in the prompt's metadata (`"image"`, prompts.py), each distinct one encoded once."""
     default_path = os.path.join(ASSETS, "nano-edit")
     pretrained_by = "tasks.nano_edit_pretrain"  # (before: `nano_edit.py pretrain`, no such command)
+    omni_pipeline_class = None  # (inherited, Qwen-Image's text-to-image pipeline: served, the source went unseen)
+    omni_unserved = ("has no vLLM-Omni pipeline: Qwen-Image's never sees the source, Qwen-Image-Edit's shows its text "
+                     "encoder the image, which this toy's does not read")
 
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
                      metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:

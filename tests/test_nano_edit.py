@@ -176,6 +176,11 @@ def test_start_up_refuses_prompts_without_sources_and_takes_the_recipe():
     big = cli.parse_args(flowgrpo.Args, ["--model", "nano-edit", "--height", "32", "--width", "32"])
     with pytest.raises(ValueError, match="judge and reward read 16×16 images .*got 32×32"):  # once: after a rollout
         startup.check_args(big)
+    served = cli.parse_args(flowgrpo.Args, ["--model", "nano-edit", "--rollout", "vllm-omni", "--rollout-url",
+                                            "http://127.0.0.1:9"])  # before: passed, and the servers drew digits
+    with pytest.raises(ValueError, match="--model nano-edit has no vLLM-Omni pipeline: Qwen-Image's never sees the "
+                                         "source.*use --rollout local"):  # from scratch, unedited
+        startup.check_args(served)
 
 
 def test_evaluate_takes_a_nano_edit_run_and_refuses_another_models_in_one_line(tmp_path, capsys):
