@@ -365,15 +365,16 @@ def saved_state(algo: Algorithm, engine) -> dict:
     return {"algorithm_state": algo.state(engine).state_dict()} if algo.state else {}
 
 
-def resume_state(algo: Algorithm, engine, loop: dict, directory: str) -> None:
-    """The algorithm's own state from checkpoint `directory`'s loop state. A checkpoint from before they kept it has
-    none: the state starts afresh, as every resume did then, and one line says so."""
+def resume_state(algo: Algorithm, engine, loop: dict, directory: str, written_by: str | None) -> None:
+    """The algorithm's own state from checkpoint `directory`'s loop state. One written by another --algorithm's run
+    (`written_by`; --allow-change algorithm) or before checkpoints kept it has none: it starts afresh, and says so."""
     if algo.state and "algorithm_state" in loop:
         algo.state(engine).load_state_dict(loop["algorithm_state"], f"--resume: {directory}/meta.json")
     elif algo.state and engine.is_main:
-        print(f"--resume: {directory} holds no state of the algorithm's own (written before checkpoints kept it): it "
-              "starts afresh (GARDO: its gate's controller at β 0.1, no history, no reset), unlike an unbroken run's",
-              file=sys.stderr)
+        why = "written before checkpoints kept it" if ALGORITHMS.get(written_by) is algo else f"written by a run " \
+            f"of --algorithm {written_by}, which keeps none; to continue a run of this algorithm, resume its checkpoint"
+        print(f"--resume: {directory} holds no state of the algorithm's own ({why}): it starts afresh (GARDO: its "
+              "gate's controller at β 0.1, no history, no reset), unlike an unbroken run's", file=sys.stderr)
 
 
 def check_gardo(a) -> None:

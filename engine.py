@@ -375,14 +375,19 @@ class Engine:
             if self.is_main:
                 ckpt.write_meta(tmp, dict(meta, world_size=self.world_size))
                 atomic_files.replace_dir(tmp, directory)
-                for old in ckpt.list_checkpoints(root, run_id=meta["run_id"])[:-keep]:
-                    gone = atomic_files.temporary(old)  # renamed first: what a kill mid-delete leaves, the next save's
-                    os.rename(old, gone)  # remove_temporaries finishes (an iter_N without its meta.json: nothing did)
-                    shutil.rmtree(gone)
         except (OSError, CheckpointException) as e:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise ckpt.write_error(e, directory) from None
+        if self.is_main:  # the new checkpoint is whole: an older one that cannot be removed is said, the run goes on
+            for old in ckpt.list_checkpoints(root, run_id=meta["run_id"])[:-keep]:
+                gone = atomic_files.temporary(old)  # renamed first: what a kill mid-delete leaves, the next save's
+                try:  # remove_temporaries finishes (an iter_N without its meta.json: nothing did)
+                    os.rename(old, gone)
+                    shutil.rmtree(gone)
+                except OSError as e:  # the next save tries again; a disk that fills meanwhile stops the run, naming it
+                    print(f"warning: checkpoint {directory} was written, but an older one could not be removed ({e}): "
+                          "the run goes on and the next checkpoint tries again", file=sys.stderr)
         self.barrier()
 
     def load_checkpoint(self, directory: str) -> dict:
@@ -399,14 +404,24 @@ class Engine:
             dcp.load({"model": model_sd, "optim": optim_sd, **ema}, checkpoint_id=os.path.join(directory, "dcp"))
             set_state_dict(self.model.transformer, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                            options=self._OPTIONS)
+            if meta["world_size"] == self.world_size:
+                ckpt.load_rng_state(os.path.join(directory, f"rng_rank{self.rank}.safetensors"))
         except (Exception, CheckpointException) as e:  # DCP's error is a BaseException; we name the file and the fix
+            try:  # removed or rewritten since its meta.json was read above: pruned by its own run, still running
+                same = ckpt.read_checkpoint_meta(directory)["sha256"] == meta["sha256"] and \
+                    ckpt.listing(directory) == meta["sizes"]
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                raise ValueError(f"--resume: {directory} was removed or changed while this run loaded it (the run that "
+                                 "wrote it prunes its older checkpoints): copy it out of that run's directory while it "
+                                 "is there and --resume the copy, or resume one that run keeps") from None
             raise RuntimeError(f"checkpoint {os.path.join(directory, 'dcp')} could not be loaded: {e}. It was written "
                                "by a different model/LoRA; resume from another checkpoint") from e
         for group in self.optimizer.param_groups:  # the checkpoint's hyper-parameters yield to this run's flags
             group.update(self.hyper)
-        if meta["world_size"] == self.world_size:
-            ckpt.load_rng_state(os.path.join(directory, f"rng_rank{self.rank}.safetensors"))
-        elif self.is_main:  # every random draw of the loop derives from (seed, iteration): still exact, up to rounding
+        # on another number of ranks every random draw of the loop derives from (seed, iteration): exact, up to rounding
+        if meta["world_size"] != self.world_size and self.is_main:
             print(f"resuming {meta['world_size']} rank(s) as {self.world_size}: the per-rank global RNG states are "
                   "not restored (the loop's noise, windows and shuffles derive from --seed and the iteration)")
         return meta

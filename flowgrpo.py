@@ -231,7 +231,7 @@ def main(a: Args) -> list[dict]:
     if ckpt:  # --iterations stays the total: continue after the checkpoint's iteration
         loop = engine.load_checkpoint(ckpt)["loop"]
         start, engine.skipped_steps = loop["iteration"] + 1, loop["skipped_steps"]
-        algorithms.resume_state(algo, engine, loop, ckpt)  # e.g. GARDO's gate's controller, its reset count
+        algorithms.resume_state(algo, engine, loop, ckpt, meta["flags"].get("algorithm"))  # e.g. GARDO's controller
     backend = rollout_ranks.RankBackend(exchange, engine) if exchange else rollout_backends.make_backend(  # local, or
         a.rollout, a.rollout_url, run_dir, engine)  # vLLM-Omni servers (a collective)
     plan = functools.partial(draw, a=a, algo=algo, engine=engine, model=model, backend=backend, reward_fn=reward_fn,

@@ -4,7 +4,9 @@ hashed (a sparse 64 GiB file was hashed for 150 s), meta.json's size before it i
 directory walk has no recursion (1,500 nested directories: RecursionError), and a checkpoint without the old policy
 or EMA a run keeps is refused up front (a grpo checkpoint resumed as nft: four tracebacks blaming the LoRA)."""
 import dataclasses
+import errno
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -14,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
 
 import algorithms
+import atomic_files
 import checkpoint
 import engine as eng
 import flowgrpo
@@ -28,16 +32,18 @@ TINY = dataclasses.replace(flowgrpo.RECIPES["tiny"], iterations=4)
 
 
 def save(directory: Path, args, name: str = "iter_000000") -> str:
-    """A checkpoint of iteration 0 of a run with `args`, written by the engine as the loop writes one (after one
-    optimizer step, so that AdamW has state), with the meta.json the loop writes; as `name`, the run's newest kept."""
+    """A checkpoint of a run with `args` after the iteration its `name` says, written by the engine as the loop
+    writes one (after one optimizer step, so that AdamW has state), with the meta.json the loop writes; the run's
+    newest kept."""
     model = models.load_model("tiny", None, "cpu", seed=0)
     engine = eng.Engine(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                         lr=args.lr, weight_decay=0, max_grad_norm=1.0, seed=0, ema_decay=args.ema_decay,
                         old_policy=algorithms.ALGORITHMS[args.algorithm].keeps_old)
     engine.step()
     train = prompt_sets.load_prompts(args.prompts).train
-    loop = {"iteration": 0, "sampler": prompt_sets.PromptSampler(len(train), args.seed).state_dict(),
-            "skipped_steps": 0, "wandb_id": None, "prompts_sha256": checkpoint.json_sha256(train)}
+    loop = {"iteration": checkpoint.iteration_of(name), "skipped_steps": 0, "wandb_id": None,
+            "sampler": prompt_sets.PromptSampler(len(train), args.seed).state_dict(),
+            "prompts_sha256": checkpoint.json_sha256(train)}
     engine.save_checkpoint(str(directory / name), {"run_id": "r", "flags": startup.fingerprint(args), "loop": loop},
                            keep=1)
     return str(directory / name)
@@ -241,3 +247,56 @@ def test_rng_states_resume_where_other_gpus_are_visible(tmp_path, monkeypatch):
     assert restored == [] and torch.equal(torch.get_rng_state(), cpu)
     checkpoint.load_rng_state(str(tmp_path / "one_gpu.safetensors"))
     assert restored == [(0, [7] * 16)]
+
+
+# ---- 5. a failure named for what failed, and nothing written lost -------------------------------------------
+def test_an_older_checkpoint_that_cannot_be_pruned_is_named_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Pruning comes after the new checkpoint is renamed into place, whole. Before, a failure there (a file of an older
+    checkpoint that another user owns, or that an NFS client holds open) stopped the run saying the new one "could not
+    be written ... free space and continue with --resume auto", as if it were missing. Now one line says it was
+    written, what could not be removed and why, and the run goes on; the next save removes what is left."""
+    root = tmp_path / "checkpoints"
+    save(root, TINY)
+    rmtree = shutil.rmtree
+
+    def denied(path, *args, **kwargs):  # the older checkpoint's delete, after its rename to a temporary name
+        if os.path.basename(path).startswith("iter_000000.tmp-") and not kwargs.get("ignore_errors"):
+            raise PermissionError(errno.EACCES, "Permission denied", os.path.join(path, "dcp", "__0_0.distcp"))
+        return rmtree(path, *args, **kwargs)
+    monkeypatch.setattr(shutil, "rmtree", denied)
+    capsys.readouterr()
+    save(root, TINY, "iter_000001")
+    said = capsys.readouterr().err
+    assert re.search(rf"^warning: checkpoint {root}/iter_000001 was written, but an older one could not be removed "
+                     rf"\(\[Errno 13\] Permission denied: '{root}/iter_000000\.tmp-[^']+'\): the run goes on and the "
+                     "next checkpoint tries again$", said, re.M), said
+    monkeypatch.undo()
+    assert checkpoint.list_checkpoints(str(root)) == [str(root / "iter_000001")]  # what --resume auto picks: whole
+    assert checkpoint.verify_checkpoint(str(root / "iter_000001"))["loop"]["iteration"] == 1
+    save(root, TINY, "iter_000002")  # what is left of the older one goes with the next save's clean-up
+    assert os.listdir(root) == ["iter_000002"]
+
+
+def test_a_checkpoint_its_run_prunes_while_this_run_loads_it_is_named_so(saved, tmp_path, monkeypatch):
+    """--resume PATH --run-dir NEW of a run's checkpoint while that run still runs and prunes it (renamed, then
+    deleted) during the load. Before: 25 lines of DCP's traceback ending "It was written by a different model/LoRA".
+    Now one line: removed or changed while this run loaded it, and how to resume it. A real mismatch is still named."""
+    source = tmp_path / "checkpoints" / "iter_000000"
+    shutil.copytree(saved["grpo"], source)
+
+    def pruned_by_its_run():  # what that run's engine.save_checkpoint does to an older checkpoint of its own
+        gone = atomic_files.temporary(str(source))
+        os.rename(source, gone)
+        shutil.rmtree(gone)
+    read = FileSystemReader.read_metadata
+    monkeypatch.setattr(FileSystemReader, "read_metadata", lambda reader: (read(reader), pruned_by_its_run())[0])
+    flags = dict(lora_alpha=TINY.lora_alpha, lora_targets=TINY.lora_targets, lr=TINY.lr, weight_decay=0,
+                 max_grad_norm=1.0, seed=0)
+    engine = eng.Engine(models.load_model("tiny", None, "cpu", seed=0), lora_rank=TINY.lora_rank, **flags)
+    with pytest.raises(ValueError, match=rf"^--resume: {source} was removed or changed while this run loaded it \(the "
+                                         r"run that wrote it prunes its older checkpoints\): copy it out of"):
+        engine.load_checkpoint(str(source))
+    monkeypatch.undo()
+    other = eng.Engine(models.load_model("tiny", None, "cpu", seed=0), lora_rank=2 * TINY.lora_rank, **flags)
+    with pytest.raises(RuntimeError, match="It was written by a different model/LoRA"):  # there, unchanged: the tensors
+        other.load_checkpoint(saved["grpo"])

@@ -248,6 +248,23 @@ def test_a_gardo_checkpoint_without_its_state_resumes_afresh_and_says_so(gardo_r
     assert (rows[-1]["iteration"], rows[-1]["train/gardo_beta"], rows[-1]["train/gardo_last_reset"]) == (2, 0.1, 0)
 
 
+def test_a_gardo_run_resumed_from_another_algorithms_checkpoint_says_so(tmp_path, capsys):
+    """--resume of an nft run's checkpoint as GARDO (--allow-change algorithm and the flags GARDO adds): GARDO's state
+    starts afresh, as it must, an nft run keeping none. Before, the line blamed an older version of flowgrpo.py
+    ("written before checkpoints kept it"); now it names the checkpoint's --algorithm, and the checkpoint is intact."""
+    shape = ("--prompts-per-iteration", 2, "--group-size", 4, "--micro-batch", 4, "--eval-every", 0)
+    main_here("--iterations", 1, "--run-dir", tmp_path / "nft", "--algorithm", "nft", *shape)
+    source = tmp_path / "nft" / "checkpoints" / "iter_000000"
+    capsys.readouterr()
+    rows = main_here("--iterations", 2, "--run-dir", tmp_path / "gardo", "--resume", source, *GARDO, "--eval-every", 0,
+                     "--allow-change", "algorithm", "reward", "kl_beta", "gardo_proxies")
+    said = capsys.readouterr().err
+    assert (rows[-1]["iteration"], rows[-1]["train/gardo_beta"]) == (1, 0.1)
+    assert checkpoint.verify_checkpoint(str(source))["flags"]["algorithm"] == "nft"
+    assert f"--resume: {source} holds no state of the algorithm's own (written by a run of --algorithm nft, which " \
+        "keeps none; to continue a run of this algorithm, resume its checkpoint): it starts afresh" in said, said
+
+
 def test_a_gardo_runs_judges_leave_out_its_proxies(tmp_path, monkeypatch, capsys):
     """A weight-0 reward is a judge, read only by people, unless GARDO's gate reads it (--gardo-proxies): the closing
     summary, the eval grid's caption lines and the curve's judge panel name the judge alone; the proxy is still
