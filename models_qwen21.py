@@ -5,9 +5,10 @@ tokens (packed (B, (H/16)(W/16), C) by a 16× RGBA VAE), CFG-distilled (one call
 with --cfg-scale > 1), the velocity the output's last S tokens. A source image (an edit prompt's `"image"`) enters
 twice, as the pipeline sends it: resized to about CONDITION_SIDE² pixels (ratio kept, sides multiples of 32), through
 the Qwen3-VL encoder in the prompt's template, and VAE-encoded as tokens before the noisy ones. The ODE path equals the
-pipeline's call with `use_kv_cache=False` bit for bit (tests/test_models_qwen21.py); decoded images are the RGB
-channels of its RGBA output (as converting its PIL images to RGB drops the alpha). docs/algorithm.md §11.
+pipeline's call on each prompt alone with `use_kv_cache=False` bit for bit (tests/test_models_qwen21.py); decoded
+images are the RGB of its RGBA output (as converting its PIL images to RGB drops the alpha). docs/algorithm.md §11.
 """
+import collections
 import functools
 import importlib.util
 import math
@@ -47,7 +48,9 @@ def build_tiny_qwen21_pipeline(seed: int = 0):
     from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     tokenizer = Qwen2Tokenizer.from_pretrained(qwen_tokenizer_dir())
-    processor = processor_class()(Qwen2VLImageProcessorPil(patch_size=16), tokenizer, TINY_CHAT_TEMPLATE)
+    # up to 2²⁴ pixels an image: transformers' default, 980·1024, shrank ~1024² sources below their VAE tokens
+    vision = Qwen2VLImageProcessorPil(patch_size=16, max_pixels=2**24)
+    processor = processor_class()(vision, tokenizer, TINY_CHAT_TEMPLATE)
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
     config = Qwen3VLConfig(text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -117,7 +120,7 @@ class QwenImage21(Adapter):
     def conditioning(self, prompts: list[str], negative_prompt: str, cfg_scale: float,
                      metadata: list[dict] | None = None, height: int = 0, width: int = 0) -> dict:
         """Each distinct prompt (an edit's with its source, `metadata[i]["image"]`) encoded alone, right-padded to the
-        longest (masked out; `velocity` trims a micro-batch to its own); an edit's `source`, `source_grid` added."""
+        longest (masked out; `velocity` runs each length alone); an edit's `source`, `source_grid` added."""
         paths = [m.get("image") for m in metadata or [{}] * len(prompts)]
         sources = {path: self.source(path) for path in dict.fromkeys(paths) if path}
         negatives = [(negative_prompt, path) for path in paths] if cfg_scale > 1 else []
@@ -157,26 +160,31 @@ class QwenImage21(Adapter):
         return [*self.pipe.text_encoder.model.language_model.layers, self.pipe.text_encoder]
 
     def rollout_cache(self) -> dict:
-        """--prefix-kv-cache: a chunk's rollout calls share an empty QwenImage21KVCache per CFG branch (the pipeline's
-        `use_kv_cache`): the first call without autograd fills it with every block's keys and values of the prompt's
-        (and source's) tokens, later ones read them and run the noisy tokens alone; valid as `causal_condition` keeps
-        those tokens from attending to the noisy ones, modulated at t = 0. Calls with autograd recompute them."""
-        if not self.prefix_kv_cache:
+        """--prefix-kv-cache: a chunk's rollout calls share an empty QwenImage21KVCache per CFG branch and prompt length
+        (the pipeline's `use_kv_cache`): the first call without autograd fills it with every block's keys and values of
+        the prompt's (and source's) tokens, later ones read them: valid under `causal_condition` (those tokens blind to
+        the noisy ones, modulated at t = 0; without it none, as in the pipeline). Calls with autograd recompute them."""
+        if not self.prefix_kv_cache or not self.transformer.config.causal_condition:
             return {}
         from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-        return {"kv_cache": tuple(QwenImage21KVCache(len(self.blocks)) for _ in range(2))}
+        empty = functools.partial(QwenImage21KVCache, len(self.blocks))
+        return {"kv_cache": tuple(collections.defaultdict(empty) for _ in range(2))}
 
-    def _forward(self, x, t, embeds, mask, image_mask, shapes, cache=None):
-        """One transformer call as the pipeline makes it on these prompts (trimmed to their longest, an all-ones mask
-        dropped, the target's slots appended to the image mask; `cache` filled or read without autograd); its last S."""
-        n, target = int(mask.sum(dim=1).max()), math.prod(shapes[-1])
-        image_mask = torch.cat([image_mask[:, :n], image_mask.new_ones(len(x), target // 4)], dim=1)
-        kv = {} if cache is None or torch.is_grad_enabled() else {
-            "kv_cache": cache, "kv_cache_mode": "extract" if cache.get_layer(0).k is None else "cached"}
-        out = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds[:, :n],
-                               encoder_hidden_states_mask=None if bool(mask[:, :n].all()) else mask[:, :n],
-                               img_shapes=[shapes] * len(x), img_mask=image_mask, return_dict=False, **kv)
-        return out[0][:, -target:]
+    def _forward(self, x, t, embeds, mask, image_mask, shapes, caches=None):
+        """The output's last S as the pipeline's call on each prompt alone makes it: a call per prompt length, trimmed
+        to it (no mask; `caches[length]` filled or read without autograd). Padded to a longer prompt, an image would sit
+        further from its text (the transformer numbers both in one sequence) and so depend on the prompts beside it."""
+        lengths, target, out, order = mask.sum(dim=1).tolist(), math.prod(shapes[-1]), [], []
+        for n in dict.fromkeys(lengths):
+            rows = [i for i, m in enumerate(lengths) if m == n]
+            order, pick = order + rows, torch.tensor(rows, device=x.device)
+            cache = None if caches is None or torch.is_grad_enabled() else caches[n]
+            mode = None if cache is None else "extract" if cache.get_layer(0).k is None else "cached"
+            slots = torch.cat([image_mask[pick, :n], image_mask.new_ones(len(rows), target // 4)], dim=1)
+            out.append(self.transformer(hidden_states=x[pick], timestep=t[pick], img_shapes=[shapes] * len(rows),
+                                        encoder_hidden_states=embeds[pick, :n], img_mask=slots, kv_cache=cache,
+                                        kv_cache_mode=mode, return_dict=False)[0][:, -target:])
+        return torch.cat(out)[torch.tensor(order, device=x.device).argsort()]  # each row back in its place
 
     def velocity(self, x, sigma, cond: dict, cfg_scale: float, height: int, width: int) -> torch.Tensor:
         """v(x, σ) (B, S, C), true CFG v_u + w·(v_c − v_u) with cfg_scale > 1 (no norm rescale in 2.1): the time input
@@ -187,19 +195,12 @@ class QwenImage21(Adapter):
         if "source" in cond:
             shapes = [(1, *map(int, cond["source_grid"][0])), *shapes]
             x = torch.cat([cond["source"], x], dim=1)
-        cache, neg_cache = cond.get("kv_cache", (None, None))  # the rollout's (rollout_cache)
+        cache, neg_cache = cond.get("kv_cache", (None, None))  # the rollout's, by prompt length (rollout_cache)
         v = self._forward(x, t, cond["embeds"], cond["mask"], cond["image_mask"], shapes, cache)
         if cfg_scale > 1:
             v_neg = self._forward(x, t, cond["neg_embeds"], cond["neg_mask"], cond["neg_image_mask"], shapes, neg_cache)
             v = v_neg + cfg_scale * (v - v_neg)
         return v
-
-    def pipeline_kwargs(self, cond: dict, cfg_scale: float) -> dict:
-        """`QwenImage21Pipeline.__call__`'s arguments that sample from these conditions (+ use_kv_cache=False)."""
-        kw = dict(prompt_embeds=cond["embeds"], prompt_embeds_mask=cond["mask"], true_cfg_scale=cfg_scale)
-        if cfg_scale > 1:
-            kw |= dict(negative_prompt_embeds=cond["neg_embeds"], negative_prompt_embeds_mask=cond["neg_mask"])
-        return kw
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -3,12 +3,12 @@ to image and editing, the ODE path bit for bit, the on-policy first update, the 
 image-only processor), exact resume through the CLI, and the refusals. (LoRA export: tests/test_models_sd3_flux.py.)
 
 The pipeline's sources are resized to about its `output_resolution`² pixels (1024²); these tests shrink the adapter's
-CONDITION_SIDE to 64 and call the pipeline with the same, so that a source costs 16 vision and 16 latent tokens."""
+CONDITION_SIDE to 64 and call the pipeline with the same, so that a source costs 16 vision and 16 latent tokens (one
+test keeps the pipeline's size)."""
 import dataclasses
 
 import pytest
 import torch
-from PIL import Image
 
 import algorithms
 import cli
@@ -19,12 +19,12 @@ import models
 import models_qwen21
 import rollout
 import scheduler as sch
+import source_images
 import startup
 from test_edit import edit_prompts, write_png
 from test_engine import check_cli_resume, rows, without_perf
-from test_models_zimage_flux2 import check_ode_equals_pipeline
 
-PROMPTS = ["a red cat", "a blue dog sitting on a green hill at sunset"]  # 2 lengths: padded, masked, trimmed
+PROMPTS = ["a red cat", "a blue dog sitting on a green hill at sunset"]  # 2 lengths: padded, masked, run apart
 SIDE = 64
 
 
@@ -38,12 +38,38 @@ def small_sources(monkeypatch):
     monkeypatch.setattr(models_qwen21, "CONDITION_SIDE", SIDE)
 
 
+def check_each_prompt_alone(model, prompts: list[str], sources: list, cfg: float, height: int, width: int,
+                            use_kv_cache: bool = False):
+    """`model`'s ODE rollout of `prompts` (each with its source image, a path, or None) in one chunk against
+    `QwenImage21Pipeline.__call__` (`use_kv_cache` as given) called on each prompt alone (its text, source and the
+    negative prompt " "), from the image's own generator: the σ table the pipeline set, each image's latents bit for
+    bit, its RGB (of the pipeline's RGBA) within 1e-5 (the VAE decodes the chunk at once, the pipeline one image:
+    measured 1.0e-6). Returns the rollout's batch."""
+    n, last = len(prompts), {}
+    batch = rollout.sample(model, prompts, [{"image": s} if s else {} for s in sources], range(n), range(n), steps=[],
+                           num_steps=4, height=height, width=width, cfg_scale=cfg, negative_prompt=" ", noise_level=0.0,
+                           sde_type="sde", seed=3, iteration=5, chunk=n)
+    for i, (prompt, source) in enumerate(zip(prompts, sources)):
+        image = [source_images.read(source, "RGBA")] if source else None  # (the pipeline takes RGB to RGBA too)
+        images = model.pipe(prompt=[prompt], image=image, negative_prompt=" " if cfg > 1 else None, true_cfg_scale=cfg,
+                            generator=rollout.image_generators(3, 5, [i]), height=height, width=width,
+                            num_inference_steps=4, output_type="pt", use_kv_cache=use_kv_cache,
+                            callback_on_step_end=lambda pipe, step, t, tensors: last.update(tensors) or {},
+                            output_resolution=models_qwen21.CONDITION_SIDE).images
+        sigmas = sch.sigma_schedule(model.scheduler, 4, model.image_seq_len(height, width))
+        assert torch.equal(sigmas, model.pipe.scheduler.sigmas), (sigmas, model.pipe.scheduler.sigmas)
+        assert torch.equal(batch.x0[i:i + 1], last["latents"]), (prompt, (batch.x0[i] - last["latents"][0]).abs().max())
+        torch.testing.assert_close(batch.images[i:i + 1], images[:, :3], rtol=0, atol=1e-5)
+    return batch
+
+
 @pytest.mark.parametrize("cfg,height,width", [(1.0, 64, 64), (4.0, 32, 64)])
-def test_text_to_image_ode_reproduces_the_pipeline(qwen21, cfg, height, width):
-    """Two prompts of different lengths (padded to the longer and masked), CFG off and on: the latents equal
-    `QwenImage21Pipeline.__call__(use_kv_cache=False)`'s bit for bit, the images (RGB of its RGBA) within 1e-6
-    (measured: 0)."""
-    print(f"\ncfg {cfg}: {check_ode_equals_pipeline(qwen21, PROMPTS, cfg, height, width, use_kv_cache=False)}")
+def test_text_to_image_ode_reproduces_the_pipeline_on_each_prompt(qwen21, cfg, height, width):
+    """Two prompts of different lengths in one chunk, CFG off and on: each image is the pipeline's on its prompt alone.
+    Padded to the longer prompt in one call (as the pipeline pads a batch), the shorter one's latents moved by 0.0015
+    (CFG 4 at 32 × 64: 0.0051): text and image share one rotary sequence, so the padding moved the image's positions
+    and an image depended on the prompts beside it in its micro-batch (the loop's mix prompts)."""
+    check_each_prompt_alone(qwen21, PROMPTS, [None, None], cfg, height, width)
 
 
 def test_the_prefix_kv_cache_changes_no_bit_here(qwen21):
@@ -54,36 +80,33 @@ def test_the_prefix_kv_cache_changes_no_bit_here(qwen21):
     hook = qwen21.transformer.register_forward_pre_hook(lambda m, a, kw: modes.append(kw.get("kv_cache_mode")),
                                                         with_kwargs=True)
     try:
-        check_ode_equals_pipeline(qwen21, PROMPTS[:1], 1.0, SIDE, SIDE, use_kv_cache=True)
+        check_each_prompt_alone(qwen21, PROMPTS[:1], [None], 1.0, SIDE, SIDE, use_kv_cache=True)
     finally:
         hook.remove()
     assert modes[-4:] == ["extract", "cached", "cached", "cached"], modes
 
 
 @pytest.mark.parametrize("cfg", [1.0, 4.0])
-def test_edit_ode_reproduces_the_pipeline(qwen21, small_sources, tmp_path, cfg):
-    """An edit prompt with its source (through the VL encoder and as VAE tokens), CFG off and with a negative prompt
-    encoded with the source: the latents equal the pipeline's, given the prompt and image, bit for bit; the source
-    changes the result (the check is not vacuous)."""
-    source = write_png(tmp_path / "s.png", SIDE, SIDE, 0)
-    kw = dict(steps=[], num_steps=4, height=SIDE, width=SIDE, cfg_scale=cfg, negative_prompt=" ", noise_level=0.0,
-              sde_type="sde", seed=3, iteration=5, chunk=1)
-    batch = rollout.sample(qwen21, ["make it red"], [{"image": source}], [0], [0], **kw)
-    last = {}
+def test_edit_ode_reproduces_the_pipeline_on_each_prompt(qwen21, small_sources, tmp_path, cfg):
+    """Two edit prompts of different lengths in one chunk, each with its source (through the VL encoder and as VAE
+    tokens), CFG off and with a negative prompt encoded with the source: each image's latents equal the pipeline's,
+    given that prompt and image alone, bit for bit (padded to the longer prompt, the shorter one's moved by up to
+    0.0086, CFG 4: 0.035); the source changes the result (the check is not vacuous)."""
+    prompts = ["turn the whole picture upside down", "make it red"]
+    sources = [write_png(tmp_path / f"{i}.png", SIDE, SIDE, i) for i in range(2)]
+    batch = check_each_prompt_alone(qwen21, prompts, sources, cfg, SIDE, SIDE)
+    other = rollout.sample(qwen21, prompts[:1], [{"image": sources[1]}], [0], [0], steps=[], num_steps=4, height=SIDE,
+                           width=SIDE, cfg_scale=cfg, negative_prompt=" ", noise_level=0.0, sde_type="sde", seed=3,
+                           iteration=5, chunk=1)
+    assert (other.x0 - batch.x0[:1]).abs().max() > 1e-4
 
-    def keep(pipe, i, t, tensors):
-        last["latents"] = tensors["latents"]
-        return {}
-    with Image.open(source) as image:
-        images = qwen21.pipe(prompt=["make it red"], image=[image], negative_prompt=" " if cfg > 1 else None,
-                             true_cfg_scale=cfg, generator=rollout.image_generators(3, 5, [0]), height=SIDE, width=SIDE,
-                             num_inference_steps=4, output_type="pt", callback_on_step_end=keep, use_kv_cache=False,
-                             output_resolution=SIDE).images
-    assert torch.equal(batch.x0, last["latents"]), (batch.x0 - last["latents"]).abs().max()
-    torch.testing.assert_close(batch.images, images[:, :3], rtol=0, atol=1e-6)
-    other = rollout.sample(qwen21, ["make it red"], [{"image": write_png(tmp_path / "o.png", SIDE, SIDE, 1)}], [0], [0],
-                           **kw)
-    assert (other.x0 - batch.x0).abs().max() > 1e-4
+
+def test_tiny_edit_runs_at_the_pipelines_source_size(qwen21, tmp_path):
+    """A source at the pipeline's own size (about 1024², CONDITION_SIDE not shrunk) edits as the pipeline does. With
+    transformers' default bound of 980·1024 pixels an image, the tiny twin's Qwen3-VL saw 961 vision slots where the
+    VAE made 1,024 slots' worth of tokens: the first transformer call failed (so did `--model
+    tiny-qwen-image-2.1-edit`)."""
+    check_each_prompt_alone(qwen21, ["make it red"], [write_png(tmp_path / "s.png", 32, 32, 0)], 1.0, 32, 32)
 
 
 def test_tiny_saves_and_reloads_with_its_image_only_processor(qwen21, tmp_path):
@@ -125,10 +148,10 @@ def test_first_update_is_exactly_on_policy(small_sources, tmp_path, edit, cfg, w
 
 @pytest.mark.parametrize("edit,window", [(False, 0), (True, 2)])
 def test_the_rollouts_prefix_kv_cache_keeps_the_first_update_on_policy(small_sources, tmp_path, edit, window):
-    """--prefix-kv-cache with true CFG (a cache per branch), text to image on prompts of two lengths (padded, masked) in
-    full mode, editing (the source's tokens cached too) in a window: the rollout reads the cache (later calls run the
-    noisy tokens alone) and equals the one without it bit for bit, latents, log-probs and images; the update, which
-    never sees the cache, has `train/logp_gap` exactly 0."""
+    """--prefix-kv-cache with true CFG (a cache per branch and prompt length), chunks of two prompts of two lengths,
+    text to image in full mode, editing (the source's tokens cached too) in a window: the rollout reads the caches
+    (later calls run the noisy tokens alone) and equals the one without them bit for bit, latents, log-probs and images;
+    the update, which never sees them, has `train/logp_gap` exactly 0."""
     name = "tiny-qwen-image-2.1" + ("-edit" if edit else "")
     args = dataclasses.replace(flowgrpo.RECIPES[name], window=window, window_range=(0, 3), cfg_scale=4.0,
                                negative_prompt=" ", group_size=2, prompts_per_iteration=2, micro_batch=2)
@@ -141,18 +164,32 @@ def test_the_rollouts_prefix_kv_cache_keeps_the_first_update_on_policy(small_sou
 
     def sample(cache):
         model.prefix_kv_cache = cache
-        return rollout.sample(model, [*PROMPTS[:1] * 2, *PROMPTS[1:] * 2], [meta[0]] * 2 + [meta[1]] * 2, [0, 0, 1, 1],
-                              range(4), steps=sch.trained_steps(4, window, (0, 3), seed=1), num_steps=4, height=32,
-                              width=32, cfg_scale=4.0, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
-                              iteration=0, chunk=2)
+        return rollout.sample(model, PROMPTS * 2, meta * 2, [0, 1, 0, 1], range(4), num_steps=4, height=32, width=32,
+                              steps=sch.trained_steps(4, window, (0, 3), seed=1), cfg_scale=4.0, negative_prompt=" ",
+                              noise_level=0.7, sde_type="sde", seed=0, iteration=0, chunk=2)
     plain, batch = sample(False), sample(True)
-    assert modes[16:] == ["extract"] * 2 + ["cached"] * 6 + ["extract"] * 2 + ["cached"] * 6, modes  # 2 chunks × 4 steps
+    # each of 2 chunks × 4 steps: a call per prompt length, then the negative prompt's
+    assert modes[24:] == (["extract"] * 3 + ["cached"] * 9) * 2, modes
     for k in ("latents", "log_probs", "images"):
         assert torch.equal(getattr(batch, k), getattr(plain, k)), (k, (getattr(batch, k) - getattr(plain, k)).abs().max())
     batch.advantages, modes[:] = torch.linspace(-1, 1, 4), []
     stats = algorithms.train_on(model, engine, batch, args, flowgrpo.batch_arithmetic(args, 1), progress=False)
     assert stats["train/logp_gap"] == 0.0, stats["train/logp_gap"]
     assert modes and set(modes) == {None}, modes
+
+
+def test_the_prefix_kv_cache_needs_the_causal_condition():
+    """A transformer without `causal_condition` (nothing to keep) samples under --prefix-kv-cache as without it, as the
+    pipeline then caches nothing; its first call raised "kv_cache requires `causal_condition=True`" once loaded."""
+    pipe = models_qwen21.build_tiny_qwen21_pipeline(0)
+    transformer = type(pipe.transformer).from_config(pipe.transformer.config, causal_condition=False)
+    pipe.register_modules(transformer=transformer)
+    model = models_qwen21.QwenImage21(pipe, "cpu", torch.float32)
+    kw = dict(steps=[1, 2], num_steps=4, height=32, width=32, cfg_scale=4.0, negative_prompt=" ", noise_level=0.7,
+              sde_type="sde", seed=0, iteration=0, chunk=2)
+    plain = rollout.sample(model, PROMPTS, [{}] * 2, [0, 1], [0, 1], **kw)
+    model.prefix_kv_cache = True
+    assert torch.equal(rollout.sample(model, PROMPTS, [{}] * 2, [0, 1], [0, 1], **kw).latents, plain.latents)
 
 
 @pytest.mark.parametrize("edit", [False, True])
