@@ -43,6 +43,10 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
     check_frames(model, num_frames)
     if model_path is not None or spec.trained_parts:  # nano's default is the shipped directory: check it too
         check_model_path(model, model_path or adapter_class(model).default_path)
+    index = os.path.join(model_path or "", "model_index.json")
+    if cfg_scale > 1 and model_path and os.path.isfile(index) and model_files.read_config(index).get("is_distilled"):
+        raise ValueError(f"--cfg-scale must be 1 with --model-path {model_path}: its pipeline is step-distilled "
+                         f"(model_index.json: is_distilled) and runs no CFG, got {cfg_scale}: give a base checkpoint")
     transformer = functools.partial(meta_transformer, model, model_path)  # built only by a family with a rope table
     spec.adapter.check_size(model, spec, transformer, height, width, num_frames)
     if sp > 1:

@@ -2,6 +2,7 @@
 bit for bit, the on-policy first update, the tiny twins saved and reloaded, exact resume through the CLI, and the
 refusals of what a family cannot do. (LoRA export: tests/test_models_sd3_flux.py; --sp: tests/test_sp.py.)"""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -152,3 +153,17 @@ def test_a_step_distilled_klein_takes_no_cfg(built):
     x = distilled.noise(rollout.image_generators(0, 0, [0]), H, W)
     with pytest.raises(ValueError, match="--cfg-scale must be 1 for a step-distilled FLUX.2"):
         distilled.velocity(x, torch.ones(1), distilled.conditioning(PROMPTS[:1], "", 4.0), 4.0, H, W)
+
+
+def test_a_step_distilled_model_path_is_refused_with_cfg_at_start_up(tmp_path):
+    """Such a pipeline saved as a --model-path: start-up reads its model_index.json and refuses --cfg-scale > 1 in one
+    line, before the model loads (before: only at the first transformer call, after the load)."""
+    path = models.save_tiny_pipeline(str(tmp_path / "klein"), model="tiny-flux.2-klein")
+    index = json.loads((tmp_path / "klein" / "model_index.json").read_text())
+    flags = dict(height=H, width=W, guidance=None, model_path=path)
+    model_checks.check_model_args("tiny-flux.2-klein", cfg_scale=4.0, **flags)  # a base pipeline takes CFG
+    (tmp_path / "klein" / "model_index.json").write_text(json.dumps(index | {"is_distilled": True}))
+    model_checks.check_model_args("tiny-flux.2-klein", cfg_scale=1.0, **flags)
+    with pytest.raises(ValueError, match=f"^--cfg-scale must be 1 with --model-path {path}: its pipeline is "
+                                         "step-distilled .*got 4.0: give a base checkpoint$"):
+        model_checks.check_model_args("tiny-flux.2-klein", cfg_scale=4.0, **flags)
