@@ -123,8 +123,9 @@ def write_error(e: BaseException, directory: str) -> BaseException:
         return RuntimeError(f"checkpoint {directory} could not be written: {e}")
     root, full = os.path.dirname(directory), os_errors[0].errno in (errno.ENOSPC, errno.EDQUOT)
     disk = f"the disk holding {root} ({shutil.disk_usage(root).free / 2**20:.0f} MiB free)" if full else root
+    fix = "free space" if full else "make it writable"  # (before: "free space" for a read-only mount too)
     return ValueError(f"checkpoint {directory} could not be written ({os_errors[0].strerror}) on {disk}; the previous "
-                      "checkpoints are intact: free space and continue with --resume auto")
+                      f"checkpoints are intact: {fix} and continue with --resume auto")
 
 
 def iteration_of(path: str) -> int | None:

@@ -417,7 +417,10 @@ def test_checkpoint_exceptions_become_a_line_or_an_interrupt(tmp_path, monkeypat
                                                   "wandb_id": None, "prompts_sha256": ""}}
     root = tmp_path / "checkpoints"
     engine.save_checkpoint(str(root / "iter_000000"), meta, keep=2)
-    for error, raised, needle in [(OSError(errno.ENOSPC, "No space left on device"), ValueError, "the disk holding"),
+    for error, raised, needle in [(OSError(errno.ENOSPC, "No space left on device"), ValueError,
+                                   "the disk holding .*: free space and continue"),  # a read-only mount: not "free space"
+                                  (OSError(errno.EROFS, "Read-only file system"), ValueError,
+                                   f"could not be written \\(Read-only file system\\) on {root}; .*: make it writable"),
                                   (KeyboardInterrupt(), KeyboardInterrupt, None)]:
         def full(*args, error=error, **kwargs):
             raise CheckpointException("save failed", {0: (error, None)})
