@@ -123,7 +123,9 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         line = raw[:e.start].count(b"\n") + 1
         raise ValueError(f"--prompts: {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
                          "as UTF-8") from None
-    # lines end at "\n" (or "\r\n") only: str.splitlines also breaks at U+2028 and form feeds (legal in JSON strings)
+    # lines end at "\n", "\r\n" or a lone "\r" (an old Mac editor's; never inside a prompt, nor raw in a JSON string)
+    # only: str.splitlines also breaks at U+2028 and form feeds (legal in JSON strings)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not 0 < len(lines) <= MAX_PROMPTS:
         raise ValueError(f"--prompts: prompt file {path} has {len(lines) or 'no'} prompts (at most {MAX_PROMPTS}, "

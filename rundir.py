@@ -173,9 +173,10 @@ def _new_dir(path: str) -> str:
 def _read_json(path: str) -> dict:
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}  # another tool's args.json (a list, null) is no run's
 
 
 def interrupted() -> str:

@@ -25,6 +25,7 @@ import engine as eng
 import flowgrpo
 import models
 import prompts as prompt_sets
+import rundir
 import startup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,3 +301,14 @@ def test_a_checkpoint_its_run_prunes_while_this_run_loads_it_is_named_so(saved, 
     other = eng.Engine(models.load_model("tiny", None, "cpu", seed=0), lora_rank=2 * TINY.lora_rank, **flags)
     with pytest.raises(RuntimeError, match="It was written by a different model/LoRA"):  # there, unchanged: the tensors
         other.load_checkpoint(saved["grpo"])
+
+
+@pytest.mark.parametrize("text", ["null", "7", '["run_id"]'])
+def test_an_args_json_that_is_no_object_is_no_run(tmp_path, text):
+    """args.json is a common name: another tool's above --run-dir (null, a number) crashed the start with a TypeError,
+    and a list holding "run_id" read as a run's, refusing the directory below it."""
+    (tmp_path / "args.json").write_text(text)
+    try:
+        assert rundir.claim_run_dir(str(tmp_path / "run"), "m", None, {}, {}).run_dir == str(tmp_path / "run")
+    finally:
+        rundir.release_run_dirs()

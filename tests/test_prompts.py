@@ -134,3 +134,13 @@ def test_a_jsonl_may_say_which_prompts_are_held_out(tmp_path):
         path.write_text("\n".join(map(json.dumps, lines[:9] + [last])))  # a KeyError's traceback before
         with pytest.raises(ValueError, match=f'every line needs "train" or "eval" .*found \\[.?{found}.?\\]'):
             prompts.load_prompts(str(path))
+
+
+def test_a_lone_carriage_return_ends_a_line(tmp_path):
+    """An old Mac editor ends lines with a lone "\\r": a .txt of three prompts was read as one prompt holding all three
+    (a .jsonl as "not valid JSON"). A raw "\\r" is never part of a prompt, nor legal inside a JSON string."""
+    (tmp_path / "p.txt").write_bytes(b"a cat\ra dog\ra bird\r")
+    got = prompts.read_prompt_file(tmp_path / "p.txt")
+    assert got == [("a cat", {}), ("a dog", {}), ("a bird", {})], f"{len(got)} prompts read, 3 written: {got}"
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "a cat"}\r{"prompt": "a dog"}\r')
+    assert prompts.read_prompt_file(tmp_path / "p.jsonl") == [("a cat", {}), ("a dog", {})]

@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, ImageOps
 
 import cli
 import flowgrpo
@@ -161,3 +161,21 @@ def test_a_source_whose_pixels_changed_is_named_on_resume(tmp_path):
     with pytest.raises(ValueError, match=r"its training prompts differ from those of .*iter_000000 \(their SHA-256\)"):
         startup.check_args(cli.parse_args(flowgrpo.Args, resume))
     assert startup.check_args(cli.parse_args(flowgrpo.Args, [*resume, "--allow-change", "prompts"]))
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_a_source_is_read_upright_as_its_exif_orientation_says(tmp_path, orientation):
+    """A phone stores a portrait photo as landscape pixels with an EXIF orientation (6): every viewer shows it upright,
+    but the source was checked as landscape (a portrait run refused it, a landscape one took it) and read on its side."""
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)  # stored 40 wide, 30 high
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(pixels).save(tmp_path / "phone.png", exif=exif.tobytes())
+    shown = np.asarray(ImageOps.exif_transpose(Image.open(tmp_path / "phone.png")).convert("RGB"))
+    assert source_images.check(str(tmp_path / "phone.png"))[:2] == shown.shape[1::-1]
+    read = np.asarray(source_images.read(str(tmp_path / "phone.png")))
+    assert read.shape == shown.shape, f"read {read.shape}, shown {shown.shape}"
+    assert np.array_equal(read, shown), f"{(read != shown).mean():.0%} of the values differ from the image shown"
+    line = {"prompt": "make it green", "image": "phone.png"}
+    (tmp_path / "p.jsonl").write_text(json.dumps(line) + "\n")
+    assert prompt_sets.read_prompt_file(tmp_path / "p.jsonl", shown.shape[:2])[0][1]["image"].endswith("phone.png")
