@@ -5,13 +5,15 @@ The server bounds what a request may cost: bytes, JSON values, images, decoded p
 before decoding), the PNG text and chunks Pillow parses, header bytes, requests worked on and connections open at once,
 the time to send the headers and the whole request, and the rate its body comes at; its errors carry a message, never
 a traceback. An idle connection holds no working slot (slots count requests, from their headers to their reply) and
-gives its seat to a new connection when every seat is taken.
+gives its seat to a new connection when every seat is taken; so does one waiting for a slot, to a newcomer from an
+address with fewer connections idle or waiting than its own.
 """
 from __future__ import annotations
 
 import argparse
 import base64
 import binascii
+import collections
 import contextlib
 import dataclasses
 import http.client
@@ -38,16 +40,16 @@ class Limits:
     at once, each about 3× its body while it is parsed, then its images' pixels (3 bytes each) and what the reward
     itself takes: at most 16 bytes per pixel at the limit, 12 measured (docs/rewards.md); and each open connection's
     request line and headers, at most HEADER_BYTES."""
-    max_request_mb: float = 256.0  # request body
+    max_request_mb: float = 128.0  # request body (2**25 pixels of noise, the pixel limit, as base64 PNGs: 128 MiB)
     max_json_values: int = 2**16  # JSON values in the body, counted before it is parsed (each costs up to ~72 bytes)
     max_request_images: int = 64  # images in one request
     max_image_pixels: int = 2048 * 2048  # per image, read from the PNG header before decoding
     max_request_pixels: int = 2**25  # per request (e.g. 16 images of 1448²)
     max_requests: int = 8  # read, decoded and scored at once; more wait their turn (at most request_timeout)
-    max_connections: int = 64  # open at once (a thread each); a new one closes the oldest idle one, else gets a 503
+    max_connections: int = 64  # open at once (a thread each); a new one closes one idle or waiting, else gets a 503
     header_timeout: float = 10.0  # seconds to send the request line and headers: how long an idle connection stays
     request_timeout: float = 60.0  # seconds to send a whole request, and to wait for a slot; each socket read and write
-    body_rate: float = 2.0**20  # bytes a second a body must arrive at, on average after a second: a slot is not held
+    body_rate: float = 2.0**22  # bytes a second a body must arrive at, after a second: a slot is not held for nothing
 
 
 PNG_TEXT = 2**16  # bytes of PNG text (zTXt, iCCP, ...) Pillow may inflate per image (default: 64 MiB); ours have none
@@ -55,6 +57,7 @@ PNG_CHUNKS = 2**12  # chunks per image (Pillow writes one a 64 KiB of data: ~200
 # Bytes of a request line and headers together (ours: ~150). http.server alone takes 100 header lines of 64 KiB: 37 MiB
 # of server memory measured per connection, for as long as it stays open.
 HEADER_BYTES = 2**17
+LINGER = 1.0  # seconds a newcomer turned away with a 503 is read from (its request, sent meanwhile, is dropped)
 
 
 class Refused(Exception):
@@ -164,37 +167,63 @@ class _Server(ThreadingHTTPServer):
     connections hold no slot, and a client's next request never finds its last one still holding one. A connection
     is idle until its headers are in; when every seat is taken, a new connection closes the oldest idle one and takes
     its place (a client sends its headers at once: idle sockets reconnected whenever cut, 72 to 128 of them, held every
-    seat and turned the trainer's client away for 63 s). Only when none is idle is a newcomer answered 503. Threads of
-    closed connections are ending: at most max_connections more are counted while they do."""
+    seat and turned the trainer's client away for 63 s); with none idle, the oldest one waiting for a slot, if its
+    address has more connections idle or waiting than the newcomer's will. Each is of the address with the most such:
+    slow requests' headers from one address, reconnected when cut, turned a client away 20 times of 20, and closing any
+    waiting one closed the client's in its turn, 7 of 7 (many addresses are not what this defends against). With none
+    to close, the newcomer is answered 503. Threads of closed connections are ending: at most max_connections more."""
     daemon_threads, request_queue_size = True, 64  # the listen backlog: connections waiting to be accepted
 
     def __init__(self, address, handler, limits: Limits):
         self.seats, self.open, self.lock = limits.max_connections, 0, threading.Lock()
-        self.idle = {}  # connections whose headers are not in yet, oldest first
+        self.idle, self.waiting = {}, {}  # oldest first, with their address: headers not in, and waiting for a slot
+        self.lingering = threading.BoundedSemaphore(limits.max_connections)  # newcomers turned away, still read from
         self.slots = threading.BoundedSemaphore(limits.max_requests)  # requests being read, decoded and scored
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
         with self.lock:
-            oldest = next(iter(self.idle), None) if self.open >= self.seats else None
+            unslotted = {**self.idle, **self.waiting}  # connections holding no slot, idle ones first: their address
+            held = collections.Counter(unslotted.values())  # by address; max: the first of the address with the most
+            oldest = max(unslotted, key=lambda r: held[unslotted[r]], default=None) if self.open >= self.seats else None
+            if oldest in self.waiting and held[unslotted[oldest]] <= held[client_address[0]] + 1:
+                oldest = None
             if self.open >= self.seats and (oldest is None or self.open >= 2 * self.seats):  # full, none to close
-                with contextlib.suppress(OSError):
-                    request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                    b"Connection: close\r\n\r\n{\"error\": \"busy: too many connections\"}")
-                self.shutdown_request(request)
+                if self.lingering.acquire(blocking=False):
+                    threading.Thread(target=self._turn_away, args=(request,), daemon=True).start()
+                else:
+                    self.shutdown_request(request)
                 return
             if oldest is not None:
-                del self.idle[oldest]
+                (self.idle if oldest in self.idle else self.waiting).pop(oldest)
                 with contextlib.suppress(OSError):
                     oldest.shutdown(socket.SHUT_RDWR)  # its thread's read ends at once; the thread, and its count, go
             self.open += 1
-            self.idle[request] = True
+            self.idle[request] = client_address[0]
         super().process_request(request, client_address)
 
-    def busy(self, request) -> None:
-        """The connection's headers are in: it is no longer idle (never closed for a newcomer)."""
+    def _turn_away(self, request):
+        """The 503, then what the client sends read and dropped until it closes (LINGER s, and one read, at most):
+        closed unread, the connection answered the request with a reset, which the client read instead (20 of 20)."""
+        end = time.monotonic() + LINGER
+        with contextlib.suppress(OSError):  # TimeoutError is one
+            request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Connection: close\r\n\r\n{\"error\": \"busy: too many connections\"}")
+            request.shutdown(socket.SHUT_WR)  # the reply ends here
+            request.settimeout(LINGER)
+            while request.recv(2**16) and time.monotonic() < end:  # b"": the client closed, nothing is left unread
+                pass
+        request.close()
+        self.lingering.release()
+
+    def busy(self, request, waiting: str | None = None) -> None:
+        """The connection's headers are in: not idle, and `waiting` (its address) until it has a slot. Raises
+        ConnectionAbortedError if it was closed for a newcomer meanwhile: its request has nobody to answer."""
         with self.lock:
-            self.idle.pop(request, None)
+            if self.idle.pop(request, None) is None and self.waiting.pop(request, None) is None:
+                raise ConnectionAbortedError("closed for a newcomer")
+            if waiting:
+                self.waiting[request] = waiting
 
     def process_request_thread(self, request, client_address):
         try:
@@ -202,6 +231,7 @@ class _Server(ThreadingHTTPServer):
         finally:
             with self.lock:
                 self.idle.pop(request, None)
+                self.waiting.pop(request, None)
                 self.open -= 1
 
 
@@ -236,12 +266,13 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             self.wfile.write(body)
 
         def do_GET(self):
-            self.server.busy(self.request)
-            self.header_dog.cancel()
-            ok = self.path == "/health"
-            self._send(200 if ok else 404, {"status": "ok", "reward": name, "limits": {  # the client sizes requests by
-                k: getattr(limits, k) for k in ("max_request_images", "max_request_pixels")}} if ok else  # these
-                {"error": "GET /health"})
+            with contextlib.suppress(OSError):  # closed for a newcomer, or the client left: nobody to answer
+                self.server.busy(self.request)
+                self.header_dog.cancel()
+                ok = self.path == "/health"
+                self._send(200 if ok else 404, {"status": "ok", "reward": name, "limits": {  # the client sizes requests
+                    k: getattr(limits, k) for k in ("max_request_images", "max_request_pixels")}} if ok else  # by these
+                    {"error": "GET /health"})
 
         def _size(self) -> int:
             """The body's declared size, checked before the request waits for a working slot: a request refused by its
@@ -286,13 +317,13 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
             return b"".join(parts)
 
         def do_POST(self):
-            with contextlib.suppress(OSError):  # the client left, was too slow, or passed a deadline: nobody to answer
+            with contextlib.suppress(OSError):  # the client left, was slow or late, or lost its seat: nobody to answer
                 self._send(*self._in_a_slot())
 
         def _in_a_slot(self) -> tuple[int, dict]:
             """(status, reply) of POST /score, worked out in a working slot, waited for in turn: a request holds
             none until its headers are in, nor once its reply is built."""
-            self.server.busy(self.request)
+            self.server.busy(self.request, waiting=self.client_address[0])
             self.header_dog.cancel()
             try:
                 size = self._size()
@@ -303,6 +334,7 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
                 return 503, {"error": "busy: no slot came free within the request deadline (--request-timeout)"}
             self.dog = Watchdog(self.connection, limits.request_timeout)  # the body's deadline starts with its slot
             try:
+                self.server.busy(self.request)  # no longer waiting (closable), unless it was closed meanwhile
                 return self._score(size)  # the request's text and pixels go as it returns
             finally:
                 self.server.slots.release()  # before the reply is sent: the client's next request finds it free
@@ -339,10 +371,10 @@ def serve_cli(build, check, argv=None) -> None:
     helps = dict(max_request_mb="largest request body", max_json_values="most JSON values in a body",
                  max_request_images="most images in one request", max_image_pixels="largest image (width × height)",
                  max_request_pixels="most pixels in one request", max_requests="requests scored at once",
-                 max_connections="connections open at once (a new one closes the oldest idle one)",
+                 max_connections="connections open at once (a new one closes an idle or waiting one)",
                  header_timeout="seconds to send the headers",
                  request_timeout="seconds to send the whole request; the longest wait for a slot",
-                 body_rate="bytes a second a request body must arrive at, on average")
+                 body_rate="bytes a second a request body must arrive at, after its first second")
     for f in dataclasses.fields(Limits):
         s.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=helps[f.name])
     a = p.parse_args(argv)
@@ -353,6 +385,10 @@ def serve_cli(build, check, argv=None) -> None:
             limits.max_request_mb > 2**20:  # past these, the server's clocks and socket timeouts overflow
         p.error(f"--header-timeout and --request-timeout are at most 86400 s, --body-rate at least 1 byte a second, "
                 f"--max-request-mb at most 1048576; got {vars(limits)}")
+    slowest = 1 + limits.max_request_mb * 2**20 / limits.body_rate  # s: the largest body at the slowest rate allowed
+    if slowest > limits.request_timeout:  # its deadline would cut it (the old defaults': 257 s against 60)
+        p.error(f"--max-request-mb {a.max_request_mb:g} at --body-rate {a.body_rate:.10g} takes {slowest:.0f} s, over "
+                f"--request-timeout {a.request_timeout:g}: raise it or --body-rate, or lower --max-request-mb")
     if not 0 <= a.port < 2**16:
         p.error(f"--port {a.port} is not a port (0 to 65535; 0 picks a free one)")
     try:

@@ -1,7 +1,9 @@
 """What one request may cost `python rewards.py serve`, measured (the server's own memory, in its own process), and
 the client's bounds: hostile requests and replies on 127.0.0.1, bounded loops; the start-up check of every knob."""
 import base64
+import collections
 import contextlib
+import http.client
 import io
 import json
 import os
@@ -11,6 +13,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -56,6 +59,13 @@ def png_with_text(chunks: int, text_bytes: int) -> str:
 
 def body(images: list[str]) -> bytes:
     return json.dumps({"images": images, "prompts": ["p"] * len(images)}).encode()
+
+
+def wait_until(condition, seconds=60.0) -> bool:
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.02)
+    return condition()
 
 
 def post(port: int, raw: bytes, headers: bytes = b"") -> tuple[int, str]:
@@ -175,6 +185,7 @@ def serve():
         threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(server)
         return server.server_address[1]
+    start.servers = servers  # for a test that looks inside the last one started
     yield start
     for server in servers:
         server.shutdown()
@@ -209,6 +220,110 @@ def test_idle_connections_are_closed_at_the_header_deadline_and_the_client_outla
     for s in idle:
         assert s.recv(1) == b"", "the server still holds a silent connection"  # closed by the server, not the 30 s
         s.close()
+
+
+def exchanges(port: int, raw: bytes, times: int, before=lambda: None) -> dict[str, int]:
+    """What `times` requests of the trainer's client (reward_http.exchange, one attempt each) got: "STATUS REPLY", or
+    the exception's name where no reply could be read."""
+    got = collections.Counter()
+    for _ in range(times):
+        before()
+        try:
+            status, reply = reward_http.exchange(f"http://127.0.0.1:{port}", "/score", raw, 60, 2**20)
+            got[f"{status} {reply.decode()[:60]}"] += 1
+        except (OSError, http.client.HTTPException) as e:
+            got[type(e).__name__] += 1
+    return dict(got)
+
+
+def test_a_newcomer_to_a_full_house_reads_its_503(serve, monkeypatch):
+    """Every seat held by a request whose body is awaited (none idle): a newcomer was written its 503 and closed unread,
+    so its request met a reset, which the client read instead (20 attempts of 20: a broken pipe as it sent the
+    request). Now what it sends is read and dropped after the 503 until it closes, whatever its size, for LINGER
+    seconds at most (5 here, for a loaded machine; then the connection is closed, and a client still sending is reset).
+    """
+    monkeypatch.setattr(reward_server, "LINGER", 5.0, raising=False)
+    port = serve(max_connections=2, body_rate=1e-3)  # a body of 100 bytes awaited for 1000 s: the seats stay held
+    server = serve.servers[-1]
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
+    for s in held:
+        s.sendall(b"POST /score HTTP/1.0\r\nContent-Length: 100\r\n\r\n")
+    assert wait_until(lambda: server.open == 2 and not server.idle), (server.open, len(server.idle))
+
+    def gone():  # every turned-away connection closed
+        return not any(t.name.endswith("(_turn_away)") for t in threading.enumerate())
+    for size in (10, 8 * 2**20):  # a request the socket buffers hold, and one they do not
+        got = exchanges(port, b"x" * size, 3, before=lambda: wait_until(gone))
+        assert got == {'503 {"error": "busy: too many connections"}': 3}, (size, got)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # a newcomer that never stops sending
+        start = time.monotonic()
+        with contextlib.suppress(OSError):  # reset once the server stops reading
+            while time.monotonic() - start < 60:
+                s.sendall(b"x" * 2**16)
+        took = time.monotonic() - start
+    assert took < 30, f"a newcomer sending without end was read for {took:.1f} s (LINGER: 5 s)"
+    assert wait_until(gone), "a turned-away connection is still read from"
+    for s in held:
+        s.close()
+
+
+def test_slow_requests_waiting_for_slots_do_not_starve_a_client_of_another_address(serve):
+    """Sockets from one address sending the headers of a slow POST, then waiting for a working slot, each reconnected
+    whenever cut, more than the server has seats (9 for 8, 2 slots): a waiting connection was never given up for a
+    newcomer, so they held every seat and the client was turned away (0 of 20 attempts scored, 16 seats and 2 slots:
+    503s, broken pipes, its request closed unanswered as it waited). Now a newcomer closes the oldest waiting
+    connection of the address with the most of them, if more than its own: the client's request waits its turn
+    (each holder keeps the slot a second, cut for its missing body) and theirs cannot close it."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.2", 0))  # Linux routes all of 127/8 to the loopback
+        except OSError:
+            pytest.skip("no second loopback address (127.0.0.2) to send from")
+    port = serve(max_connections=8, max_requests=2)
+    stop, cut = threading.Event(), []
+
+    def hold():
+        while not stop.is_set():
+            with socket.create_connection(("127.0.0.1", port), timeout=30, source_address=("127.0.0.2", 0)) as s:
+                with contextlib.suppress(OSError):
+                    s.sendall(b"POST /score HTTP/1.0\r\nContent-Length: 1000\r\n\r\n")  # and no body
+                    while s.recv(4096):
+                        pass
+            cut.append(1)
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(9)]
+    for t in holders:
+        t.start()
+    try:
+        assert wait_until(lambda: len(cut) >= 20), len(cut)  # the ninth is turned away over and over: every seat taken
+        got = exchanges(port, body([png(8, 8)]), 3)
+        assert got == {'200 {"scores": [0.0], "info": {"brightness": [0.0]}}': 3}, got
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(timeout=30)
+
+
+def test_the_largest_body_at_the_slowest_rate_fits_the_request_deadline(capsys):
+    """The defaults allowed a body of 256 MiB at 1 MiB/s, 257 s with the first second's grace, and cut any request at
+    60 s (--request-timeout), a legal slow one too, with no answer. The defaults fit now, with room for a trainer's 16
+    PNGs of 512² (16 MiB of noise as base64); a combination that does not is refused at start-up in one line."""
+    limits = reward_server.Limits()
+    slowest = 1 + limits.max_request_mb * 2**20 / limits.body_rate
+    assert slowest <= limits.request_timeout, \
+        f"the largest body at the slowest rate takes {slowest:.0f} s, {slowest - limits.request_timeout:.0f} s past " \
+        f"the request timeout ({limits.request_timeout:g} s)"
+    sixteen = len(body([png(512, 512, noise=True)] * 16))
+    assert sixteen <= limits.max_request_mb * 2**20, f"16 noise PNGs of 512² are {sixteen / 2**20:.1f} MiB"
+
+    def never(spec):
+        raise AssertionError("the reward was built")
+    with pytest.raises(SystemExit) as e:
+        reward_server.serve_cli(never, lambda spec: None, ["serve", "--reward", "brightness", "--port", "0",
+                                                           "--max-request-mb", "256", "--body-rate", "1048576"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.splitlines()[-1].endswith(
+        "error: --max-request-mb 256 at --body-rate 1048576 takes 257 s, over --request-timeout 60: raise it or "
+        "--body-rate, or lower --max-request-mb"), err
 
 
 # ---------------------------------------------------------------- the client: huge scores, the knobs
