@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+import scheduler as sch
+
 # diffusers' SD3 and FLUX pipelines import transformers' CLIP and Siglip image processors (for IP-adapters, unused
 # here); without torchvision, transformers warns that it falls back to their PIL versions: not the user's concern.
 logging.getLogger("transformers.utils.import_utils").addFilter(lambda r: "requires torchvision" not in r.getMessage())
@@ -71,6 +73,7 @@ class Adapter:
     sp_degree = 1  # --sp N: each rank of a group holds 1/N of each sequence (set by sequence_parallel.enable_ulysses)
     num_frames: int = 1  # frames per sample: 1 for images (the servers are told it per request)
     prefix_kv_cache: bool | None = None  # --prefix-kv-cache where a family has one (off: False); None: it has none
+    linspace_sigmas = False  # its pipeline passes σ = linspace(1, 1/N, N) to the scheduler (scheduler.linspace_scheduler_class)
 
     def rollout_cache(self) -> dict:
         """What one chunk's rollout calls share besides its conditioning (rollout.sample adds it to their `cond`, never
@@ -89,7 +92,9 @@ class Adapter:
         for part in pipe.components.values():
             if isinstance(part, torch.nn.Module):
                 part.requires_grad_(False).eval()
-        self.transformer, self.scheduler = pipe.transformer, pipe.scheduler
+        self.transformer, self.scheduler = pipe.transformer, pipe.scheduler  # the σ table only; the pipe's own
+        if self.linspace_sigmas:
+            self.scheduler = sch.linspace_scheduler_class().from_config(pipe.scheduler.config)
         self.multiple = self.side_multiple()
         self.passes = 0  # image rows through the transformer so far (a two-pass CFG step counts 2); the loop logs them
         self.transformer.register_forward_pre_hook(self._count_passes, with_kwargs=True)

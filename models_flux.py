@@ -37,6 +37,7 @@ def build_tiny_flux_pipeline(seed: int = 0, pipeline: str = "FluxPipeline"):
 class Flux(Adapter):
     """FLUX.1 around FluxPipeline. Latents are kept packed as the pipeline keeps them, (B, S, C·4) with
     S = (H/16)·(W/16), in float32 (cast to the model dtype at the transformer's input)."""
+    linspace_sigmas = True  # the pipeline passes σ = linspace(1, 1/N, N) (scheduler.linspace_scheduler_class)
     pipeline_class = "FluxPipeline"
     default_path = "black-forest-labs/FLUX.1-dev"
     omni_pipeline_class = "omni.pipeline.FlowGRPOFluxPipeline"

@@ -62,6 +62,7 @@ class QwenImage(Adapter):
     Latents are kept packed, (B, S, C·4) with S = (H/16)·(W/16) tokens at full size, in float32; they are
     cast to the model dtype only at the transformer's input.
     """
+    linspace_sigmas = True  # the pipeline passes σ = linspace(1, 1/N, N) (scheduler.linspace_scheduler_class)
     pipeline_class = "QwenImagePipeline"
     default_path = "Qwen/Qwen-Image"
     omni_pipeline_class = "omni.pipeline.FlowGRPOQwenImagePipeline"

@@ -75,6 +75,7 @@ class QwenImage21(Adapter):
     """Qwen-Image 2.1 around QwenImage21Pipeline. x: packed latents (B, S, C) float32, S = (H/16)(W/16); cond:
     `embeds` (B, L, D), `mask` (B, L) and `image_mask` (B, L) (True on the source's vision slots), and for an edit
     `source` (B, S', C), the packed source latents, and `source_grid` (B, 2), their rows and columns."""
+    linspace_sigmas = True  # the pipeline passes σ = linspace(1, 1/N, N) (scheduler.linspace_scheduler_class)
     pipeline_class = "QwenImage21Pipeline"
     default_path = "Qwen/Qwen-Image-2.1"
     omni_unserved = "has no vLLM-Omni pipeline (vLLM-Omni 0.30.0 ships none for Qwen-Image 2.1)"  # for start-up

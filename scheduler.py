@@ -6,6 +6,7 @@ s_t² / (2σ) terms). Notation and formulas: docs/algorithm.md §1–4, §10.
 Variants are small functions in tables, chosen by name: SDE_TYPES, ODE_SOLVERS, WINDOW_SCHEDULES; the step-level
 pieces of the policy loss (KL forms, the public log-densities, GRPO-Guard's ratio and reweight) live here too.
 """
+import functools
 import math
 import random
 
@@ -32,6 +33,23 @@ def sigma_schedule(scheduler, num_steps: int, image_seq_len: int) -> torch.Tenso
     else:
         scheduler.set_timesteps(num_steps)
     return scheduler.sigmas.to(torch.float32).cpu()
+
+
+@functools.lru_cache(maxsize=1)
+def linspace_scheduler_class() -> type:
+    """FlowMatchEulerDiscreteScheduler as the Qwen-Image, FLUX.1 and Qwen-Image 2.1 pipelines call it: σ given as
+    linspace(1, 1/N, N), then shifted by the config, by mu where it shifts dynamically, else by its static shift.
+    Asked for N steps, the scheduler itself spaces σ from its own σ_max to σ_min: `sigma_schedule` does so for a
+    static config (SD3.5's pipeline does too), which for these pipelines was another table (a FLUX.1 config of static
+    shift 3 under --model-path: σ_1 0.858 where the pipeline's is 0.9)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    class LinspaceScheduler(FlowMatchEulerDiscreteScheduler):
+        def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, mu=None, timesteps=None):
+            if sigmas is None and timesteps is None:
+                sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+            super().set_timesteps(device=device, sigmas=sigmas, mu=mu, timesteps=timesteps)
+    return LinspaceScheduler
 
 
 def noised(x0, t, noise):

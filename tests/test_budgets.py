@@ -44,8 +44,9 @@ BUDGETS = {
     "models_qwen_edit.py": 200,  # the second edit family: Qwen-Image-Edit, the source through the VL encoder and VAE
     "models_zimage.py": 200, "models_flux2.py": 200,  # Z-Image; FLUX.2 [klein]
     # Qwen-Image 2.1: text to image and editing in one adapter; raised from 200 for --prefix-kv-cache (the rollout's
-    # cache per chunk and CFG branch, filled or read by each call without autograd)
-    "models_qwen21.py": 215,
+    # cache per chunk and CFG branch, filled or read by each call without autograd), then to 220 for a call per prompt
+    # length (an image independent of its micro-batch's other prompts) and its pipeline's σ table under static configs
+    "models_qwen21.py": 220,
     "models_nano.py": 200,  # the laptop tasks' models: Qwen-Image's classes pretrained here (nano-edit's edit call too)
     # --micro-batch 0: the micro-batch sized to the device's memory, measured; raised from 100 when it learnt to leave
     # room for what --reuse-rollout-forward keeps from the rollout to the update (84.5 against 61.4 GiB on an H200), to

@@ -1,5 +1,6 @@
 """scheduler.py against closed forms: Gaussian densities, the Euler step, diffusers' schedule, and the
 marginals of a 1-D Gaussian toy whose flow-matching velocity is known exactly."""
+import json
 import math
 
 import numpy as np
@@ -8,8 +9,10 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
+import models
 import models_qwen
 import scheduler as sch
+import tiny_setup
 
 
 def _inputs(seed=0, shape=(5, 7, 3)):
@@ -60,6 +63,23 @@ def test_schedule_is_the_qwen_image_pipelines():
     assert sig.shape == (11,) and sig[0] == 1 and sig[-1] == 0 and abs(sig[-2] - 0.02) < 1e-6  # shift_terminal
     torch.testing.assert_close(sig[:-1] * 1000, timesteps)
     assert torch.all(sig[1:] < sig[:-1])
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux", "tiny-qwen-image-2.1"])
+def test_a_static_shift_config_gets_its_pipelines_table(name, tmp_path):
+    """A --model-path whose scheduler shifts statically (use_dynamic_shifting false): the Qwen-Image, FLUX.1 and Qwen-Image
+    2.1 pipelines shift their linspace(1, 1/N, N) by it, and the adapter's table is theirs (before: the scheduler's own
+    spacing, FLUX.1's σ_1 0.858 against 0.9, and the ODE path another than the pipeline's)."""
+    path = models.save_tiny_pipeline(str(tmp_path / name), model=name)
+    config = tmp_path / name / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"use_dynamic_shifting": False, "shift": 3.0}))
+    model = models.load_model(name, path, "cpu", seed=0)
+    if name != "tiny-qwen-image-2.1":  # the ODE path too, bit for bit
+        tiny_setup.check_ode_path_against_the_pipeline(model, ["a cat", "a dog"], 1.0, 32, 32)
+        return
+    model.pipe(prompt="a cat", height=32, width=32, num_inference_steps=4, output_type="latent", use_kv_cache=False)
+    ours = sch.sigma_schedule(model.scheduler, 4, model.image_seq_len(32, 32))
+    assert torch.equal(ours, model.pipe.scheduler.sigmas), (ours, model.pipe.scheduler.sigmas)
 
 
 # ---- the 1-D Gaussian toy: data N(m, s²), x_σ = (1−σ)x0 + σε --------------------------------------
