@@ -52,7 +52,10 @@ def remove_temporaries(directory: str) -> None:
     a replace_dir cut between its two renames had moved aside (or delete it, where the new one is in place): the run
     directory is locked by its run, so no other process is writing them."""
     for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
-        shutil.rmtree(stale, ignore_errors=True)
+        if os.path.isdir(stale) and not os.path.islink(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+        elif os.path.lexists(stale):  # a file's (runlog's args.json, metrics.jsonl), which rmtree skipped
+            os.remove(stale)
     for old in glob.glob(os.path.join(glob.escape(directory), "*.old-*")):
         dst = old.rpartition(".old-")[0]
         if os.path.exists(dst):

@@ -123,6 +123,9 @@ def test_a_swap_cut_between_its_renames_keeps_the_directory_it_replaced(tmp_path
     assert os.listdir(tmp_path) == ["lora"] and Path(dst, "w").read_text() == "old"
     atomic_files.replace_dir(written("newer"), dst)
     assert os.listdir(tmp_path) == ["lora"] and Path(dst, "w").read_text() == "newer"
+    Path(atomic_files.temporary(str(tmp_path / "metrics.jsonl"))).write_text("{")  # a file's write, interrupted
+    atomic_files.remove_temporaries(str(tmp_path))  # before, rmtree skipped files: they stayed in the run directory
+    assert os.listdir(tmp_path) == ["lora"], os.listdir(tmp_path)
 
 
 def test_checkpoints_are_ordered_by_iteration_not_name(tmp_path):
