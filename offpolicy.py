@@ -109,13 +109,20 @@ class Rollouts:
         if not self.ahead:
             with self.publish(it):
                 return self.draw(it, self.scorer)
-        if self.pending is None or self.pending[0] != it:  # the first iteration (or a resume from a synchronous run)
+        if self.pending is not None and self.pending[0] != it:  # held for another iteration: not this one's rollout
+            print(f"warning: the rollout in flight is iteration {self.pending[0]}'s, not {it}'s: iteration {it} is "
+                  "sampled again, on the weights held now (staleness 0)", file=sys.stderr, flush=True)
+            self.pending = None
+        if self.pending is None:  # the first iteration (or a resume from a synchronous run)
             self._start(it, version=it)
         start = time.perf_counter()
         got = reward_http.gather([self.pending[1]])[0]  # the thread's error (a server down) raises here, named
-        got.reward_wait, self.pending = time.perf_counter() - start, None
+        # in flight until the next one is started (its publish takes seconds): a Ctrl-C meanwhile checkpoints this one
+        got.reward_wait, self.pending = time.perf_counter() - start, (it, done(got))
         if it + 1 < self.iterations:
             self._start(it + 1, version=it)
+        else:
+            self.pending = None
         return got
 
     def _start(self, it: int, version: int) -> None:

@@ -207,3 +207,33 @@ def test_the_rollout_in_flight_is_checkpointed_and_read_back_to_the_bit(tmp_path
     with pytest.raises(ValueError, match="on as many training ranks"):
         bad.load(str(tmp_path), plan)
     bad.close()
+
+
+def test_a_stop_while_the_next_iteration_is_published_checkpoints_the_rollout_in_hand(tmp_path, capsys):
+    """A Ctrl-C while get(1) publishes iteration 2's weights (backend.sync writes the LoRA: seconds) ends the loop,
+    which checkpoints iteration 0 with its rollout in flight: iteration 1's, sampled on version 0, already drawn. It was
+    dropped before its successor had started, so nothing was written and the resumed run sampled iteration 1 again on
+    newer weights (version 1), unsaid. One held for another iteration (a stop after the next had started) is said."""
+    rec = Recorder()
+
+    @contextlib.contextmanager
+    def publish(it):
+        if it == 2:
+            raise KeyboardInterrupt("SIGINT")
+        yield
+    rollouts = offpolicy.Rollouts(rec.draw, publish, None, engine_stub(), ahead=1, iterations=5)
+    rollouts.get(0)
+    with pytest.raises(KeyboardInterrupt):
+        rollouts.get(1)
+    rollouts.save(str(tmp_path))  # the loop's save(done=0)
+    rollouts.close()
+    resumed = offpolicy.Rollouts(rec.draw, rec.publish, None, engine_stub(), ahead=1, iterations=5)
+    resumed.load(str(tmp_path), fake_sampled)  # the plan; its tensors are the file's
+    got = resumed.get(1)
+    resumed.close()
+    assert got.version == 0 and rec.events.count(("draw", 1, False)) == 1  # iteration 1 not drawn again
+    assert torch.equal(got.batch.latents, fake_sampled(1).batch.latents)
+    other = offpolicy.Rollouts(rec.draw, rec.publish, None, engine_stub(), ahead=1, iterations=5)
+    other.load(str(tmp_path), fake_sampled)
+    assert other.get(0).version == 0 and "the rollout in flight is iteration 1's, not 0's" in capsys.readouterr().err
+    other.close()
