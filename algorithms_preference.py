@@ -89,6 +89,9 @@ def check_dgpo(a) -> None:
     if a.micro_batch % a.group_size:
         raise ValueError(f"--micro-batch {a.micro_batch}: DGPO weighs each image by its whole group's errors, so a "
                          f"micro-batch holds whole groups: use a multiple of --group-size {a.group_size}")
+    if a.full_finetune and a.dgpo_reference == "base":  # engine.reference() would refuse it in the first update
+        raise ValueError("--dgpo-reference base with --full-finetune: DGPO's base reference is the network with the "
+                         "adapter off, and a full fine-tune has no adapter: use --dgpo-reference old or a LoRA")
 
 
 # ---- online Diffusion-DPO (flow_grpo scripts/train_sd3_dpo.py, its PerPromptStatTracker type "dpo") -----------------

@@ -146,10 +146,17 @@ def test_timesteps_are_shared_by_the_iteration_and_noise_by_the_group():
     (dict(algorithm="dgpo", train_timesteps=5), "--train-timesteps 5: DGPO draws that many distinct steps"),
     (dict(algorithm="dgpo", nft_beta=0.5), "--nft-beta: not used by --algorithm dgpo"),
     (dict(dgpo_beta=50.0), "--dgpo-beta: not used by --algorithm grpo"),
-    (dict(algorithm="dgpo", dgpo_beta=-1.0), r"--dgpo-beta must be in \[0, 1e\+06\], got -1")])
+    (dict(algorithm="dgpo", dgpo_beta=-1.0), r"--dgpo-beta must be in \[0, 1e\+06\], got -1"),
+    # its base reference is the adapter off: a full fine-tune passed start-up, sampled, then failed in the first update
+    # with engine.reference()'s "--kl-beta > 0 needs a LoRA" at --kl-beta 0
+    (dict(algorithm="dgpo", full_finetune=True), "--dgpo-reference base with --full-finetune")])
 def test_dgpo_flags_are_checked(change, needle):
     with pytest.raises(ValueError, match=needle):
         startup.check_args(dataclasses.replace(TINY, **change))
+
+
+def test_dgpo_full_finetune_with_the_old_reference_passes_start_up():
+    startup.check_args(dataclasses.replace(TINY, algorithm="dgpo", full_finetune=True, dgpo_reference="old"))
 
 
 def test_the_public_recipe_passes_its_checks():
