@@ -150,7 +150,7 @@ def run_method(task, name: str, flags, seed: int, out: str, iterations: int, eva
                eval_images: int) -> str:
     """One run into out/<name>-seed<S>, or the finished one there if it was made with the same flags; an unfinished
     attempt that no process holds is started again. Returns the run directory."""
-    run_dir = run_path(out, name, seed)
+    run_dir = os.path.abspath(run_path(out, name, seed))  # flowgrpo.py runs in the repository, not in our cwd
     argv = command(task, flags, seed, run_dir, iterations, eval_every, eval_images)
     if os.path.islink(run_dir) or (os.path.exists(run_dir) and not os.path.isdir(run_dir)):
         raise ValueError(f"{run_dir} is not a directory of this comparison (a symbolic link, a file): remove it, or "
@@ -244,8 +244,9 @@ def plot_hacking(path: str, runs: dict) -> None:
         for i, (name, cs) in enumerate(runs.items()):
             grid_x = np.linspace(max(c["passes"][0] for c in cs), min(c["passes"][-1] for c in cs), 50)
             ys = np.array([np.interp(grid_x, c["passes"], c[key]) for c in cs])
-            ax.plot(grid_x, ys.mean(0), color=f"C{i}", lw=1.6, label=f"{name} ({len(cs)})")
-            ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=f"C{i}", alpha=0.1)
+            ax.plot(grid_x, ys.mean(0), **line_style(i), lw=1.6, label=f"{name} ({len(cs)})")
+            ax.fill_between(grid_x, ys.mean(0) - ys.std(0), ys.mean(0) + ys.std(0), color=line_style(i)["color"],
+                            alpha=0.1)
         if all(np.isnan(c[key]).all() for cs in runs.values() for c in cs):
             ax.text(0.5, 0.5, "not logged by this task's evaluations", ha="center", transform=ax.transAxes)
             ax.set(xticks=[], yticks=[])
@@ -256,6 +257,11 @@ def plot_hacking(path: str, runs: dict) -> None:
     fig.tight_layout(rect=(0, (0.3 * lines + 0.1) / (4 + 0.3 * lines), 1, 1))
     fig.savefig(path)
     plt.close(fig)
+
+
+def line_style(i: int) -> dict:
+    """Method i's curve: ten colours, a dash per ten methods: no two of METHODS' rows (up to 40) look alike."""
+    return {"color": f"C{i % 10}", "ls": ("-", "--", ":", "-.")[i // 10 % 4]}
 
 
 def pm(values, fmt="{:.1%}") -> str:
@@ -339,9 +345,9 @@ def plot(path: str, measured: dict) -> None:
         for i, (name, cs) in enumerate(measured["runs"].items()):
             grid_x = np.linspace(max(c[axis][0] for c in cs), min(c[axis][-1] for c in cs), 50)
             ys = np.array([np.interp(grid_x, c[axis], c["judge"]) for c in cs])
-            ax.plot(grid_x, ys.mean(0), color=f"C{i}", ls="-" if i < 5 else "--", lw=1.6, label=name)
+            ax.plot(grid_x, ys.mean(0), **line_style(i), lw=1.6, label=name)
             ax.fill_between(grid_x, (ys.mean(0) - ys.std(0)).clip(0, 1), (ys.mean(0) + ys.std(0)).clip(0, 1),
-                            color=f"C{i}", alpha=0.06)
+                            color=line_style(i)["color"], alpha=0.06)
         ax.axhline(measured["base"]["judge_accuracy"], color="gray", ls=":", label="base model")
         ax.set(xlabel=AXES[axis], title=f"held-out judge accuracy vs {AXES[axis].split(' (')[0]}")
         ax.grid(alpha=0.3)

@@ -302,7 +302,9 @@ def evaluate(model, per_kind: int = 20, seeds: int = 3, steps: int = 10) -> dict
     judged, tags = judge_scores(images, texts, meta), np.array([m["tag"] for m in meta])
     kinds = {k: float(judged[tags == k].mean()) for k in INSTRUCTIONS}
     prompt = np.arange(len(rows)) % (len(rows) // seeds)  # which held-out prompt each image answers
-    spread = nano.diversity(torch.from_numpy(images).permute(0, 3, 1, 2) / 255, prompt) if seeds > 1 else 0.0
+    pixels = torch.from_numpy(images).permute(0, 3, 1, 2) / 255
+    # one image a prompt (seeds 1): no spread to measure; 0 would read as collapse (the comparison's table shows "—")
+    spread = nano.diversity(pixels, prompt) if seeds > 1 else float("nan")
     return {"images": len(rows), **kinds, "judge_accuracy": float(np.mean(list(kinds.values()))),
             "reward_mean": float(reward_scores(images, texts, meta).mean()), "diversity": spread}
 

@@ -149,3 +149,47 @@ def test_a_short_seeded_rl_run_raises_the_judges_accuracy_on_held_out_seeds(tmp_
     assert gain > max(3 * noise, 0.05), f"judge accuracy {before.mean():.1%} -> {after.mean():.1%}, noise {noise:.1%}"
     shown = nano.grid(str(run), str(tmp_path / "grid.png"))
     assert (tmp_path / "grid.png").stat().st_size > 10_000 and shown["after"] > shown["before"], shown
+
+
+def test_every_row_of_the_comparison_is_drawn_in_a_style_of_its_own(monkeypatch):
+    """nano's default comparison draws all of METHODS (36 rows): its curves and --hacking's took colour C{i}, repeating
+    every ten, and at most two dashes, so up to four methods were one line style in the legend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+    from tasks import nano_compare
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: figures.append(fig))
+    x = np.array([1.0, 2.0, 3.0])
+    made = {"passes": x, "seconds": x, "judge": x / 4, "reward_mean": x / 4, "diversity": x / 10,
+            "velocity_norm_ratio": x}
+    runs = {name: [made, made] for name in nano_compare.METHODS}
+    nano_compare.plot("unused.png", {"base": {"judge_accuracy": 0.45}, "runs": runs})
+    nano_compare.plot_hacking("unused.png", runs)
+    assert len(figures) == 2
+    for fig in figures:
+        lines = [line for line in fig.axes[0].get_lines() if line.get_label() != "base model"]
+        styles = {(to_hex(line.get_color()), str(line.get_linestyle())) for line in lines}
+        assert len(lines) == len(runs) == len(styles), (len(lines), len(styles))
+
+
+def test_a_comparison_run_from_another_directory_reads_the_runs_it_made(tmp_path, monkeypatch):
+    """flowgrpo.py runs in the repository (cwd=ROOT): a relative --out given elsewhere sent the runs into the
+    repository while the comparison looked for them in its own directory (a FileNotFoundError after every run)."""
+    from tasks import nano_compare
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    (elsewhere / "rel").mkdir(parents=True)  # (main's lock on --out makes it)
+
+    def flowgrpo_py(argv, cwd, **kw):  # what flowgrpo.py writes, where it would write it
+        run = os.path.join(cwd, argv[argv.index("--run-dir") + 1])
+        os.makedirs(os.path.join(run, "lora"))
+        Path(run, "metrics.jsonl").write_text(json.dumps({"perf/rollout_passes": 1, "perf/train_passes": 1,
+                                                          "perf/cpu_s": 1.0, "eval/digit_judge/mean": 0.5}) + "\n")
+        return subprocess.CompletedProcess(argv, 0)
+    monkeypatch.setattr(nano, "ROOT", str(repo))
+    monkeypatch.setattr(nano_compare.subprocess, "run", flowgrpo_py)
+    monkeypatch.chdir(elsewhere)
+    run_dir = nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, "rel", 1, 1, 10)
+    assert nano_compare.curve(nano, run_dir)["judge"].tolist() == [0.5]
+    assert not (repo / "rel").exists() and (elsewhere / "rel" / "window-2-seed0" / "lora").is_dir()

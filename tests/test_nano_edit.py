@@ -183,6 +183,14 @@ def test_start_up_refuses_prompts_without_sources_and_takes_the_recipe():
         startup.check_args(served)
 
 
+def test_evaluate_with_one_seed_measures_no_diversity_rather_than_none_at_all(model):
+    """Diversity is the spread across one prompt's seeds: with one seed there is nothing to measure, and 0.0 (what it
+    said) reads as a collapsed model; NaN is what nano-compose says there, shown "—" by the comparison's table."""
+    one, two = ne.evaluate(model, per_kind=1, seeds=1), ne.evaluate(model, per_kind=1, seeds=2)
+    assert one["images"] == 9 and np.isnan(one["diversity"]), one
+    assert two["images"] == 18 and two["diversity"] > 0.01, two
+
+
 def test_evaluate_takes_a_nano_edit_run_and_refuses_another_models_in_one_line(tmp_path, capsys):
     """`evaluate --lora`: a run directory (or its lora/) of `--model nano-edit`; a nano run's LoRA fits the same
     transformer and once loaded without a word, a wrong path was a traceback."""
