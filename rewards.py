@@ -62,7 +62,7 @@ PRESERVE_SIDE = 64  # preserve compares result and source at PRESERVE_SIDE × PR
 
 def _preserve_side(side=None) -> int:
     text = str(PRESERVE_SIDE if side is None else side)
-    if not text.isdigit() or not 4 <= int(text) <= 1024:
+    if not text.isdecimal() or not 4 <= int(text) <= 1024:  # isdigit() passes "²", which int() refuses
         raise ValueError(f"--reward preserve:{side}: ARG is the side in pixels at which result and source are "
                          "compared, a whole number in [4, 1024], e.g. preserve:64=0.3")
     return int(text)
@@ -157,8 +157,8 @@ CLIP_L = "openai/clip-vit-large-patch14"
 def _load_clip(model_id, processor_id):
     from transformers import CLIPModel, CLIPProcessor
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model = CLIPModel.from_pretrained(model_id).eval().requires_grad_(False).to(device)
-    return model, CLIPProcessor.from_pretrained(processor_id)
+    model = CLIPModel.from_pretrained(os.path.expanduser(model_id)).eval().requires_grad_(False).to(device)
+    return model, CLIPProcessor.from_pretrained(os.path.expanduser(processor_id))  # ~/dir: as _local_model checks it
 
 def _image_embeds(model, processor, images):
     pixels = processor(images=[Image.fromarray(a) for a in images], return_tensors="pt")["pixel_values"]

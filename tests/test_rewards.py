@@ -378,6 +378,17 @@ def test_clip_scores_follow_their_formulas(tiny_clip, monkeypatch):
     np.testing.assert_array_equal(a, rewards.make_reward(f"aesthetic:{tiny_clip}")(images, CLIP_PROMPTS[:2])[0])
 
 
+def test_a_clip_directory_written_with_a_tilde_loads_as_start_up_checked_it(tiny_clip, monkeypatch):
+    """`pickscore:~/ckpt` (the shell leaves a "~" after ":" as it is): the start-up check expanded it and passed, then
+    the reward, built after the policy model, handed "~/ckpt" to transformers as a hub id and stopped the run."""
+    monkeypatch.setenv("HOME", str(tiny_clip.parent))
+    images = torch.rand(2, 3, 32, 32)
+    for name in ["pickscore", "clipscore"]:
+        rewards.check_reward_spec(f"{name}:~/{tiny_clip.name}")
+        got = rewards.make_reward(f"{name}:~/{tiny_clip.name}")(images, CLIP_PROMPTS[:2])[0]
+        np.testing.assert_array_equal(got, rewards.make_reward(f"{name}:{tiny_clip}")(images, CLIP_PROMPTS[:2])[0])
+
+
 def test_aesthetic_without_head_fails_at_check_time(monkeypatch, tmp_path):
     monkeypatch.delenv("FLOWGRPO_AESTHETIC_HEAD", raising=False)
     with pytest.raises(ValueError, match="FLOWGRPO_AESTHETIC_HEAD"):

@@ -105,6 +105,14 @@ def test_a_prompt_without_a_source_is_refused_at_start_up_and_at_the_first_call(
             rewards.check_servable(spec)
 
 
+def test_a_side_of_digits_int_cannot_read_is_refused_in_the_flags_words():
+    """"²" and "①" are digits to str.isdigit but not numbers to int(): `--reward preserve:²` stopped the start with
+    Python's "invalid literal for int() with base 10", naming neither the flag nor what ARG should be."""
+    for bad in ("preserve:\u00b2", "preserve:\u2460"):
+        with pytest.raises(ValueError, match=rf"--reward {bad}: ARG is the side in pixels .* in \[4, 1024\]"):
+            rewards.check_reward_spec(bad)
+
+
 def test_the_reward_server_refuses_to_serve_a_reward_that_opens_source_paths():
     """`python rewards.py serve --reward preserve`: refused in one line before it listens."""
     out = subprocess.run([sys.executable, "rewards.py", "serve", "--reward", "preserve", "--port", "0"], cwd=ROOT,
