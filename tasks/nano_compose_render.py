@@ -75,7 +75,7 @@ def prompt_sets(seed: int = SET_SEED, per_category: int = 20) -> tuple[dict, dic
     the 45 digit pairs (two, position, attribution), 2 digits per named colour (8 of the 40 colour–digit bindings),
     2 digits per count (6 of 30) and 200 of the 1,000 numbers; train is every prompt free of those. The held-out set
     is `per_category` prompts of each category (single: its 10): half of them novel (holding a held-out combination;
-    counting has 6), the rest drawn from train, so novel and seen can be read apart."""
+    counting has 6, colours 8), the rest drawn from train, so novel and seen can be read apart."""
     rng = np.random.default_rng(seed)
     pairs = [(a, b) for a in range(10) for b in range(a + 1, 10)]
     held_pairs = {pairs[i] for i in rng.choice(len(pairs), 9, replace=False)}
