@@ -93,8 +93,8 @@ class Adapter:
             if isinstance(part, torch.nn.Module):
                 part.requires_grad_(False).eval()
         self.transformer, self.scheduler = pipe.transformer, pipe.scheduler  # the σ table only; the pipe's own
-        if self.linspace_sigmas:
-            self.scheduler = sch.linspace_scheduler_class().from_config(pipe.scheduler.config)
+        if self.linspace_sigmas or pipe.scheduler.config.get("use_dynamic_shifting"):  # else the scheduler's own spacing
+            self.scheduler = sch.linspace_scheduler_class(self.linspace_sigmas).from_config(pipe.scheduler.config)
         self.multiple = self.side_multiple()
         self.passes = 0  # image rows through the transformer so far (a two-pass CFG step counts 2); the loop logs them
         self.transformer.register_forward_pre_hook(self._count_passes, with_kwargs=True)

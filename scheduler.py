@@ -35,20 +35,23 @@ def sigma_schedule(scheduler, num_steps: int, image_seq_len: int) -> torch.Tenso
     return scheduler.sigmas.to(torch.float32).cpu()
 
 
-@functools.lru_cache(maxsize=1)
-def linspace_scheduler_class() -> type:
+@functools.lru_cache(maxsize=2)
+def linspace_scheduler_class(linspace: bool = True) -> type:
     """FlowMatchEulerDiscreteScheduler as the Qwen-Image, FLUX.1 and Qwen-Image 2.1 pipelines call it: σ given as
     linspace(1, 1/N, N), then shifted by the config, by mu where it shifts dynamically, else by its static shift.
     Asked for N steps, the scheduler itself spaces σ from its own σ_max to σ_min: `sigma_schedule` does so for a
     static config (SD3.5's pipeline does too), which for these pipelines was another table (a FLUX.1 config of static
-    shift 3 under --model-path: σ_1 0.858 where the pipeline's is 0.9)."""
+    shift 3 under --model-path: σ_1 0.858 where the pipeline's is 0.9). linspace False: as SD3.5's pipeline calls it,
+    no σ given even where the config shifts dynamically (sigma_schedule's linspace is dropped: it was another table)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     class LinspaceScheduler(FlowMatchEulerDiscreteScheduler):
         def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, mu=None, timesteps=None):
-            if sigmas is None and timesteps is None:
+            if not linspace:
+                num_inference_steps, sigmas = num_inference_steps or len(sigmas), None
+            elif sigmas is None and timesteps is None:
                 sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-            super().set_timesteps(device=device, sigmas=sigmas, mu=mu, timesteps=timesteps)
+            super().set_timesteps(num_inference_steps, device=device, sigmas=sigmas, mu=mu, timesteps=timesteps)
     return LinspaceScheduler
 
 

@@ -82,6 +82,18 @@ def test_a_static_shift_config_gets_its_pipelines_table(name, tmp_path):
     assert torch.equal(ours, model.pipe.scheduler.sigmas), (ours, model.pipe.scheduler.sigmas)
 
 
+def test_an_sd3_dynamic_shift_config_gets_its_pipelines_table(tmp_path):
+    """A --model-path SD3 whose scheduler shifts dynamically: SD3's pipeline passes no σ (the scheduler spaces its own N
+    steps, then shifts them by mu), so the adapter's table must not be the linspace(1, 1/N, N) that sigma_schedule gives
+    the Qwen-Image and FLUX.1 pipelines (before: σ 1, 0.826, 0.613, 0.345, 0 where the pipeline's are 1, 0.760, 0.443,
+    0.0016, 0); the ODE path too, bit for bit."""
+    path = models.save_tiny_pipeline(str(tmp_path / "tiny-sd3"), model="tiny-sd3")
+    config = tmp_path / "tiny-sd3" / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"use_dynamic_shifting": True}))
+    model = models.load_model("tiny-sd3", path, "cpu", seed=0)
+    tiny_setup.check_ode_path_against_the_pipeline(model, ["a cat", "a dog"], 4.5, 32, 32)
+
+
 # ---- the 1-D Gaussian toy: data N(m, s²), x_σ = (1−σ)x0 + σε --------------------------------------
 M, S = 1.5, 0.5
 
