@@ -121,21 +121,29 @@ def check_trained_part(model: str, path: str, part: str) -> None:
                          f"the shipped {os.path.relpath(cls.default_path)} (no --model-path)") from None
 
 
+# The layers a LoRA adapts (peft's dispatch_default); peft refuses any other module a target matches, once loaded
+LORA_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+               torch.nn.MultiheadAttention)
+
+
 def check_lora_targets(model: str, path: str | None, targets) -> None:
     """Each --lora-targets name must match a module of the transformer (peft's rule: the whole name, or its end after
-    a dot), checked on a weightless copy (meta device) built from the transformer's config, before anything loads."""
-    names = transformer_module_names(model, path)
-    unknown = [t for t in targets if names is not None and not any(n == t or n.endswith("." + t) for n in names)]
+    a dot), and only layers a LoRA adapts (LORA_LAYERS; `attn` matches a whole attention block), checked on a weightless
+    copy (meta device) built from the transformer's config, before anything loads (unchecked when the config is not on
+    this machine: a hub id not yet downloaded, for which loading then names the problem)."""
+    transformer = meta_transformer(model, path)
+    modules = {} if transformer is None else dict(transformer.named_modules())
+    matched = {t: [n for n in modules if n == t or n.endswith("." + t)] for t in targets}
+    unknown = [t for t in targets if transformer is not None and not matched[t]]
     if unknown:
         raise ValueError(f"--lora-targets {' '.join(unknown)}: no module of --model {model}'s transformer has that "
                          f"name; its default targets are {' '.join(adapter_class(model).lora_targets)}")
-
-
-def transformer_module_names(model: str, path: str | None) -> tuple[str, ...] | None:
-    """The transformer's module names, from its config alone (None when the config is not on this machine: a hub id
-    not yet downloaded, for which loading then names the problem)."""
-    transformer = meta_transformer(model, path)
-    return None if transformer is None else tuple(n for n, _ in transformer.named_modules())
+    bad = {t: n for t, names in matched.items() for n in names if not isinstance(modules[n], LORA_LAYERS)}
+    where = ", ".join(f"{n} ({type(modules[n]).__name__})" for n in bad.values())
+    if bad:
+        raise ValueError(f"--lora-targets {' '.join(bad)}: matches {where}, which a LoRA cannot adapt (only Linear, "
+                         f"Conv and Embedding layers): name the linear layers in it; its default targets are "
+                         f"{' '.join(adapter_class(model).lora_targets)}")
 
 
 @functools.lru_cache(maxsize=8)

@@ -192,6 +192,7 @@ class RunLog:
 
     def __init__(self, claim: Claim, *, enabled: bool, use_wandb: bool, judges: list[str] = ()):
         self.run_dir, self.enabled, self.rows, self.wandb = claim.run_dir, enabled, [], None
+        self.resumed_id = claim.wandb_id  # the wandb run this one continues, named again in its checkpoints
         self.judges = list(judges)  # the reward terms the loop names judges: at weight 0, read by nothing in training
         self.metrics, self.started = os.path.join(claim.run_dir, "metrics.jsonl"), time.time()
         self.args, self.flat, self.drawing = claim.args, 0, 0.0  # flat: iterations in a row without any reward spread
@@ -214,7 +215,8 @@ class RunLog:
 
     @property
     def wandb_id(self) -> str | None:
-        return self.wandb.id if self.wandb else None
+        """The wandb run a checkpoint names for its resume: this one's, or (logging off) the one it continued."""
+        return self.wandb.id if self.wandb else self.resumed_id
 
     def log(self, row: dict) -> None:
         if not self.enabled:

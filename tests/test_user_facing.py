@@ -472,3 +472,24 @@ def test_help_lists_every_flag_once_under_its_phase():
     assert listed == expected, (set(listed) ^ set(expected), out.stdout[-3000:])
     text = " ".join(re.sub("[│╭╮╰╯─]", " ", out.stdout).split())
     assert all(" ".join(g.__doc__.split()) in text for g in groups), [g.__name__ for g in groups]
+
+
+@pytest.mark.parametrize("targets, matched", [("attn", "attn (Attention)"), ("to_out", "to_out (ModuleList)"),
+                                              ("transformer_blocks", "transformer_blocks (ModuleList)")])
+def test_lora_targets_naming_a_whole_block_are_refused_before_the_model_loads(targets, matched):
+    """`--lora-targets attn` matches modules by name, so start-up let it through; peft then refused the Attention
+    block it names once the weights were loaded (minutes for a real model), in a 17-line message dumping the module."""
+    with pytest.raises(ValueError) as e:
+        startup.check_args(cli.parse_args(flowgrpo.Args, ["--lora-targets", "to_q", targets]))
+    said = str(e.value)
+    assert said.startswith(f"--lora-targets {targets}: matches ") and matched in said and "\n" not in said, said
+    assert "cannot adapt" in said and "its default targets are to_q" in said, said
+    startup.check_args(cli.parse_args(flowgrpo.Args, ["--lora-targets", "to_q", "to_out.0"]))  # its Linear: accepted
+
+
+def test_a_resume_with_wandb_off_keeps_naming_the_wandb_run_it_continues(tmp_path):
+    """A run resumed with --no-wandb wrote wandb_id null into its checkpoints, so resuming again with wandb on started
+    a new wandb run, the history split in two. Its checkpoints name the run it continued now."""
+    claim = rundir.Claim(str(tmp_path / "run"), "r", "abc123", {"group_size": 2, "reward": "brightness"})
+    assert runlog.RunLog(claim, enabled=True, use_wandb=False).wandb_id == "abc123"
+    assert runlog.RunLog(dataclasses.replace(claim, wandb_id=None), enabled=True, use_wandb=False).wandb_id is None
