@@ -223,7 +223,7 @@ def main(a: Args) -> list[dict]:
     if not a.micro_batch:  # --micro-batch 0: the largest that fits this device's memory, measured (memory.py)
         a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, arith["images_per_rank"] // a.optimizer_steps,
                                                           trainset))
-        arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
+        arith = run.args["batch_arithmetic"] = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))  # args.json's
     reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)  # (--seed, iteration): nothing of it to resume

@@ -175,6 +175,10 @@ def test_micro_batch_0_takes_a_whole_share_the_algorithm_accepts_and_on_a_cpu_at
                "3", "--group-size", "4", "--optimizer-steps", "1", "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "images_per_rank=12, micro_batch=6, micro_batches_per_rank=2," in out.stdout, out.stdout
+    # args.json (and wandb's config) hold the arithmetic of the size chosen, not that of a micro-batch of 1 (as they did)
+    written = json.loads((tmp_path / "run" / "args.json").read_text())
+    assert written["micro_batch"] == 0 and written["batch_arithmetic"]["micro_batch"] == 6, written["batch_arithmetic"]
+    assert written["batch_arithmetic"]["micro_batches_per_rank"] == 2, written["batch_arithmetic"]
 
 
 def test_micro_batch_0_on_a_gpu_measures_what_it_foretells_and_leaves_room_for_the_kept_graphs():
