@@ -37,7 +37,8 @@ def open_bounded(path: str, limit: int | None = None):
 
 def read_config(path: str) -> dict:
     """A diffusers config.json (or model_index.json) with a `_class_name`, its size bounded before it is read and the
-    stacks it repeats (`num_*layers`, `num_*blocks`, lists) before anything is built from it."""
+    stacks it repeats (`num_*layers`, `num_*blocks`, Z-Image's `n_layers`, `n_refiner_layers`, lists) before anything
+    is built from it."""
     with open_bounded(path, MAX_CONFIG_BYTES) as f:
         try:
             config = json.loads(f.read())
@@ -48,7 +49,7 @@ def read_config(path: str) -> dict:
     for key, value in config.items():
         if isinstance(value, list) and len(value) > MAX_LIST:
             raise ValueError(f"has a {key} of {len(value)} entries, more than {MAX_LIST}")
-        if re.fullmatch(r"num_\w*(layers|blocks)", key) and isinstance(value, int) and value > MAX_REPEATS:
+        if re.fullmatch(r"(num|n)_\w*(layers|blocks)", key) and isinstance(value, int) and value > MAX_REPEATS:
             raise ValueError(f"has {key} {value}, more than {MAX_REPEATS}")
     return config
 

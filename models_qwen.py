@@ -9,6 +9,7 @@ import torch
 from models_base import Adapter, Spec
 
 QWEN_ROPE_POSITIONS = 4096  # the length of diffusers' QwenEmbedRope table (fixed in its code, not in the config)
+QWEN_LONGEST_TEXT = 1024  # the longest text length QwenImagePipeline takes (check_inputs refuses more)
 # Qwen-Image's published scheduler config; the tiny model uses it too.
 QWEN_SCHEDULER = dict(use_dynamic_shifting=True, time_shift_type="exponential", base_image_seq_len=256,
                       max_image_seq_len=8192, base_shift=0.5, max_shift=0.9, shift_terminal=0.02,
@@ -66,7 +67,9 @@ class QwenImage(Adapter):
     pipeline_class = "QwenImagePipeline"
     default_path = "Qwen/Qwen-Image"
     omni_pipeline_class = "omni.pipeline.FlowGRPOQwenImagePipeline"
-    max_sequence_length = 1024  # QwenImagePipeline.encode_prompt's default (it pads to the longest prompt)
+    # QwenImagePipeline.__call__'s default: its call cuts a longer prompt's embeddings there (encode_prompt's own
+    # default, 1024, is not what the call passes); it pads the prompts to the longest
+    max_sequence_length = 512
     # Attention projections of both streams plus the image and text MLPs. `to_out.0` and `to_add_out` are
     # left out: vLLM-Omni's Qwen-Image has a single `to_out` layer (no `.0`) and rejects `to_out.0`; both
     # diffusers and vLLM-Omni accept every name below.
@@ -89,8 +92,9 @@ class QwenImage(Adapter):
     @classmethod
     def check_size(cls, model: str, spec: Spec, transformer, height: int, width: int, num_frames: int = 1) -> None:
         """diffusers' QwenEmbedRope holds 4096 positions: a side of n patches takes n/2 on each side of 0, the text the
-        next ones after n/2; with room for 2·max_sequence_length of them (the text, padded for --sp), n ≤ 4096."""
-        most = 2 * (QWEN_ROPE_POSITIONS - 2 * cls.max_sequence_length) * spec.multiple
+        next ones after n/2; with room for 2·1024 of them (the longest text the pipeline takes, padded for --sp),
+        n ≤ 4096."""
+        most = 2 * (QWEN_ROPE_POSITIONS - 2 * QWEN_LONGEST_TEXT) * spec.multiple
         for flag, side in (("--height", height), ("--width", width)):
             if side > most:
                 raise ValueError(f"{flag} must be at most {most} for --model {model}, got {side}: its transformer's "

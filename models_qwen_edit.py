@@ -72,6 +72,7 @@ class QwenImageEdit(EditAdapter, QwenImage):
     pipeline_class = "QwenImageEditPlusPipeline"
     default_path = "Qwen/Qwen-Image-Edit-2511"
     omni_pipeline_class = "omni.pipeline_edit.FlowGRPOQwenImageEditPlusPipeline"
+    max_sequence_length = 1024  # its pipeline cuts no prompt; vLLM-Omni's refuses one longer than this (QwenImage: 512)
     build_tiny = staticmethod(build_tiny_qwen_edit_pipeline)
 
     @classmethod

@@ -1,5 +1,6 @@
 """The tiny Qwen-Image adapter against diffusers' own QwenImagePipeline; the model registry's cheap import and
 one-line loading errors."""
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,19 @@ def test_ode_rollout_reproduces_the_diffusers_pipeline(model, cfg):
     torch.testing.assert_close(x, ref_latents, rtol=0, atol=1e-6)
 
 
+def test_a_prompt_past_the_pipelines_text_length_samples_as_its_call(model):
+    """QwenImagePipeline.__call__ cuts a prompt's embeddings at its max_sequence_length, 512 (encode_prompt's own
+    default is 1024): prompts of ~1,500 tokens, positive and negative, sample the call's latents bit for bit."""
+    long = " ".join(f"word{i}" for i in range(400))
+    negative = " ".join(f"bad{i}" for i in range(400))
+    batch = rollout.sample(model, [long], [{}], [0], [0], steps=[], num_steps=2, height=H, width=W, cfg_scale=4.0,
+                           negative_prompt=negative, noise_level=0.0, sde_type="sde", seed=3, iteration=5, chunk=1)
+    ref = model.pipe(prompt=long, negative_prompt=negative, true_cfg_scale=4.0, height=H, width=W, num_inference_steps=2,
+                     output_type="latent", generator=rollout.image_generators(3, 5, [0])).images
+    assert torch.equal(batch.x0, ref), (batch.x0 - ref).abs().max()
+    assert model.encode([long])["embeds"].shape[1] == 512
+
+
 def test_rollout_is_chunk_invariant_and_records_the_window(model):
     kw = dict(steps=[1, 2], num_steps=4, height=H, width=W, cfg_scale=1.0, negative_prompt=" ", noise_level=0.7,
               sde_type="sde", seed=0, iteration=2)
@@ -116,3 +130,13 @@ def test_weights_that_cannot_be_reached_are_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="--model sd3.5-medium: cannot load .*--model-path") as e:
         models.load_model("sd3.5-medium", str(tmp_path / "missing"), "cpu")
     assert "\n" not in str(e.value)
+
+
+def test_z_image_stacks_are_bounded_before_a_weightless_copy_is_built(tmp_path):
+    """Z-Image's transformer config names its stacks `n_layers`, `n_refiner_layers`: bounded as `num_layers` are (before:
+    any count passed, and the --lora-targets check built them weightless, 3,000 in 9 s, 10⁶ for hours)."""
+    (tmp_path / "transformer").mkdir()
+    config = {"_class_name": "ZImageTransformer2DModel", "n_layers": 300}
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="transformer/config.json has n_layers 300, more than 256$"):
+        model_checks.check_lora_targets("z-image", str(tmp_path), models.adapter_class("z-image").lora_targets)
