@@ -46,6 +46,9 @@ import torch
 import torch.distributed as dist
 from diffusers.utils.torch_utils import randn_tensor
 from safetensors.torch import save
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm_omni.diffusion.distributed.parallel_state import (get_classifier_free_guidance_rank,
+                                                            get_pipeline_parallel_rank, get_sequence_parallel_rank)
 from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.models.sd3.pipeline_sd3 import StableDiffusion3Pipeline
@@ -65,6 +68,17 @@ def expose_flux_lora_names(transformer) -> None:
         (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
         (".add_kv_proj", ".add_q_proj", "q"), (".add_kv_proj", ".add_k_proj", "k"),
         (".add_kv_proj", ".add_v_proj", "v")]
+
+
+def writes_trajectories() -> bool:
+    """Whether this rank writes its passes' trajectory files: the primary of its data-parallel replica (SP, CFG, TP and
+    PP rank 0), the rank whose outputs the executor returns (global rank r·replica size for replica r; the replica's
+    other ranks hold the same tensors). Global rank 0 alone wrote none for the requests of replicas 1, 2, … (a server
+    on several devices infers data parallelism from the world size)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    return all(rank() == 0 for rank in (get_sequence_parallel_rank, get_classifier_free_guidance_rank,
+                                        get_tensor_model_parallel_rank, get_pipeline_parallel_rank))
 
 
 def checked_root(custom_pipeline_args: dict | None) -> str | None:
@@ -160,9 +174,7 @@ class FlowGRPOSampler:
             run = self._run
         finally:
             self._run = None
-        # The runner returns the outputs of global rank 0 only (diffusion_model_runner.py, `is_primary`);
-        # with several devices (TP/SP/CFG-parallel) every rank holds the same tensors, so rank 0 writes.
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if writes_trajectories():  # one rank of the replica that sampled this pass
             # one output per request; a pipeline without request batching (Kontext) returns its one request's
             for i, (k, out) in enumerate(zip(knobs, outputs if isinstance(outputs, list) else [outputs])):
                 rows = slice(i * n, (i + 1) * n)

@@ -201,7 +201,7 @@ def test_requests_group_by_prompt_and_keep_per_image_seeds(model):
         assert all(prompts[i] == body["prompt"] for i in pos)
         assert knobs["seeds"] == [rollout.image_seed(5, 3, ids[i]) for i in pos] and body["seed"] == knobs["seeds"][0]
         assert knobs["steps"] == STEPS and knobs["noise_level"] == 0.7 and knobs["sde_type"] == "sde"
-        assert knobs["max_sequence_length"] == 1024  # the Qwen adapter's text length
+        assert knobs["max_sequence_length"] == 512  # the Qwen adapter's text length (its pipeline call's)
         assert body["size"] == f"{W}x{H}" and body["num_inference_steps"] == NUM_STEPS and body["lora"] == lora
         assert body["true_cfg_scale"] == 1.0 and "negative_prompt" not in body  # no CFG: one pass, as locally
     assert len({b["extra_params"]["flowgrpo"]["trajectory"] for _, b in jobs}) == 3
