@@ -71,6 +71,10 @@ def check_args(a) -> tuple[str, dict] | None:
          "local (the vLLM-Omni pipeline has none yet)")
     need(a.rollout == "local" or a.sp == 1, "--sp > 1 needs --rollout local: the ranks of an --sp group must hold "
          "bit-identical rollouts, which the trainer's own sampling guarantees and separate servers do not")
+    need(a.rollout == "local" or (not a.full_finetune and a.num_steps <= 200 and max(a.cfg_scale, a.guidance or 0) <= 20),
+         f"--rollout vllm-omni: its servers sample with the policy as a LoRA (not --full-finetune), at most 200 steps "
+         f"and guidance scales up to 20 (vLLM-Omni's request limits); got --num-steps {a.num_steps}, --cfg-scale "
+         f"{a.cfg_scale}, --guidance {a.guidance}: lower them, or use --rollout local")
     alone = int(os.environ.get("WORLD_SIZE", 1)) == 1 and not (a.full_finetune or a.offload or a.sp > 1)
     for flag, on in (("--merged-lora", a.merged_lora), ("--fp8-rollout", a.fp8_rollout)):  # one bf16 process's own
         need(not on or (a.mixed_precision and alone and a.rollout == "local"), f"{flag} needs --mixed-precision in one "

@@ -15,8 +15,9 @@ BUDGETS = {
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
     # what a run checks before anything expensive starts: each refusal in one line; 155 since 2026-12-06 for the
-    # recipe's values read once by both checks of flags given to no effect (another algorithm's, or without a companion)
-    "startup.py": 155,
+    # recipe's values read once by both checks of flags given to no effect (another algorithm's, or without a companion);
+    # 160 since 2026-12-07 for vLLM-Omni's request limits, which a run met at its first rollout, after the model loaded
+    "startup.py": 160,
     # the command line read over a recipe's values, in Args' groups (a section of --help each), tyro's errors in one line
     "cli.py": 100,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:

@@ -144,6 +144,9 @@ def option_help(text: str, flag: str) -> str:
     (dict(reuse_rollout_forward=True, algorithm="nft"), "--reuse-rollout-forward: not used by --algorithm nft"),
     (dict(micro_batch=-1), "--micro-batch must be >= 1, or 0"), (dict(micro_batch=0, rollout_ranks=1), "--micro-batch 0"),
     (dict(micro_batch=0, rollout="vllm-omni", rollout_url="http://127.0.0.1:1"), "--micro-batch 0 .* give --micro-batch"),
+    # vLLM-Omni's request limits (and its LoRA-only policy): refused by every request, after the model had loaded
+    *[(dict(rollout="vllm-omni", rollout_url="http://127.0.0.1:1", **c), "--rollout vllm-omni: .* request limits")
+      for c in (dict(full_finetune=True), dict(num_steps=201, window=1), dict(cfg_scale=20.5))],
 ])
 def test_impossible_configurations_fail_with_the_flag_named(change, flag):
     with pytest.raises((ValueError, FileNotFoundError), match=flag):
