@@ -105,15 +105,15 @@ FAMILIES = [
 
 def header(dry: bool, which: str = "") -> str:
     """What the figures were measured on: date, machine, revision, versions."""
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True) if not dry else None
+    smi = subprocess.run("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader", shell=True,
+                         capture_output=True, text=True) if not dry else None  # (a shell: a command missing, 127)
     packages = []
     for name in ("torch", "diffusers", "transformers", "peft"):
         try:
             packages.append(f"{name} {version(name)}")
         except PackageNotFoundError:
             packages.append(f"{name} missing")
-    rev = os.environ.get("FLOWGRPO_REV") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+    rev = os.environ.get("FLOWGRPO_REV") or subprocess.run("git rev-parse --short HEAD", shell=True, cwd=ROOT,
                                                            capture_output=True, text=True).stdout.strip() or "?"
     machine = smi.stdout.strip() if smi and smi.returncode == 0 else "CPU (dry run)" if dry else "no nvidia-smi"
     return (f"# GPU check{f' ({which})' if which else ''}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\nrevision {rev}; "
@@ -126,8 +126,8 @@ def run_step(name: str, argv: list[str], bound: float, log_path: str) -> tuple[s
     with open(log_path, "w") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, process_group=0,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))  # the check's session: ended with it
         try:
             code = proc.wait(timeout=bound)
         except subprocess.TimeoutExpired:

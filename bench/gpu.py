@@ -31,7 +31,7 @@ from bench import families as bench_families
 from bench.overhead import CUDA, HEAD, ROOT, make_engine, measure, ms, row, sample, sync, texts_of, train, vm_hwm
 
 # dense bf16 tensor-core peaks, vendor data sheets; the first name the device's contains (the H100 SXM as "H100")
-PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0}
+PEAK_TFLOPS = {"H200 NVL": 835.0, "H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0}
 
 class RandomText(models_qwen.QwenImage):  # no 7B text encoder: the tiny one's token counts and masks, random values
     @torch.no_grad()

@@ -1,13 +1,17 @@
 """bench/overhead.py, bench/check.py's dry run (bench/gpu.py's rows at toy size) and bench/soak.py at their smallest sizes,
 bench/host.py's rows, and bench/gpu.py's FLOP formula against torch's counter. No timing thresholds: these check that
 every row is produced and every figure is a finite positive number, not how fast anything is. Each runs as a script."""
+import argparse
 import ast
+import contextlib
 import dataclasses
 import math
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 from peft import LoraConfig
@@ -141,6 +145,40 @@ def test_the_gpu_checks_tests_step_runs_every_gpu_test_the_most_important_first(
         "| wan2.1-t2v-1.3b recipe: peak memory, rollout | 30 | 30 | 30 | GiB |  | a micro-batch of 8 videos |",
         f"- {ids[0]}: PASSED", f"- {node}[cuda-plain]: FAILED", f"- {node}[cuda-fsdp2]: SKIPPED",
         f"- {node}[cpu-plain]: running when the step ended"]
+
+
+def test_a_step_runs_in_a_group_of_its_own_within_the_checks_session_killed_whole_at_its_bound(tmp_path):
+    """bench/check.py's run_step: a step and what it starts are killed together at its bound, and the step stays in the
+    check's session. A lent machine's call that ends at its limit ends the processes of its command's session: a step
+    in a session of its own (start_new_session) ran on past the check, on the GPU, into the machine's next call."""
+    child = tmp_path / "child"
+    script = ("import os, subprocess, sys, time; print(os.getsid(0), os.getpgid(0), os.getpid(), flush=True); "
+              f"open({str(child)!r}, 'w').write(str(subprocess.Popen(['sleep', '60']).pid)); time.sleep(60)")
+    verdict, seconds = bench_check.run_step("s", [sys.executable, "-c", script], 5, str(tmp_path / "s.log"))
+    sid, pgid, pid = map(int, (tmp_path / "s.log").read_text().splitlines()[1].split())
+    assert verdict == "cut at its bound of 5 s" and seconds < 30 and pgid == pid and sid == os.getsid(0), (sid, pgid)
+    time.sleep(0.5)  # the grandchild killed: gone, or a zombie where no init reaps it
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert psutil.Process(int(child.read_text())).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_checks_header_without_git_or_nvidia_smi(monkeypatch, tmp_path):
+    """A machine without git (FLOWGRPO_REV unset) or nvidia-smi on its PATH: the summary's header says so, where it
+    raised FileNotFoundError before the first step and the check measured nothing."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("FLOWGRPO_REV", raising=False)
+    head = bench_check.header(False)
+    assert "revision ?; no nvidia-smi; Python" in head, head
+
+
+@pytest.mark.parametrize("name, tflops", [("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA H100 80GB HBM3", 989),
+                                          ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835)])
+def test_the_mfu_peak_of_each_gpu_by_its_name(monkeypatch, name, tflops):
+    """The dense bf16 peak MFU divides by, from the device's name (data sheets: an NVL card's is its SXM twin's less a
+    sixth, 1,671 against 1,979 TFLOP/s with sparsity for the H200)."""
+    monkeypatch.setattr(bench_gpu, "CUDA", True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert bench_gpu.peak_flops(argparse.Namespace(device="cpu")) == (name, tflops * 1e12)
 
 
 @pytest.mark.parametrize("step", [*ROWS, *(f"more/{k}" for k in MORE_ROWS), *(f"families/{k}" for k in FAMILIES_ROWS)])
