@@ -201,12 +201,13 @@ except OSError as e:
 
 
 # A server of 2 data-parallel replicas of 2 sequence-parallel ranks each (global ranks 0-3): each rank runs one pass
-# (a stand-in for the parent pipeline) and writes its trajectory file if it is the one to.
+# (a stand-in for the parent pipeline) and writes its trajectory file if it is the one to. The ranks in turn, in one
+# process (vLLM-Omni's import is most of its time).
 REPLICA_WRITES = """
 import json, os, sys, torch
 from types import SimpleNamespace
 import omni.pipeline as P
-root, rank = os.path.realpath(sys.argv[1]), int(sys.argv[2])
+root, rank = os.path.realpath(sys.argv[1]), 0
 P.dist = SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 4, get_rank=lambda: rank)
 P.get_sequence_parallel_rank = lambda: rank % 2  # replica r's primary: global rank 2r (vLLM-Omni's executor)
 P.get_classifier_free_guidance_rank = P.get_tensor_model_parallel_rank = P.get_pipeline_parallel_rank = lambda: 0
@@ -219,10 +220,11 @@ class Pass(P.FlowGRPOSampler):
 
 pipe = object.__new__(Pass)
 pipe.trajectory_root = root
-knobs = dict(trajectory=os.path.join(root, f"r{rank}.safetensors"), seeds=[1], steps=[0], noise_level=0.7,
-             sde_type="sde", max_sequence_length=8)
-sp = SimpleNamespace(num_outputs_per_prompt=1, num_inference_steps=2, extra_args={P.KEY: knobs})
-pipe.forward(SimpleNamespace(sampling_params_list=[sp], requests=[None], prompts=["a"]))
+for rank in range(4):
+    knobs = dict(trajectory=os.path.join(root, f"r{rank}.safetensors"), seeds=[1], steps=[0], noise_level=0.7,
+                 sde_type="sde", max_sequence_length=8)
+    sp = SimpleNamespace(num_outputs_per_prompt=1, num_inference_steps=2, extra_args={P.KEY: knobs})
+    pipe.forward(SimpleNamespace(sampling_params_list=[sp], requests=[None], prompts=["a"]))
 """
 
 
@@ -237,11 +239,9 @@ def test_a_failed_trajectory_write_leaves_no_partial_file(tmp_path):
     assert "refused:" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
     assert os.listdir(tmp_path / "t") == []
     (tmp_path / "dp").mkdir()
-    for rank in range(4):
-        out = subprocess.run([str(harness.OMNI_VENV / "bin" / "python"), "-c", REPLICA_WRITES, str(tmp_path / "dp"),
-                              str(rank)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env=os.environ | {"PYTHONPATH": str(ROOT)})
-        assert out.returncode == 0, out.stderr[-3000:]
+    out = subprocess.run([str(harness.OMNI_VENV / "bin" / "python"), "-c", REPLICA_WRITES, str(tmp_path / "dp")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "dp")) == ["r0.safetensors", "r2.safetensors"]  # the replicas' primaries
 
 
