@@ -232,10 +232,13 @@ def score_client(url: str, client: Client, batch: int):
                     "metadata": metadata[i:i + per]}
             reply = client.call(url, "/score", body, f" for images {i}-{i + n - 1}")
             got = reply.get("scores") if isinstance(reply, dict) else None
-            if not (isinstance(got, list) and len(got) == n
-                    and all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in got)):
+            # finite and within float64: JSON parses NaN, Infinity and 1e999, and an int past 1.8e308 is no float64
+            # (an OverflowError, with a traceback, where the scores are made an array)
+            if not (isinstance(got, list) and len(got) == n and all(
+                    isinstance(s, (int, float)) and not isinstance(s, bool) and abs(s) <= sys.float_info.max
+                    for s in got)):
                 raise ValueError(f"{client.what} {url}/score answered images {i}-{i + n - 1} with "
-                                 f"{json.dumps(reply)[:300]}; expected {{\"scores\": [{n} numbers]}}")
+                                 f"{json.dumps(reply)[:300]}; expected {{\"scores\": [{n} finite numbers]}}")
             scores += got
         return scores
     return fn

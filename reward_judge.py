@@ -133,7 +133,8 @@ def client(task: str, spec: JudgeTask, urls: list[str], concurrency: int | None 
             if choice["finish_reason"] != "stop":
                 raise ValueError(f"finish_reason {choice['finish_reason']!r}: the answer is cut or refused")
             return spec.score(choice, prompt)
-        except (LookupError, TypeError, AttributeError, ValueError) as e:
+        # OverflowError: a logprob that is an int past float64's range (-1e400 written out), which exp() refuses
+        except (LookupError, TypeError, AttributeError, ValueError, OverflowError) as e:
             raise ValueError(f"judge server {url}: the reply for prompt {prompt!r} does not parse ({e}): "
                              f"{json.dumps(reply)[:600]}") from None
 

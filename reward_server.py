@@ -284,7 +284,10 @@ def make_server(score, name: str, host: str = "127.0.0.1", port: int = 0,
                 raise Refused(411, "POST /score needs a Content-Length")
             if not (size.strip().isascii() and size.strip().isdigit()):  # '²'.isdigit() is True, int('²') fails
                 raise Refused(400, f"Content-Length {size[:40]!r} is not a number of bytes")
-            size = int(size)
+            try:
+                size = int(size)
+            except ValueError:  # past int()'s 4300 digits: no reply and a traceback before; far over any limit
+                size = max_bytes + 1
             if size > max_bytes:  # read and dropped as it comes, so that the client reads this reply, not a reset
                 with contextlib.suppress(Refused):
                     self._body(size, keep=False)

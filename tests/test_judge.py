@@ -182,6 +182,9 @@ def test_ocr_task_scores_the_judges_reading_with_the_ocr_formula(judges):
     # exp(1000) overflowed: an unnamed OverflowError
     ((200, {"choices": [{"message": {"content": "Yes"}, "finish_reason": "stop", "logprobs": {"content": [
         {"top_logprobs": [{"token": "Yes", "logprob": 1000}]}]}}]}), "logprob 1000 of token 'Yes' is not a log-prob"),
+    # an int logprob past float64 (-1e400 written out): exp() raised an unnamed OverflowError
+    ((200, {"choices": [{"message": {"content": "Yes"}, "finish_reason": "stop", "logprobs": {"content": [
+        {"top_logprobs": [{"token": "Yes", "logprob": -10**400}]}]}}]}), "int too large to convert to float"),
 ])
 def test_a_reply_that_does_not_parse_names_server_prompt_and_reply(judges, fast_retries, reply, problem):
     j = judges(lambda body: reply)

@@ -615,14 +615,18 @@ def test_every_batch_is_checked(fake, fast_retries, monkeypatch):
         reply(h, 200, json.dumps({"scores": [0.5] * next(counts)}).encode())
     url = fake(handler)
     with pytest.raises(ValueError, match=rf"remote reward server {url}/score answered images 0-3 with .*expected "
-                                         r"\{\"scores\": \[4 numbers\]\}"):
+                                         r"\{\"scores\": \[4 finite numbers\]\}"):
         rewards.make_reward(f"remote={url}")(torch.rand(8, 3, 8, 8), ["p"] * 8)
 
 
 @pytest.mark.parametrize("body, content_type, message", [
     (b"<html><body>502 Bad Gateway</body></html>", "text/html", "with a body that is not JSON: '<html>"),
-    (b'{"result": [1]}', "application/json", 'expected {"scores": \\[1 numbers\\]}'),
-    (b'{"scores": ["1"]}', "application/json", 'expected {"scores": \\[1 numbers\\]}'),
+    (b'{"result": [1]}', "application/json", 'expected {"scores": \\[1 finite numbers\\]}'),
+    (b'{"scores": ["1"]}', "application/json", 'expected {"scores": \\[1 finite numbers\\]}'),
+    # Said by the client, naming the server: before, NaN was named by the reward's label alone, and an int past
+    # float64 (1e400 written out) raised an unnamed OverflowError with a traceback.
+    (b'{"scores": [NaN]}', "application/json", 'expected {"scores": \\[1 finite numbers\\]}'),
+    (b'{"scores": [1' + b"0" * 400 + b']}', "application/json", 'expected {"scores": \\[1 finite numbers\\]}'),
 ])
 def test_replies_that_are_not_scores_name_the_server(fake, fast_retries, body, content_type, message):
     def handler(h):

@@ -200,6 +200,9 @@ def test_images_per_request_and_an_odd_content_length_are_refused_with_a_message
     # '²'.isdigit() is True but int('²') raises: the old server answered nothing and logged a traceback.
     status, text = post(port, b"{}", "Content-Length: ²\r\n".encode())
     assert status == 400 and "is not a number of bytes" in text, text
+    # Past int()'s 4300 digits: the old server answered nothing and logged a traceback (int() raised ValueError).
+    status, text = post(port, b"{}", b"Content-Length: " + b"9" * 5000 + b"\r\n")
+    assert status == 413 and "--max-request-mb" in text, text
     assert "Traceback" not in capfd.readouterr().err
 
 
