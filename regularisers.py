@@ -85,7 +85,7 @@ def velocity_norm_ratio(model, engine, a, prompts: list[str], metadata: list[dic
     """eval/velocity_norm_ratio: ‖v_θ‖/‖v_ref‖ averaged over this rank's first micro-batch of evaluation images and over
     the rollout's σ_0 … σ_{N−1}, at x_σ = (1 − σ)·x0 + σ·ε (x0: the policy's own ODE sample of the image, ε from the
     evaluation seeds), then over ranks. Measured at evaluation, so the training compute the loop counts is unchanged;
-    1.0 at the start (the adapter is zero). Costs 3·b·N transformer passes per evaluation. {} without a LoRA."""
+    1.0 at the start (the adapter is zero). Costs 3·b·N transformer passes (6·b·N with CFG). {} without a LoRA."""
     if engine.lora_config is None:
         return {}
     n = min(a.micro_batch, len(prompts))
