@@ -11,6 +11,8 @@ import secrets
 import shutil
 import stat
 
+HEX8 = "[0-9a-f]" * 8  # the end of the names made here (`.tmp-<pid>-<hex>`): a run dir's `x.old-2023` is the user's
+
 
 def temporary(path: str) -> str:
     """A name beside `path` for writing it: unique to this process and call, so no two writers ever share one."""
@@ -51,12 +53,12 @@ def remove_temporaries(directory: str) -> None:
     """Delete the temporary directories (`temporary` names) interrupted writes left in `directory`, and put back what
     a replace_dir cut between its two renames had moved aside (or delete it, where the new one is in place): the run
     directory is locked by its run, so no other process is writing them."""
-    for stale in glob.glob(os.path.join(glob.escape(directory), "*.tmp-*")):
+    for stale in glob.glob(os.path.join(glob.escape(directory), f"*.tmp-[0-9]*-{HEX8}")):
         if os.path.isdir(stale) and not os.path.islink(stale):
             shutil.rmtree(stale, ignore_errors=True)
         elif os.path.lexists(stale):  # a file's (runlog's args.json, metrics.jsonl), which rmtree skipped
             os.remove(stale)
-    for old in glob.glob(os.path.join(glob.escape(directory), "*.old-*")):
+    for old in glob.glob(os.path.join(glob.escape(directory), f"*.old-[0-9]*-{HEX8}")):
         dst = old.rpartition(".old-")[0]
         if os.path.exists(dst):
             shutil.rmtree(old, ignore_errors=True)

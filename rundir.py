@@ -152,8 +152,9 @@ def _holds_run(run_dir: str) -> bool:
 
 def _run_above(run_dir: str) -> str | None:
     """The nearest directory above run_dir that is a run's (an args.json with a run id), or None. (Not any locked one:
-    a comparison's directory, locked while it runs (tasks/nano_compare.py), holds its runs.)"""
-    path = os.path.abspath(run_dir)
+    a comparison's directory, locked while it runs (tasks/nano_compare.py), holds its runs.) Links and `..` resolved
+    first: a link to another run's checkpoints/ is inside that run, wherever the link lies."""
+    path = os.path.realpath(run_dir)
     while os.path.dirname(path) != path:
         path = os.path.dirname(path)
         if "run_id" in _read_json(os.path.join(path, "args.json")):

@@ -128,6 +128,36 @@ def test_a_swap_cut_between_its_renames_keeps_the_directory_it_replaced(tmp_path
     assert os.listdir(tmp_path) == ["lora"], os.listdir(tmp_path)
 
 
+def test_the_clean_up_of_a_run_directory_touches_only_the_names_it_makes(tmp_path):
+    """A --run-dir may be a directory of the user's (one that holds no run is taken). Each export's clean-up deleted
+    every `*.tmp-*` there and put back or deleted every `*.old-*`: a run into a folder holding `notes/` and
+    `notes.old-2023/` deleted the latter, and `draft.tmp-1` went too. Only the names made here are touched now."""
+    for name in ("notes", "notes.old-2023", "results.old-v1", "data.tmp-keep"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "draft.tmp-1").write_text("mine")
+    os.makedirs(atomic_files.temporary(str(tmp_path / "lora")))  # an export interrupted, and its swap cut:
+    os.makedirs(f"{tmp_path / 'lora'}.old-{os.getpid()}-0123abcd")  # what replace_dir moved aside
+    atomic_files.remove_temporaries(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["data.tmp-keep", "draft.tmp-1", "lora", "notes", "notes.old-2023",
+                                           "results.old-v1"]
+
+
+def test_a_link_into_another_runs_directory_is_inside_it(tmp_path):
+    """`--run-dir A/checkpoints` was refused, but a link to it (or `L/../checkpoints`, which the OS resolves through
+    the link) was taken: the two runs' clean-ups then deleted each other's files being written."""
+    run = tmp_path / "A"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "args.json").write_text('{"run_id": "a"}')
+    os.symlink(run / "checkpoints", tmp_path / "link")
+    refused = rf"is inside the run directory {os.path.realpath(run)}: give a directory outside it$"
+    for given in ("link", "link/sub", "link/../checkpoints"):
+        with pytest.raises(ValueError, match=rf"^--run-dir \S+{given} {refused}"):
+            try:
+                rundir.claim_run_dir(str(tmp_path / given), "m", None, {}, {})
+            finally:
+                rundir.release_run_dirs()
+
+
 def test_checkpoints_are_ordered_by_iteration_not_name(tmp_path):
     """Sorted by name, iter_1000000 came before iter_999999: pruning removed the checkpoint just written, and
     --resume auto and an interrupted run's last line named the older one."""
