@@ -232,6 +232,8 @@ def main(argv=None):
     p.add_argument("--gather-worker", action="store_true", help=argparse.SUPPRESS)  # one rank of gather_rows
     p.add_argument("--split-worker", action="store_true", help=argparse.SUPPRESS)  # split_rows' rank of 2
     o, t = p.parse_args(argv), list(HEAD)
+    if o.repeats is not None and o.repeats < 1:  # 0 read as "unset" ran the default 9; below 0, no row had a median
+        p.error(f"--repeats must be at least 1, got {o.repeats}")
     o.repeats = o.repeats or (1 if o.quick else 9)
     torch.set_num_threads(1)
     if o.gather_worker or o.split_worker:

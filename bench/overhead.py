@@ -367,6 +367,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, help="timed repeats per row (default 9; --quick 1)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     o, t = p.parse_args(argv), list(HEAD)
+    if o.repeats is not None and o.repeats < 1:  # 0 read as "unset" ran the default 9; below 0, no row had a median
+        p.error(f"--repeats must be at least 1, got {o.repeats}")
     o.repeats, quick = o.repeats or (1 if o.quick else 9), o.quick
     if o.device == "cpu":
         torch.set_num_threads(1)  # 2 threads on the loaded 2-core box: 3-18× slower, erratic

@@ -138,8 +138,12 @@ def main(argv=None) -> None:
     ap.add_argument("--trainer-core", type=int, default=1)
     ap.add_argument("--port", type=int, default=8093)
     a = ap.parse_args(argv)
-    if a.iterations <= WARMUP or a.rounds < 1 or a.seeds < 2:
+    if a.iterations <= WARMUP or a.rounds < 1 or (a.seeds < 2 and a.what == "learning"):  # (std over the seeds)
         ap.error(f"--iterations must be > {WARMUP}, --rounds >= 1 and --seeds >= 2")
+    cores = sorted(os.sched_getaffinity(0))  # else each process's pinning failed as it started, past the set-up
+    if not {a.server_core, a.trainer_core} <= set(cores) or (a.server_core == a.trainer_core and a.what == "speed"):
+        ap.error(f"--server-core and --trainer-core must be cores of {cores} (for speed, two different ones: what "
+                 f"overlaps), got {a.server_core} and {a.trainer_core}")
     work = tempfile.mkdtemp(prefix="bench-overlap-")
     try:
         model_dir = os.path.join(work, "nano")  # the shipped nano weights as a whole pipeline, which the server loads

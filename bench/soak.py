@@ -43,13 +43,17 @@ def main(argv=None) -> None:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=50, help="valid requests per client")
     p.add_argument("--hostile", type=float, default=0.25, help="probability of a hostile request after each valid one")
-    p.add_argument("--header-timeout", default="2", help="the server's (its default is 10 s)")
+    p.add_argument("--header-timeout", type=float, default=2.0, help="the server's (its default is 10 s)")
     p.add_argument("--markdown", help="also write the table, with the command, revision, date and load, to this file")
     argv = sys.argv[1:] if argv is None else argv
     o, t = p.parse_args(argv), list(HEAD)
+    # (else: no valid request, no latency to take a percentile of; a timeout the server refuses, no address to read)
+    if min(o.clients, o.requests) < 1 or not 0 < o.header_timeout <= 86400:
+        p.error(f"--clients and --requests must be at least 1 and --header-timeout in (0, 86400] s (the server's "
+                f"bounds); got {o.clients}, {o.requests}, {o.header_timeout:g}")
     server = subprocess.Popen([sys.executable, os.path.join(ROOT, "rewards.py"), "serve", "--reward", "brightness",
-                               "--port", "0", "--header-timeout", o.header_timeout], stdout=subprocess.PIPE, text=True,
-                              stderr=subprocess.DEVNULL)
+                               "--port", "0", "--header-timeout", str(o.header_timeout)], stdout=subprocess.PIPE,
+                              text=True, stderr=subprocess.DEVNULL)
     url = server.stdout.readline().split(" on ")[-1].split()[0]
     port, local, bomb = int(url.rsplit(":", 1)[1]), rewards.make_reward("brightness"), text_bomb()
     hostile = {"idle socket": b"", "Content-Length 10^12": b"POST /score HTTP/1.1\r\nContent-Length: 1" + b"0" * 12 +
@@ -104,7 +108,7 @@ def main(argv=None) -> None:
     for th in threads:
         th.join()
     wall = time.perf_counter() - wall
-    time.sleep(float(o.header_timeout) + 1)  # handlers of idle sockets end at the header deadline
+    time.sleep(o.header_timeout + 1)  # handlers of idle sockets end at the header deadline
     end = status()
     server.kill()
     for key, n in sorted(answers.items()):

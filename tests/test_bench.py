@@ -233,7 +233,7 @@ def test_host_rows_and_the_ops_they_count():
     # in forward, recompute and backward, each with its views, permutes and copy (1410)
     assert rows["host: aten ops per forward + backward, a rank of 2 (FSDP2) ÷ one process"][0] <= 1.2
     assert rows["host: aten ops per forward + backward, an --sp 2 rank ÷ a rank of 2"][0] <= 1.2
-    # bytes, counted: 16 calls gather the model 16 times, a rollout on kept weights twice (bench_host asserts the
+    # bytes, counted: 8 calls gather the model 8 times, a rollout on kept weights once (bench_host asserts the
     # same latents, log-probs and images)
     assert rows["rollout: bytes gathered per image at 2 ranks, weights kept ÷ gathered at every step"][0] < 0.2
 
@@ -308,3 +308,52 @@ def test_soak_smallest():
     rows = table_rows(run_bench("--clients", "2", "--requests", "5", "--hostile", "1", module="bench.soak"))
     assert rows["valid: answered, correct"][0] == 10 and "server threads, start → end" in rows, list(rows)
     assert any(k.startswith("hostile, ") for k in rows) and not any("lost" in k or "retried" in k for k in rows), rows
+
+
+class Ran(Exception):
+    """Raised where a bench would start measuring: a refused command line never gets there."""
+
+
+def ran(*args, **kwargs):
+    raise Ran
+
+
+@pytest.mark.parametrize("module, starts", [("overhead", "model_rows"), ("host", "host_rows")])
+def test_repeats_below_one_are_refused(monkeypatch, capsys, module, starts):
+    """--repeats 0 was read as unset and ran the default 9 repeats; a negative one ran every set-up and then failed on
+    the first row's median of no timings."""
+    bench = __import__(f"bench.{module}", fromlist=["main"])
+    monkeypatch.setattr(bench, starts, ran)
+    for repeats in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            bench.main(["--repeats", repeats])
+        assert f"--repeats must be at least 1, got {repeats}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--clients", "0"], ["--requests", "0"], ["--header-timeout", "0"],
+                                   ["--header-timeout", "abc"]])
+def test_soak_refuses_what_it_cannot_measure(capsys, flags):
+    """No client or request: the soak ran, then failed on the percentile of no latency (IndexError); a header timeout
+    the server refuses: the server exited unseen and the soak failed reading its address (IndexError)."""
+    from bench import soak
+    with pytest.raises(SystemExit):
+        soak.main(flags)
+    err = capsys.readouterr().err
+    assert "--clients and --requests must be at least 1" in err or "invalid float value: 'abc'" in err, err
+
+
+def test_overlap_refuses_cores_it_cannot_pin(monkeypatch, capsys):
+    """A core this process may not run on failed in the first server's start ('Exception occurred in preexec_fn'),
+    after the pipeline was built; one core for both, in `speed`, measured no overlap at all. `speed` needs no
+    --seeds."""
+    from bench import overlap
+    monkeypatch.setattr(overlap.models_nano, "build_nano_pipeline", ran)
+    cores = sorted(os.sched_getaffinity(0))
+    one = ["--server-core", str(cores[0]), "--trainer-core", str(cores[0])]
+    for flags in (["--server-core", str(cores[-1] + 1)], one):
+        with pytest.raises(SystemExit):
+            overlap.main(["speed", *flags])
+        assert "--server-core and --trainer-core must be cores of" in capsys.readouterr().err
+    if len(cores) > 1:  # two cores: past the checks, where the set-up starts
+        with pytest.raises(Ran):
+            overlap.main(["speed", "--seeds", "1", "--server-core", str(cores[0]), "--trainer-core", str(cores[-1])])
