@@ -16,9 +16,10 @@ class ModelArgs:
     recipe: str = "tiny"
     """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
     model: Literal[models.MODELS] = "tiny"  # the registry's names (models.SPECS), each a choice of --model
-    """Qwen-Image, SD3.5-Medium, FLUX.1-dev or Wan2.1 T2V; FLUX.1 Kontext-dev, Qwen-Image-Edit edit (--prompts: a
-    .jsonl, a source image a line); tiny*: their classes at toy size, random weights; nano: tiny Qwen-Image pretrained
-    on handwritten digits (docs/algorithm.md §15); nano-compose: GenEval's questions drawn with them (docs/tasks.md)"""
+    """Qwen-Image, SD3.5-Medium, FLUX.1-dev, Wan2.1 T2V, Z-Image, FLUX.2 [klein] or Qwen-Image 2.1; FLUX.1 Kontext-dev,
+    Qwen-Image-Edit (and 2.1) edit (--prompts: a .jsonl, a source image a line); tiny*: their classes at toy size,
+    random weights; nano: tiny Qwen-Image pretrained on handwritten digits (docs/algorithm.md §15); nano-compose,
+    nano-edit: GenEval's questions drawn with them, instructions on a real digit (docs/tasks.md)"""
     model_path: str | None = None
     """hub id or local pipeline directory; unset: the family's published weights, or for `tiny` random ones"""
     lora_rank: int = 8

@@ -5,9 +5,9 @@ policy); it changes the update only by rounding, and on a GPU it decides how ful
 Qwen-Image recipe's 4 the host's launches, not the GPU's arithmetic, set the pace (BENCHMARKS.md). `fit` measures the
 peak memory of the largest thing one micro-batch does, a CFG velocity's forward and backward on real conditioning
 and the VAE decode of its latents, at 1 and 2 images, extrapolates linearly, and takes the largest size that divides
-a rank's share of an optimizer step (and that the algorithm accepts) within the budget. With --reuse-rollout-forward
-the budget first gives up what the rollout keeps for the update: the graph of every trained step of every image of the
-share, measured on one. Nothing it does changes a weight, a gradient or a random state; every rank takes the smallest
+a rank's share of an optimizer step (and that the algorithm accepts) within the budget, less AdamW's moments (made at
+the first step, after this measures). With --reuse-rollout-forward the budget first gives up what the rollout keeps
+for the update: the graph of every trained step of every image of the share, measured on one. Nothing it does changes a weight, a gradient or a random state; every rank takes the smallest
 rank's choice.
 """
 import dataclasses
@@ -16,6 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import algorithms
 from algorithms import need
@@ -56,8 +57,8 @@ def fit(model, engine, a, images_per_step: int, prompts: list[tuple[str, dict]],
     else:
         # Every figure the same on every rank (the least budget, the largest peak): each measurement runs FSDP2's
         # collectives, which ranks that decided apart, one measuring once more, would wait on for ever
-        budget = _agreed(engine, HEADROOM * (limit_gib * 2**30 or
-                                             torch.cuda.get_device_properties(engine.device).total_memory), "min")
+        budget = _agreed(engine, HEADROOM * (limit_gib * 2**30 or torch.cuda.get_device_properties(engine.device)
+                                             .total_memory) - _moments(engine), "min")
         measure = functools.cache(lambda b: _agreed(engine, _measured(model, engine, a, b, (prompts * b)[:b]), "max"))
         one, two = measure(1), measure(2)  # the allocator's peaks (infinite: out of memory)
         # --reuse-rollout-forward keeps one image's velocity call for each trained step of each image of the step
@@ -65,6 +66,13 @@ def fit(model, engine, a, images_per_step: int, prompts: list[tuple[str, dict]],
         kept = _agreed(engine, _kept(model, a, prompts[:1]), "max") * steps if a.reuse_rollout_forward else 0
         choice = choose(fits, one, two - one if math.isfinite(two) else math.inf, kept, budget, measure)
     return int(_agreed(engine, choice, "min"))
+
+
+def _moments(engine) -> int:
+    """The bytes of AdamW's two moments of this rank's trained weights on the GPU, made at the first optimizer step and
+    kept: left out, a full fine-tune's 8 bytes a weight could run the size chosen out of memory from the second step."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in engine.params]
+    return 2 * sum(t.nbytes for t in local if t.is_cuda)
 
 
 def _agreed(engine, value: float, op: str) -> float:

@@ -65,7 +65,8 @@ def weight_shapes(path: str) -> dict[str, list[int]]:
         header = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
         end = 8 + length + max((int(v["data_offsets"][1]) for v in header.values()), default=0)
         shapes = {k: list(v["shape"]) for k, v in header.items()}
-    except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError):  # not the header's layout
+    except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError,
+            OverflowError):  # not the header's layout (OverflowError: an offset of 1e999, JSON's float infinity)
         raise ValueError(f"is truncated or not safetensors ({size} bytes, no readable header)") from None
     if end > size:
         raise ValueError(f"is truncated: {size} bytes, where its header places {end}")

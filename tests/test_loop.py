@@ -207,7 +207,8 @@ def test_micro_batch_0_takes_a_micro_batch_that_runs_out_of_memory_for_one_that_
     and 2) stopped the run with the allocator's error; it is a size that does not fit. (A stand-in device: the
     measurement itself is tests/test_gpu.py's.)"""
     G, zeroed = 2**30, []
-    engine = SimpleNamespace(device=torch.device("cuda", 0), optimizer=SimpleNamespace(zero_grad=lambda **k: zeroed.append(k)))
+    engine = SimpleNamespace(device=torch.device("cuda", 0), params=[],
+                             optimizer=SimpleNamespace(zero_grad=lambda **k: zeroed.append(k)))
     monkeypatch.setattr(memory, "_agreed", lambda engine, value, op: value)  # one rank
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * G))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -220,6 +221,21 @@ def test_micro_batch_0_takes_a_micro_batch_that_runs_out_of_memory_for_one_that_
     for images_per_step in (1, 4):
         assert memory.fit(None, engine, TINY, images_per_step, [("a cat", {})]) == 1
     assert len(zeroed) == 2  # the gradients a cut backward left, zeroed each time
+
+
+def test_micro_batch_0_leaves_room_for_adams_moments(monkeypatch):
+    """AdamW's two moments of the trained weights are allocated at the first optimizer step, after --micro-batch 0
+    measured: a full fine-tune's 10 GiB of fp32 weights on a rank add 20 GiB, and the 32 images chosen within 72 of
+    80 GiB (10 + 2 a further image) then peaked at 92. (A stand-in device and weight: the measurement is
+    tests/test_gpu.py's.)"""
+    G = 2**30
+    weight = SimpleNamespace(nbytes=10 * G, is_cuda=True)  # a rank's trained weights (a DTensor's local shard)
+    engine = SimpleNamespace(device=torch.device("cuda", 0), params=[weight, SimpleNamespace(nbytes=G, is_cuda=False)])
+    monkeypatch.setattr(memory, "_agreed", lambda engine, value, op: value)  # one rank
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * G))
+    monkeypatch.setattr(memory, "_peak", lambda model, engine, a, b, prompts: (10 + 2 * (b - 1)) * G)
+    chosen = memory.fit(None, engine, TINY, 32, [("a cat", {})])
+    assert chosen == 16, f"{chosen} images: {10 + 2 * (chosen - 1) + 20} GiB with the moments, budget 72"
 
 
 def test_image_assignment_is_world_size_invariant_per_optimizer_step():

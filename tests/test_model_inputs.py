@@ -39,6 +39,9 @@ def damage(directory, case: str) -> None:
         os.truncate(weights, os.path.getsize(weights) // 2)
     elif case == "vae cut to 100 bytes":
         os.truncate(directory / "vae" / WEIGHTS, 100)
+    elif case == "an offset of 1e999":  # JSON's float infinity, which int() overflows on
+        header = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 1e999]}}'
+        weights.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     elif case in ("missing", "fifo", "/dev/zero"):
         weights.unlink()
     if case == "fifo":
@@ -59,6 +62,7 @@ def damage(directory, case: str) -> None:
 @pytest.mark.parametrize("case,file,problem", [
     ("truncated", f"transformer/{WEIGHTS}", "is truncated: 637220 bytes, where its header places 1274440"),
     ("vae cut to 100 bytes", f"vae/{WEIGHTS}", "is truncated or not safetensors (100 bytes"),
+    ("an offset of 1e999", f"transformer/{WEIGHTS}", "is truncated or not safetensors (77 bytes, no readable header)"),
     ("missing", f"transformer/{WEIGHTS}", "is missing"),
     ("fifo", f"transformer/{WEIGHTS}", "is not a regular file (mode prw"),
     ("/dev/zero", f"transformer/{WEIGHTS}", "is not a regular file (mode crw"),
