@@ -176,6 +176,7 @@ def pretrain(out: str, per_digit: int = 50, *, seed: int, vae_steps: int, vae_ba
     """Train the nano VAE and transformer on the train split and write them to `out` (vae/, transformer/: diffusers'
     own format, float16) for `--model nano --model-path out`. Returns what each stage reached (out/pretrain.json)."""
     used = {k: v for k, v in locals().items() if k in PRETRAIN or k.startswith("per_")}  # the values given
+    pretraining.check_out(out)  # before the training, not after it
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)

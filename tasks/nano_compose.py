@@ -37,6 +37,7 @@ import model_checks
 import models_nano
 from tasks import nano
 from tasks import nano_compose_pretrain
+from tasks import pretraining
 from tasks.nano_compose_render import (CATEGORIES, GLYPH_SIZES, INK, NAMES, NUMBER_SIZES, OFFSET, PALETTE, SIDE,
                                        all_prompts, centre, glyphs, offset, parse, prompt_lines, prompt_sets, render)
 
@@ -367,6 +368,10 @@ def main(argv=None) -> None:
     nano.check_numbers(ap, {"per_category": (getattr(a, "per_category", 1), 10**4)},
                        {k: getattr(a, k) for k in nano_compose_pretrain.PRETRAIN} if a.cmd == "pretrain" else None)
     if a.cmd == "pretrain":
+        try:  # an --out it could not write: one line before the 88 CPU-minutes, not a traceback
+            pretraining.check_out(a.out)
+        except ValueError as err:
+            ap.exit(2, f"{ap.prog}: error: {err}\n")
         nano_compose_pretrain.pretrain(a.out, lambda x, ps: by_category(judge_scores(x, ps), ps), evaluate,
                                        a.per_category, **{k: getattr(a, k) for k in nano_compose_pretrain.PRETRAIN})
     elif a.cmd == "evaluate":

@@ -21,7 +21,7 @@ import models_nano
 from tasks import nano, pretraining
 from tasks.nano_compose_render import CATEGORIES, SIDE, pool
 
-# Qwen-Image's classes (docs/tasks.md): a VAE 4× down to 8×8×8 latents (1.83 M parameters), its decoder then trained
+# Qwen-Image's classes (docs/tasks.md): a VAE 4× down to 8×8×8 latents (1.80 M parameters), its decoder then trained
 # alone, and a transformer of 16 tokens (2×2 patches). 8 channels are the latents this transformer learns within the
 # budget (32, which a VAE reconstructs more easily, it learns far slower); the decoder's own stage brings the judge on
 # its reconstructions to ≥ 90% in every category (gate (a)).
@@ -48,6 +48,7 @@ def pretrain(out: str, judge: Callable, evaluate: Callable, per_cat: int = 50, *
     "overall": their mean} (gate (a)); `evaluate(pipe, per_category)` -> a pipeline's figures on the held-out prompts
     (gates (b) and (c))."""
     used = {k: v for k, v in locals().items() if k in PRETRAIN or k.startswith("per_")}  # the values given
+    pretraining.check_out(out)
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)

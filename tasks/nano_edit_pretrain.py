@@ -51,6 +51,7 @@ def training_pairs(pipe, gen: torch.Generator):
     return source, torch.cat(mus), torch.cat(stds), torch.cat(sidx), torch.cat(tidx)
 
 
+@pretraining.one_thread
 def train_transformer(model, pairs_, texts: list[str], steps: int, batch: int, lr: float, ema: float,
                       gen: torch.Generator, measure=None, measure_every: int = 0) -> list[float]:
     """pretraining.train_transformer's rectified flow (the same σ draw, loss, EMA), each pair's target conditioned on
@@ -97,6 +98,7 @@ def pretrain(out: str, per_kind: int = 40, *, seed: int, transformer_steps: int,
     the train glyphs' edits, float16; return what it reached (out/pretrain.json): the VAE's ceiling (`ceiling`), the
     loss, CPU seconds, the held-out judge per instruction (and with curve_every, its curve over the steps)."""
     used = {k: v for k, v in locals().items() if k in PRETRAIN or k.startswith("per_")}  # the values given
+    pretraining.check_out(out)
     from diffusers import QwenImageTransformer2DModel
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -148,6 +150,10 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     nano.check_numbers(ap, {"per_kind": (a.per_kind, 10**4)},
                        {k: getattr(a, k) for k in PRETRAIN})
+    try:
+        pretraining.check_out(a.out)
+    except ValueError as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     torch.set_num_threads(1)
     pretrain(a.out, a.per_kind, **{k: getattr(a, k) for k in PRETRAIN})
 

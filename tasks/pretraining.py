@@ -3,6 +3,7 @@ transformer on a training set's latents (conditioned on the frozen tiny text enc
 parts written in diffusers' format, and what each stage reached said as it ends. Each task's recipe is its own and
 calls these: tasks/nano.py's `pretrain`, tasks/nano_compose_pretrain.py, tasks/nano_edit_pretrain.py.
 """
+import functools
 import json
 import math
 import os
@@ -16,6 +17,23 @@ import atomic_files
 import models_qwen
 
 
+def one_thread(fn):
+    """`fn` run on one torch thread, the caller's count restored after: how many threads split a convolution's or a
+    matmul's sums changes the trained bits (from one seed, 1 and 2 threads wrote other weights), so a base is trained,
+    and its latents' statistics taken, on one thread whatever OMP_NUM_THREADS says (as nano-compose's and nano-edit's
+    shipped bases were)."""
+    @functools.wraps(fn)
+    def pinned(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return pinned
+
+
+@one_thread
 def train_vae(vae, draw, steps: int, batch: int, lr: float, kl_weight: float, gen: torch.Generator,
               weigh=None, schedule=None, clip: float = 0.0, unclamped: bool = False) -> list[float]:
     """Train `vae` (AutoencoderKLQwenImage) on batches `draw(n, gen)` -> images (n, 3, S, S) in [−1, 1]: reconstruction
@@ -57,6 +75,7 @@ def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@one_thread
 @torch.no_grad()
 def latents(vae, images: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """The posterior's (mean, std) of images (N, 3, S, S) in [−1, 1]: each (N, C, s, s)."""
@@ -64,6 +83,7 @@ def latents(vae, images: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor,
     return torch.cat([p.mean[:, :, 0] for p in parts]), torch.cat([p.std[:, :, 0] for p in parts])
 
 
+@one_thread
 def train_transformer(pipe, mu_z: torch.Tensor, std_z: torch.Tensor, labels: torch.Tensor, texts: list[str],
                       side: int, steps: int, batch: int, lr: float, ema: float, gen: torch.Generator,
                       warmup: int = 0, clip: float = 0.0, measure=None, measure_every: int = 0) -> list[float]:
@@ -125,6 +145,16 @@ def conditioning(model, texts: list[str], chunk: int = 64) -> dict:
                           for p in parts]) for k in parts[0]}
 
 
+def check_out(out: str) -> None:
+    """Refuse, before any training, an `out` that save_parts could not write (a file, a path through one, a directory
+    this user cannot write): found at the end, it cost the whole pretraining (nano-compose's: 88 CPU-minutes)."""
+    there = os.path.abspath(out)
+    while not os.path.lexists(there):  # the nearest part of the path that exists: what makedirs writes into
+        there = os.path.dirname(there)
+    if not os.path.isdir(there) or not os.access(there, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {there} is not a directory this user can write; give another --out")
+
+
 def save_parts(out: str, **parts) -> None:
     """Write the trained parts (vae=…, transformer=…) in diffusers' own format, in float16: half the bytes, and what
     loads is what is measured next. Each is written whole beside its place, then put there (atomic_files): a crash
@@ -141,6 +171,8 @@ def save_parts(out: str, **parts) -> None:
         for tmp in written.values():
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if os.path.lexists(report := os.path.join(out, "pretrain.json")):  # the replaced base's figures: gone with it,
+        os.remove(report)  # not left beside new weights if the new base's evaluation is cut before save_report
     for name, tmp in written.items():
         atomic_files.replace_dir(tmp, os.path.join(out, name))
 

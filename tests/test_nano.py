@@ -4,6 +4,7 @@ held-out seeds by far more than its noise."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,79 @@ def test_a_comparison_run_from_another_directory_reads_the_runs_it_made(tmp_path
     run_dir = nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, "rel", 1, 1, 10)
     assert nano_compare.curve(nano, run_dir)["judge"].tolist() == [0.5]
     assert not (repo / "rel").exists() and (elsewhere / "rel" / "window-2-seed0" / "lora").is_dir()
+
+
+def test_pretraining_writes_the_same_bits_whatever_the_thread_count():
+    """How many threads split a convolution's or a matmul's sums changed the trained weights: from seed 0, nano's
+    VAE after 2 steps and its transformer after 2 differed between 1 and 4 threads (nano-compose's whole pretraining
+    between 1 and 2), so `python -m tasks.nano_compose pretrain` without OMP_NUM_THREADS=1 wrote another base than
+    the one-thread run that shipped. Each stage runs on one thread and gives the caller's count back."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    import models_nano
+    x_train, _, y_train, _ = nano.split()
+    images, labels = nano.render(x_train[:64]) * 2 - 1, torch.as_tensor(y_train[:64])
+
+    def trained(threads: int):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(0)
+            gen = torch.Generator().manual_seed(0)
+            vae = AutoencoderKLQwenImage(**nano.VAE, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+            draw = lambda n, g: images[torch.randint(64, (n,), generator=g)]
+            pretraining.train_vae(vae, draw, 2, 32, 2e-3, 1e-4, gen)
+            mu, std = pretraining.latents(vae, images)
+            transformer = QwenImageTransformer2DModel(**nano.TRANSFORMER)
+            pipe = models_nano.build_nano_pipeline(None, vae=vae, transformer=transformer)
+            pretraining.train_transformer(pipe, mu, std, labels, nano.prompt_texts(), nano.SIDE, 2, 32, 1e-3, 0.995,
+                                          gen)
+            assert torch.get_num_threads() == threads  # given back
+            return {**vae.state_dict(), "mu": mu, **pipe.transformer.state_dict()}
+        finally:
+            torch.set_num_threads(before)
+    one, four = trained(1), trained(4)
+    assert [k for k in one if not torch.equal(one[k], four[k])] == []
+
+
+def test_pretraining_refuses_an_out_it_could_not_write_before_it_trains(tmp_path, monkeypatch, capsys):
+    """An --out that is a file (or a path through one) failed only at save_parts, after the whole pretraining (88
+    CPU-minutes on nano-compose), with a traceback; it is refused in one line before anything is trained."""
+    from tasks import nano_compose, nano_compose_pretrain, nano_edit_pretrain
+
+    def trains(*args, **kwargs):
+        raise AssertionError("pretraining began")
+    monkeypatch.setattr(nano_compose_pretrain, "pool", trains)
+    monkeypatch.setattr(nano_edit_pretrain.models_nano, "build_nano_pipeline", trains)
+    monkeypatch.setattr(pretraining, "train_vae", trains)  # nano's first stage
+    (afile := tmp_path / "afile").write_text("")
+    for out in (afile, afile / "base"):
+        with pytest.raises(ValueError, match=re.escape(f"--out {out}: {afile} is not a directory this user can")):
+            nano_compose_pretrain.pretrain(str(out), None, None, **nano_compose_pretrain.PRETRAIN)
+        for main in (nano_edit_pretrain.main, nano.main, nano_compose.main):  # each pretraining's command line
+            with pytest.raises(SystemExit) as exit_:
+                main(["--out", str(out)] if main is nano_edit_pretrain.main else ["pretrain", "--out", str(out)])
+            assert exit_.value.code == 2 and "is not a directory this user can write" in capsys.readouterr().err
+    pretraining.check_out(str(tmp_path / "new" / "base"))  # a directory to be made is fine
+
+
+def test_new_parts_are_never_left_beside_the_report_of_the_base_they_replaced(tmp_path):
+    """save_parts puts the new parts in place; the new base's evaluation (minutes on nano-compose) and save_report
+    come after. Interrupted between them, the directory held the new weights beside the replaced base's pretrain.json:
+    its config and figures, which these weights never reached. The old report goes when its parts go, not before."""
+    out = tmp_path / "base"
+    out.mkdir()
+    (report := out / "pretrain.json").write_text('{"base model": {"judge_accuracy": 0.452}}')
+
+    class Part(torch.nn.Linear):
+        def save_pretrained(self, directory):
+            os.makedirs(directory)
+            Path(directory, "config.json").write_text("new")
+
+    class FullDisk(Part):
+        def save_pretrained(self, directory):
+            raise OSError("No space left on device")
+    with pytest.raises(OSError, match="No space"):
+        pretraining.save_parts(str(out), vae=Part(2, 2), transformer=FullDisk(2, 2))
+    assert report.exists()  # the old base and its report, both as they were
+    pretraining.save_parts(str(out), vae=Part(2, 2), transformer=Part(2, 2))
+    assert sorted(os.listdir(out)) == ["transformer", "vae"]  # no report until save_report writes the new one's
