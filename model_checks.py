@@ -44,9 +44,13 @@ def check_model_args(model: str, *, height: int, width: int, cfg_scale: float, g
     if model_path is not None or spec.trained_parts:  # nano's default is the shipped directory: check it too
         check_model_path(model, model_path or adapter_class(model).default_path)
     index = os.path.join(model_path or "", "model_index.json")
-    if cfg_scale > 1 and model_path and os.path.isfile(index) and model_files.read_config(index).get("is_distilled"):
+    config = model_files.read_config(index) if model_path and os.path.isfile(index) else {}
+    if cfg_scale > 1 and config.get("is_distilled"):
         raise ValueError(f"--cfg-scale must be 1 with --model-path {model_path}: its pipeline is step-distilled "
                          f"(model_index.json: is_distilled) and runs no CFG, got {cfg_scale}: give a base checkpoint")
+    if config.get("sample_sigmas"):  # a Turbo's grid, which its pipeline samples at any step count (models_qwen21.py)
+        raise ValueError(f"--model-path {model_path}: its pipeline samples its own σ grid (model_index.json: "
+                         f"sample_sigmas), which this project's schedules do not: give a checkpoint without one")
     transformer = functools.partial(meta_transformer, model, model_path)  # built only by a family with a rope table
     spec.adapter.check_size(model, spec, transformer, height, width, num_frames)
     if sp > 1:

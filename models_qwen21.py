@@ -89,6 +89,9 @@ class QwenImage21(Adapter):
     def __init__(self, pipe, device, dtype: torch.dtype):
         super().__init__(pipe, device, dtype)
         pipe.text_encoder.register_forward_pre_hook(last_logit_only, with_kwargs=True)  # its states only are read
+        if grid := pipe.config.get("sample_sigmas"):  # its call samples that grid, not linspace(1, 1/N, N), at any N
+            raise ValueError(f"--model-path: its pipeline samples its own σ grid ({len(grid)} steps, model_index.json's "
+                             "sample_sigmas), which this adapter does not: use one without it (Qwen/Qwen-Image-2.1)")
 
     @classmethod
     def load(cls, model: str, path: str | None, device, seed: int = 0, **options) -> "QwenImage21":

@@ -6,6 +6,7 @@ The pipeline's sources are resized to about its `output_resolution`² pixels (10
 CONDITION_SIDE to 64 and call the pipeline with the same, so that a source costs 16 vision and 16 latent tokens (one
 test keeps the pipeline's size)."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -202,6 +203,25 @@ def test_resume_through_the_cli_is_bit_for_bit(small_sources, tmp_path, edit):
     straight, resumed = check_cli_resume(run, tmp_path)
     assert [without_perf(r) for r in rows(resumed)] == [without_perf(r) for r in rows(straight)]
     assert all(r["train/logp_gap"] == 0 for r in rows(straight))
+
+
+def test_a_checkpoint_with_its_own_sigma_grid_is_refused(tmp_path):
+    """A pipeline config with `sample_sigmas` (the grid a Turbo checkpoint ships) makes QwenImage21Pipeline sample that
+    grid whatever `num_inference_steps` asks, where the adapter samples linspace(1, 1/N, N) shifted: the tiny twin with
+    a 4-step grid at 4 steps ended 0.028 from the pipeline's latents (σ_1 0.743 against 0.894), and at 6 steps the
+    pipeline took 4. Refused in one line at start-up (a --model-path's model_index.json) and when the model is built
+    (a hub id's)."""
+    pipe = models_qwen21.build_tiny_qwen21_pipeline(0)
+    pipe.register_to_config(sample_sigmas=[1.0, 0.9, 0.6, 0.3])
+    with pytest.raises(ValueError, match=r"^--model-path: its pipeline samples its own σ grid \(4 steps, model_index"):
+        models_qwen21.QwenImage21(pipe, "cpu", torch.float32)
+    path = models.save_tiny_pipeline(str(tmp_path / "turbo"), model="tiny-qwen-image-2.1")
+    flags = dict(height=32, width=32, cfg_scale=1.0, guidance=None, model_path=path)
+    model_checks.check_model_args("tiny-qwen-image-2.1", **flags)  # without a grid
+    index = json.loads((tmp_path / "turbo" / "model_index.json").read_text())
+    (tmp_path / "turbo" / "model_index.json").write_text(json.dumps(index | {"sample_sigmas": [1.0, 0.9, 0.6, 0.3]}))
+    with pytest.raises(ValueError, match=f"^--model-path {path}: its pipeline samples its own σ grid"):
+        model_checks.check_model_args("tiny-qwen-image-2.1", **flags)
 
 
 @pytest.mark.parametrize("model,change,needle", [
