@@ -16,10 +16,12 @@ is silently mixed in.
 """
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,6 +33,7 @@ from tqdm import tqdm
 
 import cli
 import flowgrpo
+import models
 import prompts as prompt_sets
 import recipes
 import rundir
@@ -304,6 +307,25 @@ def table(task, methods: dict, measured: dict) -> list[str]:
     return lines
 
 
+def check_base(task, out: str) -> None:
+    """<out>/base.json: the digest of the base's files (the task's default directory, which every run and evaluation
+    loads), written by the first comparison into `out`; a later one on another base (`pretrain` rewrites it in place)
+    is refused: the runs and final evaluations it would reuse were made on the other."""
+    base, digest = models.adapter_class(task.MODEL).default_path, hashlib.sha256()
+    for part in ("vae", "transformer"):
+        for name in sorted(os.listdir(os.path.join(base, part))):
+            with open(os.path.join(base, part, name), "rb") as f:
+                digest.update(name.encode() + f.read())
+    path, found = os.path.join(out, "base.json"), digest.hexdigest()
+    if os.path.isfile(path):
+        with open(path) as f:
+            if (known := json.load(f).get("sha256")) != found:
+                raise ValueError(f"{out} holds runs made on another base ({base}: sha256 {str(known)[:12]}, now {found[:12]})"
+                                 ": give another --out, or remove it")
+    with own_file(path) as f:
+        json.dump({"base": base, "sha256": found}, f)
+
+
 def final_evaluation(task, run_dir: str, per_prompt: int) -> dict:
     """The task's evaluation of a run's final LoRA, kept in <run_dir>/final-<per_prompt>.json (written whole, then
     renamed) so that a comparison run again, or interrupted here, reads it rather than sampling it again."""
@@ -421,6 +443,7 @@ def main(argv=None) -> None:
             startup.check_args(cli.parse_args(flowgrpo.Args, command(task, flags, 0, os.path.join(out, "x"),
                                                                      a.iterations, a.eval_every, a.eval_images)))
         rundir.lock_run_dir(out, not os.path.exists(out))  # this comparison's, until it ends
+        check_base(task, out)
         start = time.time()
         measured = compare(task, out, a.seeds, a.iterations, a.eval_every, a.eval_images, methods, a.jobs,
                            a.per_prompt)
@@ -436,7 +459,7 @@ def main(argv=None) -> None:
     with own_file(os.path.join(out, "measured.json")) as f:  # every run's curve and final evaluation
         json.dump(measured, f, indent=1, default=lambda v: v.tolist())
     task.grid(run_path(out, a.methods[0], 0), os.path.join(os.path.dirname(plot_path), "before_after.png"))
-    head = (f"`python -m tasks.nano_compare {' '.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
+    head = (f"`python -m tasks.nano_compare {shlex.join(sys.argv[1:] if argv is None else argv)}`, {time.ctime()}, "
             f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{(time.time() - start) / 60:.0f} min, load {os.getloadavg()[0]:.2f}")
     print(head, *lines, sep="\n")

@@ -98,7 +98,9 @@ BUDGETS = {
     "tasks/nano_compose_pretrain.py": 200,
     "tasks/nano_edit.py": 450,  # the edit task on the digits: instructions with exact targets, judge, reward, evaluation, grid
     "tasks/nano_edit_pretrain.py": 200,  # the edit task's base: nano's VAE and a transformer trained here on exact edits
-    "tasks/nano_compare.py": 450,  # every RL method on a laptop task: runs, the judge at equal compute, table, curves
+    # every RL method on a laptop task: runs, the judge at equal compute, table, curves; raised from 450 (2026-12-07)
+    # for the base's digest, so that a comparison never reuses runs made on a base since re-pretrained in place
+    "tasks/nano_compare.py": 475,
     "bench/overhead.py": 400,  # overhead ratios against diffusers and the bare model, on CPU
     # the host's work per transformer call, loop against bare diffusers, at real depth (CPU); the bytes a rollout gathers;
     # 250 since 2026-12-06: a rank of 2's and an --sp 2 rank's work per update call (what the split path adds)

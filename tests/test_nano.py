@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -270,3 +271,46 @@ def test_new_parts_are_never_left_beside_the_report_of_the_base_they_replaced(tm
     assert report.exists()  # the old base and its report, both as they were
     pretraining.save_parts(str(out), vae=Part(2, 2), transformer=Part(2, 2))
     assert sorted(os.listdir(out)) == ["transformer", "vae"]  # no report until save_report writes the new one's
+
+
+def test_the_comparisons_recorded_command_runs_again_as_it_ran(tmp_path, monkeypatch):
+    """--markdown records the command that made the table: joined with spaces, `--methods "Flow-GRPO, full mode"
+    "window 2"` came out as `--methods Flow-GRPO, full mode window 2`, which argparse refuses (and which no longer
+    says where one method's name ends). It is quoted as a shell would read it back."""
+    from tasks import nano_compare
+    x = np.array([100.0, 200.0])
+    run = {axis: x for axis in nano_compare.AXES} | {
+        "judge": np.array([0.5, 0.6]), "per_iteration": dict.fromkeys(nano_compare.AXES, 1.0),
+        "final": {"judge_accuracy": 0.6, "reward_mean": 0.6, "diversity": 0.1}}
+    methods = ["Flow-GRPO, full mode", "window 2"]
+    monkeypatch.setattr(nano_compare, "compare", lambda task, out, seeds, *rest: {
+        "base": {"judge_accuracy": 0.45, "reward_mean": 0.46, "diversity": 0.14},
+        "budget": dict.fromkeys(nano_compare.AXES, 150.0), "runs": {m: [run, run] for m in methods}})
+    for module, slow in ((nano, "grid"), (nano_compare, "plot"), (startup, "check_args")):  # (seconds of imports)
+        monkeypatch.setattr(module, slow, lambda *args: None)
+    argv = ["--out", str(tmp_path / "out"), "--seeds", "2", "--methods", *methods, "--plot", str(tmp_path / "c.png"),
+            "--markdown", str(tmp_path / "table.md")]
+    nano_compare.main(argv)
+    head = (tmp_path / "table.md").read_text().splitlines()[0]
+    assert shlex.split(head.split("`")[1]) == ["python", "-m", "tasks.nano_compare", *argv], head
+
+
+def test_a_comparison_refuses_runs_made_on_a_base_since_re_pretrained(tmp_path, monkeypatch):
+    """`python -m tasks.nano pretrain` rewrites the shipped base in place; a comparison into an --out of finished runs
+    then reused their curves and final evaluations, made on the old base, beside a base row evaluated on the new one.
+    The first comparison keeps the base's digest in <out>/base.json; another base is refused in one line."""
+    from types import SimpleNamespace
+    from tasks import nano_compare
+    base, out = tmp_path / "base", tmp_path / "out"
+    for part in ("vae", "transformer"):
+        (base / part).mkdir(parents=True)
+        (base / part / "diffusion_pytorch_model.safetensors").write_bytes(b"weights of " + part.encode())
+    out.mkdir()
+    monkeypatch.setattr(nano_compare.models, "adapter_class", lambda model: SimpleNamespace(default_path=str(base)))
+    nano_compare.check_base(nano, str(out))
+    nano_compare.check_base(nano, str(out))  # the same base: its runs are reused
+    assert json.loads((out / "base.json").read_text())["base"] == str(base)
+    (base / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"re-pretrained")
+    with pytest.raises(ValueError, match=rf"^{out} holds runs made on another base \({base}: sha256 [0-9a-f]{{12}}, "
+                                         r"now [0-9a-f]{12}\): give another --out, or remove it$"):
+        nano_compare.check_base(nano, str(out))
