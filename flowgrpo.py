@@ -328,6 +328,8 @@ def main(a: Args) -> list[dict]:
     except KeyboardInterrupt:  # the iteration last trained is kept (rundir.Stop: when); the error goes on up
         if stop.keeps(done, saved):
             save(done)
+        if log.rows:  # rank 0: the curve of every row logged (log.close, which draws it at a run's end, is not reached)
+            log.draw()
         raise
     finally:  # an error or Ctrl-C too: stop scoring threads and remove exchange files; checkpoints stay as written
         stop.restore()

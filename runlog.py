@@ -129,9 +129,12 @@ def plot_curve(path: str, rows: list[dict], judges: list[str]) -> None:
     high = np.array([r.get("reward/max", np.inf) for r in rows])
     fig, axes = plt.subplots(1, 1 + bool(judges), figsize=(6 + 5 * bool(judges), 3.5), dpi=100, squeeze=False)
     ax = axes[0, 0]
-    ax.plot(it, mean, label="train reward (mean over the iteration)")
-    ax.fill_between(it, np.maximum(mean - std, low), np.minimum(mean + std, high), alpha=0.2,
-                    label="± std (within the rewards seen)")
+    # a line through one point, and a band of no width, draw nothing (a run of one iteration, or the curve as first
+    # drawn): a lone point is marked, its band half an iteration to either side
+    dot = "o" if len(it) == 1 else None
+    ax.plot(it, mean, marker=dot, label="train reward (mean over the iteration)")
+    ax.fill_between(np.array(it) + ([-0.5, 0.5] if dot else 0), np.maximum(mean - std, low),
+                    np.minimum(mean + std, high), alpha=0.2, label="± std (within the rewards seen)")
     ev = [(r["iteration"], r["eval/reward_mean"]) for r in rows if "eval/reward_mean" in r]
     if ev:
         ax.plot(*zip(*ev), "o--", label="eval reward (ODE, fixed seeds)")
@@ -140,7 +143,8 @@ def plot_curve(path: str, rows: list[dict], judges: list[str]) -> None:
         train = [(r["iteration"], r[f"reward/{k}/mean"]) for r in rows if f"reward/{k}/mean" in r]
         judged = [(r["iteration"], r[f"eval/{k}/mean"]) for r in rows if f"eval/{k}/mean" in r]
         if train:
-            axes[0, 1].plot(*zip(*train), color=f"C{i}", alpha=0.5, label=f"{k}: rollout images")
+            axes[0, 1].plot(*zip(*train), color=f"C{i}", alpha=0.5, marker="o" if len(train) == 1 else None,
+                            label=f"{k}: rollout images")
         if judged:
             axes[0, 1].plot(*zip(*judged), "o--", color=f"C{i}", label=f"{k}: eval (ODE, fixed seeds)")
         axes[0, 1].set(xlabel="iteration", ylabel="judge", title="judged at weight 0 (never trained on)")
@@ -269,8 +273,11 @@ class RunLog:
         if self.wandb:
             self.wandb.finish()
         new = self.rows[self.first_new:]
+        # each judge on the eval images; in a run without evaluation (--eval-every 0), on the rollout images
+        on = ["eval" if any(f"eval/{j}/mean" in r for r in self.rows) else "rollout" for j in self.judges]
         shown = [("reward/mean", "train reward"), ("eval/reward_mean", "eval reward")] + [
-            (f"eval/{j}/mean", f"{j}, the judge (weight 0, never trained on), on the eval images") for j in self.judges]
+            (f"eval/{j}/mean" if o == "eval" else f"reward/{j}/mean",
+             f"{j}, the judge (weight 0, never trained on), on the {o} images") for j, o in zip(self.judges, on)]
         lines = [f"run directory: {self.run_dir}",
                  f"iterations {new[0]['iteration']}–{new[-1]['iteration']} in {time.time() - self.started:.0f} s" if new
                  else "no iteration ran", *(self.moved(key, name) for key, name in shown)]

@@ -480,3 +480,43 @@ def test_sample_grid_captions_wrap_at_word_boundaries(tmp_path):
     assert runlog.wrap("a short one", font, width, max_lines=2) == ["a short one"]
     runlog.save_grid(str(tmp_path / "grid.png"), torch.rand(3, 3, 32, 32), [f"{prompt} | 0.5"] * 3)
     assert (tmp_path / "grid.png").stat().st_size > 1000
+
+
+def test_a_reward_curve_of_one_iteration_shows_its_reward(tmp_path, monkeypatch):
+    """reward_curve.png of a run of one iteration (and the curve as first drawn, all an interrupted laptop run may
+    leave) marks its train reward and its judge on the rollout images: a line through one point draws nothing.
+    Before: both panels empty under legends that named them."""
+    import matplotlib.figure
+    import numpy as np
+    from PIL import Image
+    import runlog
+    spots, save = {}, matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, *args, **kwargs):  # where the point (iteration 0, 0.5) lands in each panel, in the PNG's pixels
+        save(fig, path, *args, **kwargs)
+        for name, ax in zip(("reward", "judge"), fig.axes):
+            x, y = ax.transData.transform((0, 0.5))
+            spots[name] = round(x), round(fig.bbox.height - y)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    row = {"iteration": 0, "reward/mean": 0.5, "reward/std": 0.1, "reward/min": 0.3, "reward/max": 0.7,
+           "reward/j/mean": 0.5}
+    runlog.plot_curve(str(tmp_path / "curve.png"), [row], ["j"])
+    pixels = np.asarray(Image.open(tmp_path / "curve.png").convert("RGB")).astype(int)
+    for name, (x, y) in spots.items():  # matplotlib's first colour (31, 119, 180), at alpha 0.5 for the judge's
+        r, _, b = pixels[y, x]
+        assert b - r > 50, (name, pixels[y, x])  # white or a grey grid line where nothing is drawn
+
+
+def test_a_run_without_evaluation_ends_by_telling_how_its_judge_moved(tmp_path, capsys):
+    """--eval-every 0: the closing summary gives each judge's mean on the rollout images, first and last (README: a
+    run "ends by printing how its reward and judge moved"). Before: no line for the judge at all."""
+    import runlog
+    claim = rundir.Claim(str(tmp_path), "id", None, {"group_size": 8, "reward": "digit=1,digit_judge=0"})
+    log = runlog.RunLog(claim, enabled=True, use_wandb=False, judges=["digit_judge"])
+    for it in range(2):
+        log.log({"iteration": it, "reward/mean": 0.5, "reward/std": 0.4, "reward/zero_std_ratio": 0.0,
+                 "reward/digit_judge/mean": 0.4 + 0.1 * it})
+    log.close()
+    said = capsys.readouterr().out
+    assert "digit_judge, the judge (weight 0, never trained on), on the rollout images: 0.4 (iteration 0) → 0.5 " \
+           "(iteration 1)" in said, said

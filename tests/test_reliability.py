@@ -412,6 +412,9 @@ def test_a_stopped_run_keeps_its_last_trained_iteration_and_resume_auto_continue
     assert [p.name for p in (run / "checkpoints").iterdir()] == [kept_dir.name] and checkpoint.verify_checkpoint(
         str(kept_dir))["loop"]["iteration"] == kept
     assert ("stopping once iteration 1 is trained and checkpointed" in out.stderr) == (where != "rollout")
+    # the curve drawn from every row logged on the way out (before, as last drawn: redraws are rate-limited, and the
+    # run's closing draw is not reached)
+    assert os.stat(run / "reward_curve.png").st_mtime_ns >= os.stat(run / "metrics.jsonl").st_mtime_ns
     here(*STOP_RUN, "--run-dir", run, "--resume", "auto")
     weights = [load_file(str(r / "lora" / "pytorch_lora_weights.safetensors")) for r in (run, unstopped)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
