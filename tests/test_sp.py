@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism (`--sp`, sequence_parallel.py) on CPU, gloo, 2 and 4 ranks: the split model's
 rollout, velocities and LoRA gradients equal the unsplit model's to float32 rounding (tiny Qwen-Image, tiny FLUX,
-tiny-wan's video tokens and tiny FLUX.2 [klein]);
+tiny-wan's video tokens, tiny FLUX.2 [klein] and nano-edit, its source's tokens in the sequence);
 training runs with --sp 2 (on 2 ranks in the comparisons' processes; on 4 through the CLI and torchrun) take the same
 steps as one process and resume bit for bit; impossible --sp values are refused at start-up, naming the flag and the
 numbers.
@@ -58,6 +58,17 @@ def tiny_wan5(device):
     return models.load_model("tiny-wan", None, device, num_frames=5)
 
 
+def nano_edit(device):
+    """nano-edit (4 heads): each source's 4 tokens at 16×16 join the 4 noisy ones, so a rank at --sp 2 holds all the
+    noisy tokens or all the source's."""
+    return models.load_model("nano-edit", None, device)
+
+
+# one source digit per prompt (nano-edit), each distinct: a row that got another's source would show
+SOURCES = tuple({"image": os.path.join(ROOT, "assets", "nano-edit", "sources", f"train_{n}.png")}
+                for n in (1, 8, 12, 14))
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One family's comparison: its model, its guidance, the first block's self-attention (whose input shows the split:
@@ -68,12 +79,15 @@ class Family:
     tokens: int
     text: tuple[int, int]
     float64: bool = False  # also in float64: the split exact there, and float32's own rounding measured
+    side: int = 32  # the images' height and width
+    metadata: tuple[dict, ...] = ({},) * len(PROMPTS)  # each prompt's (an edit model's source image)
 
 
 FAMILIES = {"qwen": Family(tiny_qwen4, 4.0, "attn", 16, (11, 12)),  # the prompts' 11 tokens, padded (masked) to 12
             "flux": Family(tiny_flux78, 1.0, "attn", 16, (78, 78)),
             "wan": Family(tiny_wan5, 4.5, "attn1", 32, (77, 77), float64=True),  # text by cross-attention: not split
-            "klein": Family(tiny_klein, 4.0, "attn", 16, (64, 64))}  # FLUX.2 [klein]: two-pass CFG
+            "klein": Family(tiny_klein, 4.0, "attn", 16, (64, 64)),  # FLUX.2 [klein]: two-pass CFG
+            "nano-edit": Family(nano_edit, 4.0, "attn", 8, (11, 12), side=16, metadata=SOURCES)}  # 4 noisy + 4 source
 
 
 def in_float64(build: Callable) -> Callable:
@@ -102,11 +116,13 @@ def rollout_and_gradients(family: Family, sp: int, inputs=None, terms=False, **e
         lambda m, args, kw: seen.append((args[0] if args else kw["hidden_states"]).shape[1]), with_kwargs=True)
     ids, cfg = torch.arange(len(PROMPTS)), family.cfg
     model.transformer.eval()
-    batch = rollout.sample(model, PROMPTS, [{}] * len(ids), ids // 2, ids, steps=[0, 1, 2], num_steps=4, height=32,
-                           width=32, cfg_scale=cfg, negative_prompt=" ", noise_level=0.7, sde_type="sde", seed=0,
-                           iteration=0, chunk=len(ids))
+    side = family.side
+    batch = rollout.sample(model, PROMPTS, list(family.metadata), ids // 2, ids, steps=[0, 1, 2], num_steps=4,
+                           height=side, width=side, cfg_scale=cfg, negative_prompt=" ", noise_level=0.7, sde_type="sde",
+                           seed=0, iteration=0, chunk=len(ids))
     batch.advantages = torch.linspace(-1, 1, len(ids), device=model.device)
-    a = dataclasses.replace(flowgrpo.RECIPES["tiny"], cfg_scale=cfg, kl_beta=0.1)  # the reference pass too
+    a = dataclasses.replace(flowgrpo.RECIPES["tiny"], cfg_scale=cfg, kl_beta=0.1, height=side,  # the reference too
+                            width=side)
     model.transformer.train()
     _, own = algorithms.policy_loss(model, engine, batch, 0, a)  # the rollout's own first transition: on-policy?
     given = dataclasses.replace(inputs or batch, cond=batch.cond)  # the split model keeps its own (padded) text
@@ -116,7 +132,7 @@ def rollout_and_gradients(family: Family, sp: int, inputs=None, terms=False, **e
     loss.backward()
     extra = {} if hooks is None else hooks()
     with torch.no_grad():
-        v = model.velocity(given.latents[:, 1], given.sigmas[1].expand(len(ids)), given.cond, cfg, 32, 32)
+        v = model.velocity(given.latents[:, 1], given.sigmas[1].expand(len(ids)), given.cond, cfg, side, side)
     return dict(batch=batch, velocity=v.double(), gap=float(own["gap"]), text=batch.cond["embeds"].shape[1], seen=seen,
                 grads=[p.grad.full_tensor().cpu() for p in engine.params], **extra)
 
@@ -227,6 +243,7 @@ NFT = ("--iterations", "2", "--algorithm", "nft", "--kl-beta", "0.01")
 DPPO = ("--iterations", "2", "--trust-region", "dppo", "--dppo-threshold", "0")  # at 0 the mask acts in every update
 DPO = ("--iterations", "2", "--algorithm", "dpo", "--micro-batch", "4", "--train-timesteps", "2")  # a pair per group
 DGPO = ("--iterations", "2", "--algorithm", "dgpo", "--micro-batch", "4", "--kl-beta", "0.01")  # whole groups
+NANO_EDIT = ("--model", "nano-edit", *SMALL[2:], "--iterations", "1")  # the shipped model and prompts, 8 images
 
 
 def sp_argv(pipeline, run_dir, *flags) -> list[str]:
@@ -239,16 +256,17 @@ def sp_argv(pipeline, run_dir, *flags) -> list[str]:
 def two_ranks(tmp_path_factory, pipeline):
     """All of this file's work on 2 ranks, in one pair of processes: the comparisons, then GRPO with --sp 2 and
     activation checkpointing, that run resumed from its checkpoint after the first iteration (in a directory of its
-    own), DiffusionNFT, Flow-DPPO's trust region, DPO and DGPO with --sp 2. -> (the comparisons, the run
-    directories)."""
+    own), DiffusionNFT, Flow-DPPO's trust region, DPO and DGPO with --sp 2, and nano-edit with --sp 2. -> (the
+    comparisons, the run directories)."""
     directory = tmp_path_factory.mktemp("sp")
-    runs = {name: directory / name for name in ("sp2", "resumed", "nft", "dppo", "dpo", "dgpo")}
+    runs = {name: directory / name for name in ("sp2", "resumed", "nft", "dppo", "dpo", "dgpo", "nano-edit")}
     sp2 = (*GRPO, "--sp", "2", "--activation-checkpointing", "--checkpoint-every", "1")  # also after the first
     resume = ("--resume", str(runs["sp2"] / "checkpoints" / "iter_000000"))
     argvs = [sp_argv(pipeline, runs["sp2"], *sp2),  # the resumed run reuses the rollout's forwards: no bit changes
              sp_argv(pipeline, runs["resumed"], *sp2, *resume, "--reuse-rollout-forward"),
              sp_argv(pipeline, runs["nft"], *NFT, "--sp", "2"), sp_argv(pipeline, runs["dppo"], *DPPO, "--sp", "2"),
-             sp_argv(pipeline, runs["dpo"], *DPO, "--sp", "2"), sp_argv(pipeline, runs["dgpo"], *DGPO, "--sp", "2")]
+             sp_argv(pipeline, runs["dpo"], *DPO, "--sp", "2"), sp_argv(pipeline, runs["dgpo"], *DGPO, "--sp", "2"),
+             [*NANO_EDIT, "--sp", "2", "--run-dir", str(runs["nano-edit"])]]
     return run_split_vs_unsplit(directory, argvs), runs
 
 
@@ -270,13 +288,14 @@ def check_float32(r: dict, family: str) -> None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_split_velocities_and_lora_gradients_equal_the_unsplit_models(split_vs_unsplit, family):
     """Tiny Qwen-Image (true CFG 4, text of 11 tokens padded to 12), tiny FLUX (guidance embedding), tiny-wan (CFG
-    4.5, 5 frames: 32 video tokens split, the text unsplit) and tiny FLUX.2 [klein] (CFG 4, 16 image and 64 text tokens
-    split), float32: the rollout, the velocity on the same inputs and the LoRA gradient of the policy loss differ from
-    the unsplit model's by float32 rounding only, and the first update stays exactly on-policy. The gradient's bound is
-    float32 summation's (summation_bound), not a measured difference: which order the kernels sum in depends on the
-    machine (AVX-512 or AVX2), and with it the difference (tiny-wan's max |Δ| 4.5e-9 with AVX-512, 4.3e-9 with AVX2,
-    where the unsplit float32 gradient's own error was 3.1e-9 and 1.9e-9); measured at 0.05–0.11 of the bound on both,
-    and with SSE4 kernels."""
+    4.5, 5 frames: 32 video tokens split, the text unsplit), tiny FLUX.2 [klein] (CFG 4, 16 image and 64 text tokens
+    split) and nano-edit (CFG 4, 16×16: 4 noisy tokens and its source's 4 after them, one rank each), float32: the
+    rollout, the velocity on the same inputs and the LoRA gradient of the policy loss differ from the unsplit model's
+    by float32 rounding only, and the first update stays exactly on-policy. The gradient's bound is float32
+    summation's (summation_bound), not a measured difference: which order the kernels sum in depends on the machine
+    (AVX-512 or AVX2), and with it the difference (tiny-wan's max |Δ| 4.5e-9 with AVX-512, 4.3e-9 with AVX2, where the
+    unsplit float32 gradient's own error was 3.1e-9 and 1.9e-9); measured at 0.05–0.11 of the bound on both, and with
+    SSE4 kernels (nano-edit: 0.23–0.30 with the three; in float64 its split and unsplit agree to 1.2e-15)."""
     check_float32(split_vs_unsplit[family], family)
 
 
@@ -413,6 +432,20 @@ def test_cli_preference_sp2_takes_the_steps_of_one_process(pipeline, two_ranks, 
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["iteration"], key, a[key], b[key])
     rel, worst = relative_difference(lora(runs["one"]), lora(runs["sp2"]))
     assert len(split) == 2 and rel < bound, f"{name} --sp 2: LoRA {rel:.3g} relative from 1 process (max |Δ| {worst:.3g})"
+
+
+def test_cli_nano_edit_sp2_takes_the_steps_of_one_process(two_ranks, tmp_path):
+    """nano-edit, whose source tokens join the sequence after the noisy ones (at --sp 2 one rank holds the noisy tokens,
+    the other the source's), through the CLI: --sp 2 on 2 ranks (two_ranks) samples the first rollout's rewards to
+    rounding, its first update on-policy, and its LoRA after one iteration's two optimizer steps is within the 1e-3
+    bound of one process (measured 2.8e-6 relative)."""
+    runs = {"one": tmp_path / "one", "sp2": two_ranks[1]["nano-edit"]}
+    train_here(*NANO_EDIT, "--run-dir", str(runs["one"]))
+    one, split = rows(runs["one"]), rows(runs["sp2"])
+    assert len(split) == 1 and split[0]["train/logp_gap"] == 0
+    assert split[0]["reward/mean"] == pytest.approx(one[0]["reward/mean"], rel=1e-6)
+    rel, worst = relative_difference(lora(runs["one"]), lora(runs["sp2"]))
+    assert rel < 1e-3, f"nano-edit --sp 2: LoRA {rel:.3g} relative from 1 process (max |Δ| {worst:.3g})"
 
 
 # ---- refusals, at start-up ----------------------------------------------------------------------------------------
