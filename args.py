@@ -3,6 +3,7 @@ them, each read by cli.parse_args as a section of `--help` (titled by its name w
 below). The run's flags, `Args`, are all of them in one flat dataclass: the loop and every other file read them by name
 (`a.lr`), and a checkpoint keeps them flat.
 """
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -259,13 +260,34 @@ class Args(RunArgs, EvalArgs, OptimizerArgs, UpdateArgs, RolloutArgs, ModelArgs)
 # flag would change nothing: start-up refuses it (startup.check_args), as algorithms.check_flags refuses the flags of
 # another --algorithm.
 LORA, EMA = ("a LoRA (not --full-finetune)", lambda a: not a.full_finetune), ("--ema-decay > 0", lambda a: a.ema_decay)
+EVAL, GARDO_KL = ("--eval-every > 0", lambda a: a.eval_every), ("--kl-beta > 0", lambda a: a.kl_beta > 0)
+OLD = ("an old policy that is read (awm: --old-kl > 0)", lambda a: a.algorithm != "awm" or a.old_kl > 0)
+# A ratio leaves 1 in a later optimizer step or against a sampler's log-probs (bypass); at 1 no clip or mask acts
+MOVES = ("ratios that leave 1: --optimizer-steps > 1, or --off-policy 1 or --rollout vllm-omni with bypass", lambda a:
+         a.optimizer_steps > 1 or (a.stale_correction == "bypass" and (a.off_policy or a.rollout != "local")))
 COMPANIONS = {"lora_rank": LORA, "lora_alpha": LORA, "lora_targets": LORA, "ema_every": EMA, "ema_repeat": EMA,
-              "ema_form": EMA, "window_range": ("--window > 0", lambda a: a.window > 0),
+              "ema_form": EMA, "window_range": ("--window > 0", lambda a: a.window > 0), "trust_region": MOVES,
               "slide_every": ("--window-schedule sliding", lambda a: a.window_schedule == "sliding"),
               "is_cap": ("--stale-correction decoupled", lambda a: a.stale_correction == "decoupled"),
-              "dppo_threshold": ("--trust-region dppo", lambda a: a.trust_region == "dppo"),
-              "cps_density": ("--sde-type cps", lambda a: a.sde_type == "cps"),  # sde's densities are the exact ones
-              "kl_form": ("--kl-beta > 0", lambda a: a.kl_beta > 0),
+              "dppo_threshold": (f"--trust-region dppo and {MOVES[0]}",
+                                 lambda a: a.trust_region == "dppo" and MOVES[1](a)),
+              "clip_range": (f"--trust-region clip (dppo's mask replaces it) and {MOVES[0]}",  # DGPO's ratio: its own
+                             lambda a: a.algorithm == "dgpo" or (a.trust_region == "clip" and MOVES[1](a))),
+              # sde's densities are the exact ones; GRPO-Guard's normalised ratio takes the exact one whatever it says
+              "cps_density": ("--sde-type cps, and not with --guard full or ratio-norm (their ratio takes the exact "
+                              "density) unless --stale-correction decoupled (its weights read it)",
+                              lambda a: a.sde_type == "cps" and (a.guard not in ("full", "ratio-norm")
+                                                                 or a.stale_correction == "decoupled")),
+              "kl_form": ("--kl-beta > 0 and --sde-type sde or dance", lambda a: a.kl_beta > 0 and a.sde_type != "cps"),
+              # cps's two KL forms are one; full mode (DPO's always) leaves one ODE step, to σ = 0: Euler's in all
+              "ode_solver": ("ODE steps after a window (--window > 0) or --algorithm nft, awm or dgpo",
+                             lambda a: a.algorithm in ("nft", "awm", "dgpo") or a.window > 0 and a.algorithm != "dpo"),
+              "std": ("--algorithm grpo, nft, awm or dgpo", lambda a: a.algorithm not in ("gardo", "dpo")),
+              "adv_clip": ("--algorithm grpo, gardo, nft, awm or dgpo", lambda a: a.algorithm != "dpo"),  # DPO: rewards
+              "gardo_kl_threshold": GARDO_KL, "gardo_reset_every": GARDO_KL, "old_decay": OLD, "old_every": OLD,
+              "eval_images": EVAL, "eval_steps": EVAL, "allow_change": ("--resume", lambda a: a.resume),
+              "shard_text_encoder": ("several training ranks (torchrun; one process has none to shard it over)",
+                                     lambda a: int(os.environ.get("WORLD_SIZE", 1)) - a.rollout_ranks > 1),
               "negative_prompt": ("--cfg-scale > 1", lambda a: a.cfg_scale > 1),  # encoded only for CFG's second branch
               "normguard_margin": ("--normguard > 0", lambda a: a.normguard > 0)}
 

@@ -62,7 +62,8 @@ def check_args(a) -> tuple[str, dict] | None:
     need(0 <= a.seed < 2**32, f"--seed must be in [0, 2**32), got {a.seed}")
     need(a.eval_images >= 1 or not a.eval_every,
          f"--eval-images must be >= 1 with --eval-every > 0, got {a.eval_images}")
-    need(not (a.full_finetune and a.kl_beta > 0), "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
+    need(not (a.full_finetune and a.kl_beta > 0) or a.algorithm == "gardo",  # GARDO's reference: its old policy
+         "--kl-beta > 0 needs a LoRA (the reference is the adapter off)")
     need(not a.branch or a.window > 0, "--branch needs a window (--window > 0): the group branches at its start")
     need(0 <= a.ema_decay < 1 and a.ema_every >= 1, f"--ema-decay must be in [0, 1) (0 = off) and --ema-every >= 1, "
          f"got {a.ema_decay}, {a.ema_every}")

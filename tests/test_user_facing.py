@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+import args
 import cli
 import engine as eng
 import flowgrpo
@@ -80,6 +81,10 @@ def test_a_run_dir_inside_a_runs_and_a_copied_checkpoint_without_one_are_refused
         rundir.release_run_dirs()
 
 
+CPS = "--sde-type cps --noise-level 0.5 --window 1"
+GARDO = "--algorithm gardo --reward brightness=1,jpeg_compressibility=0 --gardo-proxies jpeg_compressibility"
+
+
 @pytest.mark.parametrize("given, needle, accepted", [
     ("--window-range 1 3", "--window-range acts only with --window > 0", "--window-range 1 3 --window 1"),
     ("--full-finetune --lora-rank 4", "--lora-rank acts only with a LoRA", "--lora-rank 4"),
@@ -97,6 +102,34 @@ def test_a_run_dir_inside_a_runs_and_a_copied_checkpoint_without_one_are_refused
      "--negative-prompt blurry --cfg-scale 2"),
     ("--normguard-margin 0.2", "--normguard-margin acts only with --normguard > 0",
      "--normguard-margin 0.2 --normguard 0.1"),
+    # each of these also ran bit for bit as without it (metrics.jsonl and the LoRA, 2 iterations of tiny): full
+    # mode's (and DPO's) one ODE step, to σ = 0, is Euler's in every solver; dppo's mask has no clip; cps's 2 KLs agree
+    ("--ode-solver dpm2", "--ode-solver acts only with ODE steps after a window", "--ode-solver dpm2 --window 1"),
+    ("--algorithm dpo --micro-batch 8 --ode-solver dpm2-full", "--ode-solver acts only with",
+     "--algorithm dgpo --micro-batch 8 --ode-solver dpm2-full"),
+    ("--trust-region dppo --clip-range 0.5", "--clip-range acts only with --trust-region clip", "--clip-range 0.5"),
+    # one optimizer step on the trainer's own log-probs: every ratio is exactly 1, where no clip or mask acts
+    ("--optimizer-steps 1 --clip-range 0.5", "--clip-range acts only with --trust-region clip (dppo's mask replaces "
+     "it) and ratios that leave 1: --optimizer-steps > 1, or --off-policy 1 or --rollout vllm-omni with bypass",
+     "--optimizer-steps 1 --algorithm dgpo --micro-batch 8 --clip-range 0.5"),
+    ("--optimizer-steps 1 --trust-region dppo --dppo-threshold 0", "--trust-region acts only with ratios that leave 1"
+     ": --optimizer-steps > 1, or --off-policy 1 or --rollout vllm-omni with bypass; --dppo-threshold acts only with "
+     "--trust-region dppo and ratios", "--trust-region dppo --dppo-threshold 0"),
+    (f"{CPS} --kl-beta 0.1 --kl-form exact", "--kl-form acts only with --kl-beta > 0 and --sde-type sde or dance",
+     "--sde-type dance --kl-beta 0.1 --kl-form exact"),
+    # GRPO-Guard's normalised ratio takes the exact density whatever --cps-density says; decoupled's weights read it
+    (f"{CPS} --guard full --cps-density exact", "--cps-density acts only with --sde-type cps, and not with --guard",
+     f"{CPS} --guard full --cps-density exact --stale-correction decoupled"),
+    # GARDO's advantages divide by no std; DPO pairs each group's best and worst reward, its advantages unread
+    (f"{GARDO} --kl-beta 0.04 --std group", "--std acts only with --algorithm grpo, nft, awm or dgpo", "--std group"),
+    ("--algorithm dpo --micro-batch 8 --adv-clip 1", "--adv-clip acts only with --algorithm grpo, gardo, nft, awm",
+     "--algorithm dgpo --micro-batch 8 --adv-clip 1"),
+    (f"{GARDO} --gardo-kl-threshold 1e-5 --gardo-reset-every 3", "--gardo-kl-threshold acts only with --kl-beta > 0; "
+     "--gardo-reset-every", f"{GARDO} --kl-beta 0.04 --gardo-reset-every 3"),
+    ("--algorithm awm --old-kl 0 --old-decay nft0 --old-every 2", "--old-decay acts only with an old policy that is "
+     "read (awm: --old-kl > 0); --old-every", "--algorithm awm --old-decay nft0 --old-every 2"),
+    ("--eval-every 0 --eval-images 4 --eval-steps 4", "--eval-images acts only with --eval-every > 0; --eval-steps",
+     "--eval-images 4 --eval-steps 4"),
 ])
 def test_a_flag_given_without_the_flag_it_acts_with_is_refused_naming_it(given, needle, accepted):
     """Before, each ran to its end changing nothing (full mode trained every step; no EMA ran; ...). A recipe's own
@@ -108,6 +141,37 @@ def test_a_flag_given_without_the_flag_it_acts_with_is_refused_naming_it(given, 
     nano = cli.parse_args(flowgrpo.Args, ["--model", "nano"])
     assert nano.window == 0 and nano.window_range != flowgrpo.Args.window_range
     startup.check_args(nano)
+
+
+def test_a_flag_with_nothing_to_act_on_in_one_process_or_without_resume_is_refused(monkeypatch):
+    """--shard-text-encoder in one process (the engine shards it only over several ranks) and --allow-change without
+    --resume: before, each ran as without it."""
+    for given, needle in (("--shard-text-encoder", "--shard-text-encoder acts only with several training ranks"),
+                          ("--allow-change lr", "--allow-change acts only with --resume")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            startup.check_args(cli.parse_args(flowgrpo.Args, given.split()))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    startup.check_args(cli.parse_args(flowgrpo.Args, ["--shard-text-encoder"]))
+
+
+def test_one_optimizer_step_takes_a_clip_only_against_a_servers_or_stale_log_probs():
+    """--optimizer-steps 1 --clip-range: a server's log-probs (its rounding) or an older rollout's (--off-policy 1)
+    move the ratio under bypass, so the clip acts there; decoupled recomputes them, and every ratio is 1 again."""
+    tiny = flowgrpo.RECIPES["tiny"]
+    for change in (dict(rollout="vllm-omni"), dict(off_policy=1)):
+        args.check_companions(dataclasses.replace(tiny, optimizer_steps=1, clip_range=0.5, **change), tiny)
+        with pytest.raises(ValueError, match="^--clip-range acts only with"):
+            args.check_companions(dataclasses.replace(tiny, optimizer_steps=1, clip_range=0.5,
+                                                      stale_correction="decoupled", **change), tiny)
+
+
+def test_gardos_kl_with_every_weight_trained_starts_its_reference_being_its_old_policy():
+    """--full-finetune --kl-beta > 0 was refused for every algorithm ("the reference is the adapter off"); GARDO's KL
+    is to its old policy, which a full fine-tune keeps (2 iterations of tiny ran, train/kl > 0)."""
+    given = f"{GARDO} --full-finetune --kl-beta 0.04".split()
+    startup.check_args(cli.parse_args(flowgrpo.Args, given))
+    with pytest.raises(ValueError, match=r"--kl-beta > 0 needs a LoRA \(the reference is the adapter off\)"):
+        startup.check_args(cli.parse_args(flowgrpo.Args, ["--full-finetune", "--kl-beta", "0.04"]))
 
 
 def test_resuming_a_checkpoint_with_a_flag_this_version_lacks_records_it_as_changed(tmp_path):
