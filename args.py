@@ -62,9 +62,9 @@ class RolloutArgs:
     """Phases 1-3, prompts, rollout and rewards: G images for each of P prompts, sampled (SDE on the trained
     steps, ODE elsewhere) by the trainer, its rollout ranks or vLLM-Omni servers, and scored."""
     prompts: str = "general"
-    """prompt set: a built-in name (ocr, general, digits) or a .txt / .jsonl file (docs/running.md)"""
+    """prompt set: a built-in name (ocr, general, digits, compose) or a .txt / .jsonl file (docs/rewards.md)"""
     reward: str = "brightness"
-    """a reward, or a weighted list `ocr=1.0,pickscore=0.5`; also `remote=URL` and `judge:match=URL` (README)"""
+    """a reward, or a weighted list `ocr=1.0,pickscore=0.5`; also `remote=URL` and `judge:TASK=URL` (docs/rewards.md)"""
     group_size: int = 8
     """G: images per prompt; advantages compare images within a group"""
     prompts_per_iteration: int = 4

@@ -252,6 +252,8 @@ def main(a: Args) -> list[dict]:
     log = runlog.RunLog(run, enabled=engine.is_main, use_wandb=a.wandb, judges=judges)
     if rank == 0:  # the run directory exists from here on (a start that failed before left none to name)
         print(f"run directory: {run_dir}\nbatch arithmetic: " + ", ".join(f"{k}={v}" for k, v in arith.items()))
+        if ckpt:  # said: a resume without --iterations takes the recipe's, which may extend a shorter run
+            print(f"resuming {ckpt}: iterations {start}–{a.iterations - 1} of --iterations {a.iterations}")
 
     def save(it: int) -> int:  # --- 8. checkpoint: atomic, resumable exactly (all randomness: seed and iteration)
         loop = {"iteration": it, "sampler": sampler.state_dict(), "skipped_steps": engine.skipped_steps,

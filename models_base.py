@@ -45,8 +45,8 @@ def from_pretrained(pipeline_class: str, model: str, path: str, **kwargs):
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" (")[0][:160]
         local = os.path.isabs(path) or path.startswith(".") or os.path.isdir(path)
-        get = f"`huggingface-cli download {path} --local-dir DIR` where the hub is reachable, then --model-path DIR"
-        hint = ("not a complete pipeline directory: point --model-path at one (`huggingface-cli download HUB_ID "
+        get = f"`hf download {path} --local-dir DIR` where the hub is reachable, then --model-path DIR"
+        hint = ("not a complete pipeline directory: point --model-path at one (`hf download HUB_ID "
                 "--local-dir DIR` makes one)" if local else f"HF_HUB_OFFLINE is set and the local cache lacks it: {get}"
                 if offline else f"neither the hub nor the local cache gave it: check the name, or {get}")
         message = f"--model {model}: cannot load a {pipeline_class} from {path!r} ({reason}); {hint}"

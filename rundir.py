@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import sys
@@ -43,8 +44,8 @@ def claim_run_dir(run_dir: str | None, name: str, resumed: str | None, meta: dic
             run_dir = run_dir or _new_dir(os.path.join("runs", f"{safe_name(name)}-{now}"))
             lock_run_dir(run_dir, made)
             if _holds_run(run_dir):
-                raise ValueError(f"--run-dir {run_dir} already holds a run: continue it with --resume auto --run-dir "
-                                 f"{run_dir}, or give a new directory")
+                raise ValueError(f"--run-dir {run_dir} already holds a run: continue it with {again(run_dir)}, or "
+                                 "give a new directory")
             run_id = uuid.uuid4().hex
             _LOCKS[-1]["claimed"] = True
             return Claim(run_dir, run_id, None, config | {"run_id": run_id, "resumes": []})
@@ -180,6 +181,18 @@ def _read_json(path: str) -> dict:
     return data if isinstance(data, dict) else {}  # another tool's args.json (a list, null) is no run's
 
 
+def again(run_dir: str) -> str:
+    """The command that continues the run in run_dir: this one's flags (its --model or --recipe and every change; the
+    flags a checkpoint was written with are checked on resume) with `--resume auto --run-dir run_dir` for its own."""
+    if os.path.basename(sys.argv[0]) != "flowgrpo.py":  # flowgrpo.main called in another program's process
+        return f"--resume auto --run-dir {run_dir} with this run's flags"
+    argv = sys.argv[1:]
+    flags = [x for i, x in enumerate(argv) if x.split("=")[0] not in ("--resume", "--run-dir")
+             and not (i and argv[i - 1] in ("--resume", "--run-dir"))]
+    launcher = "torchrun ... flowgrpo.py" if "WORLD_SIZE" in os.environ else "python flowgrpo.py"
+    return f"`{launcher} {shlex.join([*flags, '--resume', 'auto', '--run-dir', run_dir])}`"
+
+
 def interrupted() -> str:
     """What an interrupted run leaves, said by rank 0: the newest checkpoint of its run directory, or that none was
     written."""
@@ -187,7 +200,7 @@ def interrupted() -> str:
     done = checkpoint.list_checkpoints(os.path.join(run_dir, "checkpoints")) if run_dir else []  # oldest first
     if done:
         return (f"flowgrpo.py: interrupted; its newest checkpoint is {done[-1]} (iteration "
-                f"{checkpoint.iteration_of(done[-1])}): --resume auto --run-dir {run_dir} continues after it")
+                f"{checkpoint.iteration_of(done[-1])}): {again(run_dir)} continues after it")
     return "flowgrpo.py: interrupted before any checkpoint was written: nothing to resume"
 
 

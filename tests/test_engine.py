@@ -406,7 +406,7 @@ def test_run_directories_never_mix_runs(straight, two_ranks, tmp_path, capsys):
     # A new run into it is refused before anything is built: it would prune the old run's checkpoints, append to
     # its metrics and become what --resume auto picks. (The CLI's line for a refusal: the pickle test.)
     capsys.readouterr()
-    with pytest.raises(ValueError, match=f"--run-dir {run} already holds a run: continue it with --resume auto"):
+    with pytest.raises(ValueError, match=f"--run-dir {run} already holds a run: continue it with --resume auto --run-dir {run} with this run's flags"):
         train(run)
     assert "batch arithmetic" not in capsys.readouterr().out
     assert [r["iteration"] for r in rows(run)] == [0, 1]

@@ -124,7 +124,7 @@ def test_weights_that_cannot_be_reached_are_one_clear_line(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and len(lines) == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Qwen/Qwen-Image" in lines[0] and "--model-path" in lines[0] and "HF_HUB_OFFLINE" in lines[0], lines[0]
-    assert "huggingface-cli download Qwen/Qwen-Image --local-dir DIR" in lines[0]  # how to get them, not a circle
+    assert "`hf download Qwen/Qwen-Image --local-dir DIR`" in lines[0]  # how to get them, not a circle
     for noise in ("torch_dtype", "local_files_only", "Couldn't connect to the Hub", "Traceback"):
         assert noise not in out.stdout + out.stderr, out.stderr[-2000:]
     with pytest.raises(ValueError, match="--model sd3.5-medium: cannot load .*--model-path") as e:

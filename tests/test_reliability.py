@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -406,16 +407,17 @@ def test_a_stopped_run_keeps_its_last_trained_iteration_and_resume_auto_continue
            "--run-dir", str(run)]
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     kept_dir = run / "checkpoints" / f"iter_{kept:06d}"
-    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
-        f"flowgrpo.py: interrupted; its newest checkpoint is {kept_dir} (iteration {kept}): --resume auto --run-dir "
-        f"{run} continues after it"), out.stderr[-3000:]
+    again = shlex.join([*TINY, *map(str, STOP_RUN), "--resume", "auto", "--run-dir", str(run)])
+    hint = out.stderr.strip().splitlines()[-1]  # the whole command, its --model too (`--resume auto` alone: tiny's)
+    assert out.returncode == 1 and hint == (f"flowgrpo.py: interrupted; its newest checkpoint is {kept_dir} (iteration "
+                                            f"{kept}): `python flowgrpo.py {again}` continues after it"), out.stderr[-3000:]
     assert [p.name for p in (run / "checkpoints").iterdir()] == [kept_dir.name] and checkpoint.verify_checkpoint(
         str(kept_dir))["loop"]["iteration"] == kept
     assert ("stopping once iteration 1 is trained and checkpointed" in out.stderr) == (where != "rollout")
     # the curve drawn from every row logged on the way out (before, as last drawn: redraws are rate-limited, and the
     # run's closing draw is not reached)
     assert os.stat(run / "reward_curve.png").st_mtime_ns >= os.stat(run / "metrics.jsonl").st_mtime_ns
-    here(*STOP_RUN, "--run-dir", run, "--resume", "auto")
+    main_here(*shlex.split(hint.split("`")[1])[2:])  # the command it names
     weights = [load_file(str(r / "lora" / "pytorch_lora_weights.safetensors")) for r in (run, unstopped)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     logged = [[{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
