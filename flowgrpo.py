@@ -99,10 +99,13 @@ def batch_arithmetic(a: Args, world_size: int) -> dict:
     """Derived sizes, asserted: images per iteration → optimizer steps → data-parallel ranks → micro-batches."""
     images, k, b = a.prompts_per_iteration * a.group_size, a.optimizer_steps, a.micro_batch or 1  # 0: sized later
     if images % (k * world_size * b):
+        share = images // (k * world_size) if images % (k * world_size) == 0 else 0  # a rank's images a step
+        fits = [m for m in range(1, share + 1) if share % m == 0]  # the micro-batches that would split it
         raise ValueError(f"P·G = {a.prompts_per_iteration}·{a.group_size} = {images} images per iteration must split "
                          f"into {k} optimizer step(s) × {world_size} rank(s) × whole micro-batches of {b}: "
                          f"choose P·G divisible by {k * world_size * b} (--prompts-per-iteration, "
-                         "--group-size, --optimizer-steps, --micro-batch)")
+                         "--group-size, --optimizer-steps, --micro-batch)"
+                         + (f", or --micro-batch {', '.join(map(str, fits))}" if fits else ""))
     if a.eval_every and a.eval_images % world_size:
         raise ValueError(f"--eval-images {a.eval_images} must be divisible by the world size {world_size}")
     per_rank = images // world_size

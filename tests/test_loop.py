@@ -160,8 +160,10 @@ def test_batch_arithmetic_is_derived_and_checked():
                                                    micro_batches_per_optimizer_step=2)
     with pytest.raises(ValueError, match="32 images per iteration .* 2 optimizer step.* 3 rank.*divisible by 24"):
         flowgrpo.batch_arithmetic(a, 3)
-    with pytest.raises(ValueError, match="divisible by 12"):
+    with pytest.raises(ValueError, match=r"divisible by 12 \(.*--micro-batch\)$"):  # no micro-batch splits 32 in 3
         flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3), 1)
+    with pytest.raises(ValueError, match=r"divisible by 24 \(.*--micro-batch\), or --micro-batch 1, 2, 4, 8, 16$"):
+        flowgrpo.batch_arithmetic(dataclasses.replace(a, micro_batch=12), 1)  # the sizes that would split it
     with pytest.raises(ValueError, match="whole micro-batches of 1: choose P·G divisible by 3 "):  # 0: sized later
         flowgrpo.batch_arithmetic(dataclasses.replace(a, optimizer_steps=3, micro_batch=0), 1)  # said "of 0 ... by 0"
     with pytest.raises(ValueError, match="need about .* GiB .* more than this machine's .* --group-size"):
