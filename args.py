@@ -15,7 +15,7 @@ class ModelArgs:
     """The recipe and the model: its family and weights, the trained adapter (a LoRA or every weight), and how
     the engine holds it (FSDP2, precision, memory, sequence parallelism)."""
     recipe: str = "tiny"
-    """the named configuration (recipes.py) whose values are the defaults shown here (unset: the one --model names)"""
+    """the named configuration whose values are the defaults shown here (unset: --model's; all: docs/algorithm.md §7)"""
     model: Literal[models.MODELS] = "tiny"  # the registry's names (models.SPECS), each a choice of --model
     """Qwen-Image, SD3.5-Medium, FLUX.1-dev, Wan2.1 T2V, Z-Image, FLUX.2 [klein] or Qwen-Image 2.1; FLUX.1 Kontext-dev,
     Qwen-Image-Edit (and 2.1) edit (--prompts: a .jsonl, a source image a line); tiny*: their classes at toy size,
