@@ -151,6 +151,7 @@ def plot_curve(path: str, rows: list[dict], judges: list[str]) -> None:
     for ax in axes[0]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # iterations: no tick at 0.25
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
