@@ -170,7 +170,7 @@ def transition(model, mb: rollout.Batch, j: int, a) -> tuple[torch.Tensor, torch
     """Trained transition j of a micro-batch of b images under the current weights: the recorded step's log-prob (b,),
     the step's mean (b, S, C) and std. The velocity is the rollout's own, graph and all, where it kept one for this
     (micro-batch, j) (--reuse-rollout-forward: the weights have not moved since), each used once."""
-    x, sigma = mb.latents[:, j], mb.sigmas[j]
+    x, sigma = mb.latents[:, j].contiguous(), mb.sigmas[j]  # as the rollout's: a one-token image rounds by layout
     v = mb.graphs.pop((int(mb.ids[0]), j), None) if mb.graphs else None
     v = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width) if v is None else v
     _, logp, mean, std = sch.step(v, x, sigma, mb.sigmas[j + 1], sigma_max=mb.sigma_max, noise_level=a.noise_level,
@@ -206,7 +206,7 @@ def policy_loss(model, engine, mb: rollout.Batch, j: int, a, *, reference=base_m
     reference: `reference(engine)`'s weights, its mean over the images `kl_mean` (logged: `kl_term`)."""
     sigma, sigma_next = mb.sigmas[j], mb.sigmas[j + 1]
     if a.kl_beta > 0:  # the reference first: an old policy is swapped into the weights, never between forward and backward
-        x = mb.latents[:, j]
+        x = mb.latents[:, j].contiguous()
         with torch.no_grad(), reference(engine):
             v_ref = model.velocity(x, sigma.expand(x.shape[0]), mb.cond, a.cfg_scale, a.height, a.width)
             _, _, mean_ref, _ = sch.step(v_ref, x, sigma, sigma_next, sigma_max=mb.sigma_max,

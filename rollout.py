@@ -87,7 +87,8 @@ def sample(model, prompts: list[str], metadata: list[dict], group, image_ids, *,
     (`branch_prefixes`, once per group on each rank that holds part of it) and branch there into their own
     SDE steps: s + G·(N − s) calls per group instead of G·N.
     ode_solver: how the ODE steps after the window are taken (scheduler.ODE_SOLVERS: `euler`, `dpm2` (diffusers'
-    DPM-Solver++(2M) in half the calls) or `dpm2-full`); the trained steps and stored latents do not change.
+    DPM-Solver++(2M) on MixGRPO-Flash's 0.4·(K + 1) σ points) or `dpm2-full`); the trained steps and stored latents
+    do not change.
     No steps (evaluation; the forward-process algorithms' rollout): `ode_solver` walks the whole schedule and the batch
     holds no log-probs and no per-step latents, only the images and their final latents `x0` (docs/algorithm.md §9).
     keep: the first `keep` images' trained steps run with autograd on and their velocities, graphs and all, go to

@@ -32,7 +32,11 @@ def sigma_schedule(scheduler, num_steps: int, image_seq_len: int) -> torch.Tenso
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
     else:
         scheduler.set_timesteps(num_steps)
-    return scheduler.sigmas.to(torch.float32).cpu()
+    sigmas = scheduler.sigmas.to(torch.float32).cpu()
+    if not bool((sigmas[1:] < sigmas[:-1]).all()):  # a huge dynamic shift rounds σ_1, … to 1: 0/0 in SDE steps
+        raise ValueError(f"the σ schedule of --num-steps {num_steps} at {image_seq_len} image tokens is not strictly "
+                         f"decreasing in float32 ({sigmas[:3].tolist()}, …): lower --num-steps or --height/--width")
+    return sigmas
 
 
 @functools.lru_cache(maxsize=2)

@@ -10,6 +10,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 import models
+import models_flux
 import models_qwen
 import scheduler as sch
 import tiny_setup
@@ -63,6 +64,17 @@ def test_schedule_is_the_qwen_image_pipelines():
     assert sig.shape == (11,) and sig[0] == 1 and sig[-1] == 0 and abs(sig[-2] - 0.02) < 1e-6  # shift_terminal
     torch.testing.assert_close(sig[:-1] * 1000, timesteps)
     assert torch.all(sig[1:] < sig[:-1])
+
+
+def test_a_schedule_whose_shift_rounds_sigma_1_to_1_is_refused():
+    """FLUX.1's dynamic shift at 4096² (65536 tokens, which start-up accepts): at 1000 steps σ_1 rounds to 1 in float32
+    (the sde step's σ̃ = σ_1 then divides by 1 − 1 = 0), at 200 steps σ_1 = σ_2 (dt = 0, std 0): the rollout's log-probs
+    were NaN. Refused in one line naming the flags; 2048² (16384 tokens) is untouched."""
+    s = sch.linspace_scheduler_class(True)(**models_flux.FLUX_SCHEDULER)
+    for n in (200, 1000):
+        with pytest.raises(ValueError, match="not strictly decreasing.*--num-steps or --height/--width"):
+            sch.sigma_schedule(s, n, 65536)
+    assert torch.all(sch.sigma_schedule(s, 1000, 16384).diff() < 0)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-flux", "tiny-qwen-image-2.1"])
