@@ -7,8 +7,8 @@ peak memory of the largest thing one micro-batch does, a CFG velocity's forward 
 and the VAE decode of its latents, at 1 and 2 images, extrapolates linearly, and takes the largest size that divides
 a rank's share of an optimizer step (and that the algorithm accepts) within the budget, less AdamW's moments (made at
 the first step, after this measures). With --reuse-rollout-forward the budget first gives up what the rollout keeps
-for the update: the graph of every trained step of every image of the share, measured on one. Nothing it does changes a weight, a gradient or a random state; every rank takes the smallest
-rank's choice.
+for the update: the graph of every trained step of every image of the share, measured on one. Nothing it does changes
+a weight, a gradient or a random state; every rank takes the smallest rank's choice.
 """
 import dataclasses
 import functools

@@ -317,11 +317,13 @@ def check_base(task, out: str) -> None:
             with open(os.path.join(base, part, name), "rb") as f:
                 digest.update(name.encode() + f.read())
     path, found = os.path.join(out, "base.json"), digest.hexdigest()
-    if os.path.isfile(path):
+    if os.path.isfile(path):  # written by an earlier comparison: the base its runs were made on
         with open(path) as f:
-            if (known := json.load(f).get("sha256")) != found:
-                raise ValueError(f"{out} holds runs made on another base ({base}: sha256 {str(known)[:12]}, now {found[:12]})"
-                                 ": give another --out, or remove it")
+            known = str(json.load(f).get("sha256"))
+        if known != found:
+            raise ValueError(f"{out} holds runs made on another base ({base}: sha256 {known[:12]}, now "
+                             f"{found[:12]}): give another --out, or remove it")
+        return
     with own_file(path) as f:
         json.dump({"base": base, "sha256": found}, f)
 
