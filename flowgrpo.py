@@ -333,6 +333,10 @@ def main(a: Args) -> list[dict]:
     except KeyboardInterrupt:  # the iteration last trained is kept (rundir.Stop: when); the error goes on up
         if stop.keeps(done, saved):
             save(done)
+        if stop.exports(done) and engine.lora_config:  # its LoRA too, as a finished run's: graded as it stands
+            engine.export_lora(os.path.join(run_dir, "lora"))
+            print(f"LoRA of iteration {done}: {os.path.join(run_dir, 'lora')} (diffusers: pipe.load_lora_weights(dir))",
+                  flush=True)
         if log.rows:  # rank 0: the curve of every row logged (log.close, which draws it at a run's end, is not reached)
             log.draw()
         raise

@@ -181,6 +181,18 @@ def _read_json(path: str) -> dict:
     return data if isinstance(data, dict) else {}  # another tool's args.json (a list, null) is no run's
 
 
+def finished(run_dir: str) -> bool:
+    """Whether run_dir holds a run that trained its --iterations to the end and exported its LoRA (lora/ alone does
+    not tell: a run stopped by Ctrl-C exports the LoRA of the iteration it last trained too, to be graded)."""
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            last = json.loads(f.read().splitlines()[-1])["iteration"]
+    except (OSError, IndexError, ValueError, KeyError, TypeError):  # none, empty, a line cut off, another tool's
+        return False
+    iterations = _read_json(os.path.join(run_dir, "args.json")).get("iterations")
+    return last == (iterations or 0) - 1 and os.path.isdir(os.path.join(run_dir, "lora"))
+
+
 def again(run_dir: str) -> str:
     """The command that continues the run in run_dir: this one's flags (its --model or --recipe and every change; the
     flags a checkpoint was written with are checked on resume) with `--resume auto --run-dir run_dir` for its own."""
@@ -238,6 +250,11 @@ class Stop:
         """Whether the loop, stopped, writes iteration `done`'s checkpoint: one process, not stopped within an update,
         an iteration trained since the newest checkpoint `saved`."""
         return self.enabled and not self.held and done > saved
+
+    def exports(self, done: int) -> bool:
+        """Whether the loop, stopped, exports the LoRA of iteration `done`: one process, not stopped within an update
+        (the weights are that iteration's), an iteration trained (this run's or its checkpoint's)."""
+        return self.enabled and not self.held and done >= 0
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

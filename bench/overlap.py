@@ -30,6 +30,7 @@ import numpy as np
 import matplotlib
 
 import models_nano
+import rundir
 from tasks import nano, nano_compare
 
 matplotlib.use("Agg")
@@ -99,7 +100,7 @@ def learning(a, url: str, model_dir: str, root: str) -> None:
     for seed in range(a.seeds):
         for mode in (0, 1):
             run = os.path.join(a.out, f"off-policy{mode}-seed{seed}")
-            if not os.path.exists(os.path.join(run, "lora")):  # a finished run is kept: the command continues
+            if not rundir.finished(run):  # a finished run is kept: the command continues
                 shutil.rmtree(run, ignore_errors=True)
                 train(model_dir, run, mode, {a.trainer_core}, root, "--seed", str(seed), "--rollout", "vllm-omni",
                       "--rollout-url", url)

@@ -304,11 +304,12 @@ def framed(canvas, image: torch.Tensor, x: int, y: int, cell: int, ok: bool, pad
 
 
 def run_lora(run_dir: str, model: str = MODEL) -> str:
-    """<run_dir>/lora, the LoRA a finished `flowgrpo.py --model MODEL` run exported, checked before anything loads."""
+    """<run_dir>/lora, the LoRA a `flowgrpo.py --model MODEL` run exported (finished or stopped), checked before anything
+    loads."""
     lora = os.path.join(run_dir, "lora")
     if not os.path.isfile(os.path.join(lora, "pytorch_lora_weights.safetensors")):
         raise ValueError(f"{run_dir}: no exported LoRA ({lora}/pytorch_lora_weights.safetensors): give the directory of "
-                         "a finished `flowgrpo.py` run (it exports the LoRA at its end)")
+                         "a `flowgrpo.py` run (it exports the LoRA at its end, or once stopped by Ctrl-C in one process)")
     try:
         with open(os.path.join(run_dir, "args.json")) as f:
             trained = json.load(f).get("model", model)

@@ -162,7 +162,7 @@ def run_method(task, name: str, flags, seed: int, out: str, iterations: int, eva
     if holder:
         raise ValueError(f"{run_dir} is in use by {holder}: let that run end, or give another --out")
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isfile(metrics) and os.path.isdir(os.path.join(run_dir, "lora")):  # a finished run (its LoRA exported)
+    if rundir.finished(run_dir):  # a stopped run exports its LoRA too: an unfinished attempt, started again below
         # other flags (another --iterations among them) are refused, never deleted: the run may have cost CPU-hours
         if differs := made_with_other_flags(run_dir, argv):
             raise ValueError(f"{run_dir} holds a finished run made with other flags ({differs}, as [found, wanted]): "

@@ -88,8 +88,9 @@ BUDGETS = {
     # a run directory belongs to one run: claimed, locked, refused to another, resumed; raised from 200 for what a run
     # stopped by Ctrl-C or SIGTERM keeps there and says (the last trained iteration checkpointed on the way out), to
     # 250 (2026-12-07) for refusing a run directory inside another run's and a copied checkpoint's guessed one, to 260
-    # (2026-12-07) for the whole command that continues a run (its --model and flags; `--resume auto` alone took tiny)
-    "rundir.py": 265,
+    # (2026-12-07) for the whole command that continues a run (its --model and flags; `--resume auto` alone took tiny),
+    # to 280 (2026-12-08) for a stopped run's LoRA export and what counts as finished now that a stopped run has lora/
+    "rundir.py": 280,
     "tasks/nano.py": 450,  # the digits task and what the laptop tasks share (data, held-out sampling, CLI checks)
     # the steps every laptop task's base is trained with: the VAE, rectified flow for the transformer, the parts written
     "tasks/pretraining.py": 200,

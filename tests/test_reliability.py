@@ -417,6 +417,12 @@ def test_a_stopped_run_keeps_its_last_trained_iteration_and_resume_auto_continue
     # the curve drawn from every row logged on the way out (before, as last drawn: redraws are rate-limited, and the
     # run's closing draw is not reached)
     assert os.stat(run / "reward_curve.png").st_mtime_ns >= os.stat(run / "metrics.jsonl").st_mtime_ns
+    # its LoRA exported on the way out, as a finished run's (`python -m tasks.nano evaluate RUN` grades a stopped run):
+    # that of a run of kept + 1 iterations (before, a stopped run had no lora/ to grade)
+    assert f"LoRA of iteration {kept}: {run / 'lora'} (diffusers" in out.stdout, out.stdout[-2000:]
+    here("--iterations", kept + 1, *STOP_RUN[2:], "--run-dir", tmp_path / "short")
+    weights = [load_file(str(r / "lora" / "pytorch_lora_weights.safetensors")) for r in (run, tmp_path / "short")]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     main_here(*shlex.split(hint.split("`")[1])[2:])  # the command it names
     weights = [load_file(str(r / "lora" / "pytorch_lora_weights.safetensors")) for r in (run, unstopped)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

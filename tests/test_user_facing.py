@@ -348,7 +348,7 @@ def test_a_finished_run_is_reused_only_if_made_with_the_same_flags(tmp_path, mon
     run = nano_compare.run_path(str(tmp_path), "window 2", 0)
     argv = nano_compare.command(nano, ("--window", "2"), 0, run, 3, 10, 200)
     os.makedirs(os.path.join(run, "lora"))
-    Path(run, "metrics.jsonl").write_text('{"iteration": 0}\n' * 3)
+    Path(run, "metrics.jsonl").write_text("".join(f'{{"iteration": {i}}}\n' for i in range(3)))
     made = dataclasses.asdict(cli.parse_args(flowgrpo.Args, argv)) | {"run_id": "x", "batch_arithmetic": {}}
     Path(run, "args.json").write_text(json.dumps(made))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished run was run again"))
@@ -364,6 +364,15 @@ def test_a_finished_run_is_reused_only_if_made_with_the_same_flags(tmp_path, mon
     with pytest.raises(ValueError, match=r"made with other flags \(\{'iterations': \[3, 5\]\}"):
         nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 5, 10, 200)
     assert os.path.isdir(os.path.join(run, "lora")) and len(Path(run, "metrics.jsonl").read_text().splitlines()) == 3
+    # a run stopped by Ctrl-C exports its LoRA too (flowgrpo.py): short of its --iterations it is an unfinished
+    # attempt, started again (lora/ alone took it for a finished run, reused or refused)
+    Path(run, "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
+    Path(run, "args.json").write_text(json.dumps(made | {"lr": 3e-3}))  # (other flags: a finished run's refusal)
+    started = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: started.append(a) or subprocess.CompletedProcess(a, 1))
+    with pytest.raises(ValueError, match="failed"):
+        nano_compare.run_method(nano, "window 2", ("--window", "2"), 0, str(tmp_path), 3, 10, 200)
+    assert len(started) == 1 and not os.path.exists(os.path.join(run, "lora"))
 
 
 def test_a_comparison_whose_eval_images_miss_a_category_is_refused_before_its_runs(tmp_path):
