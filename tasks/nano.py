@@ -305,7 +305,9 @@ def framed(canvas, image: torch.Tensor, x: int, y: int, cell: int, ok: bool, pad
 
 def run_lora(run_dir: str, model: str = MODEL) -> str:
     """<run_dir>/lora, the LoRA a `flowgrpo.py --model MODEL` run exported (finished or stopped), checked before anything
-    loads."""
+    loads. run_dir: the run's directory, or its lora/."""
+    if os.path.basename(os.path.normpath(run_dir)) == "lora":
+        run_dir = os.path.dirname(os.path.normpath(run_dir))
     lora = os.path.join(run_dir, "lora")
     if not os.path.isfile(os.path.join(lora, "pytorch_lora_weights.safetensors")):
         raise ValueError(f"{run_dir}: no exported LoRA ({lora}/pytorch_lora_weights.safetensors): give the directory of "
@@ -364,8 +366,7 @@ def main(argv=None) -> None:
             for run, lora in zip(["base", *a.runs], [None, *loras]):
                 print(json.dumps({"run": run} | evaluate(load(lora=lora), a.per_digit)), flush=True)
         else:
-            run_lora(a.run)
-            out = a.out or os.path.join(a.run, "before_after.png")
+            out = a.out or os.path.join(os.path.dirname(run_lora(a.run)), "before_after.png")
             print(json.dumps({"grid": out} | grid(a.run, out)))
     except ValueError as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")

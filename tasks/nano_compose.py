@@ -354,8 +354,14 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=BASE_DIR, help="directory for vae/, transformer/, pretrain.json")
     for key, value in nano_compose_pretrain.PRETRAIN.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
-    e = sub.add_parser("evaluate", help="the base model (or --model-path) per category on the held-out prompts")
-    e.add_argument("--model-path", help="a directory `pretrain` wrote (default: the shipped one)")
+    e = sub.add_parser("evaluate", help="the base model (or --model-path, with a run's --lora) per category on the "
+                       "held-out prompts")
+    e.add_argument("--lora", help="a run's directory (or its lora/): its exported LoRA on the base")
+    g = sub.add_parser("grid", help="before vs after as one PNG, one row per category")
+    g.add_argument("run", help="a run directory of `flowgrpo.py --model nano-compose`")
+    g.add_argument("--out", help="the PNG (default: <run>/before_after.png)")
+    for q in (e, g):
+        q.add_argument("--model-path", help="a directory `pretrain` wrote (default: the shipped one)")
     for q in (p, e):
         q.add_argument("--per-category", type=int, default=50, help="held-out images per category")
     j = sub.add_parser("judge", help="the judge, the reward and GARDO's proxies on held-out renders, noise and wrong "
@@ -374,12 +380,18 @@ def main(argv=None) -> None:
             ap.exit(2, f"{ap.prog}: error: {err}\n")
         nano_compose_pretrain.pretrain(a.out, lambda x, ps: by_category(judge_scores(x, ps), ps), evaluate,
                                        a.per_category, **{k: getattr(a, k) for k in nano_compose_pretrain.PRETRAIN})
-    elif a.cmd == "evaluate":
-        try:  # a wrong directory: one line now, not a traceback (or a hub download) after the imports
+    elif a.cmd in ("evaluate", "grid"):
+        try:  # a wrong directory, another task's run: one line now, not a traceback (or a hub download) after imports
             a.model_path and model_checks.check_model_path(MODEL, a.model_path)
+            given = a.run if a.cmd == "grid" else a.lora
+            lora = given and nano.run_lora(given, MODEL)
         except ValueError as err:
             ap.exit(2, f"{ap.prog}: error: {err}\n")
-        print(json.dumps(evaluate(load(a.model_path), a.per_category)))
+        if a.cmd == "evaluate":
+            print(json.dumps(evaluate(load(a.model_path, lora), a.per_category)))
+        else:
+            out = a.out or os.path.join(os.path.dirname(lora), "before_after.png")
+            print(json.dumps({"grid": out} | grid(a.run, out, model_path=a.model_path)))
     elif a.cmd == "judge":
         for category, figures in measure(a.per_category, a.seed).items():
             print(category, json.dumps({k: round(v, 4) for k, v in figures.items()}), flush=True)

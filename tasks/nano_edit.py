@@ -361,8 +361,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tasks.nano_edit", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("evaluate", help="the base (or --model-path, with a run's --lora) per instruction, held out")
-    e.add_argument("--model-path"), e.add_argument("--lora", help="a finished run's directory (or its lora/)")
+    e.add_argument("--lora", help="a run's directory (or its lora/): its exported LoRA on the base")
     e.add_argument("--seeds", type=int, default=3)
+    g = sub.add_parser("grid", help="source, before and after as one PNG, one row per instruction")
+    g.add_argument("run", help="a run directory of `flowgrpo.py --model nano-edit`")
+    g.add_argument("--out", help="the PNG (default: <run>/before_after.png)")
+    for q in (e, g):
+        q.add_argument("--model-path", help="a directory `pretrain` wrote (default: the shipped one)")
     j = sub.add_parser("judge", help="the judge and the reward on exact targets, sources, noise and wrong edits")
     sub.add_parser("prompts", help="write the prompt set and its source PNGs").add_argument("--out", default=PROMPTS)
     for q, n in ((e, 20), (j, 300)):
@@ -371,14 +376,18 @@ def main(argv=None) -> None:
     nano.check_numbers(ap, {"per_kind": (getattr(a, "per_kind", 1), 10**4),
                                             "seeds": (getattr(a, "seeds", 1), 100)})
     torch.set_num_threads(1)
-    if a.cmd == "evaluate":
+    if a.cmd in ("evaluate", "grid"):
         try:  # checked before anything loads: a LoRA of another task's run, a wrong directory, in one line
             a.model_path and model_checks.check_model_path(MODEL, a.model_path)
-            given = os.path.normpath(a.lora or ".")
-            lora = a.lora and nano.run_lora(os.path.dirname(given) if os.path.basename(given) == "lora" else given, MODEL)
+            given = a.run if a.cmd == "grid" else a.lora
+            lora = given and nano.run_lora(given, MODEL)
         except ValueError as err:
             ap.exit(2, f"{ap.prog}: error: {err}\n")
-        print(json.dumps(evaluate(load(a.model_path, lora), a.per_kind, a.seeds)))
+        if a.cmd == "evaluate":
+            print(json.dumps(evaluate(load(a.model_path, lora), a.per_kind, a.seeds)))
+        else:
+            out = a.out or os.path.join(os.path.dirname(lora), "before_after.png")
+            print(json.dumps({"grid": out} | grid(a.run, out, model_path=a.model_path)))
     elif a.cmd == "judge":
         for kind, figures in measure(a.per_kind).items():
             print(f"{kind:20s}", json.dumps({k: round(v, 4) for k, v in figures.items()}), flush=True)

@@ -510,6 +510,31 @@ def test_nano_grid_names_a_run_of_another_model(tmp_path, capsys):
                                                           "give a nano run"
 
 
+@pytest.mark.parametrize("task", [nano, nano_compose, nano_edit], ids=lambda t: t.MODEL)
+def test_each_laptop_task_grades_and_draws_a_run_given_by_its_directory_or_its_lora(task, tmp_path, capsys, monkeypatch):
+    """`python -m tasks.<task> evaluate` and `grid` take a run of `flowgrpo.py --model <task>` (its directory or its
+    lora/), the grid written beside the LoRA; another task's run is refused in one line. Before, nano-compose could
+    evaluate only a base (no --lora) and neither nano-compose nor nano-edit had `grid`: a run was graded by hand."""
+    run = tmp_path / "run"
+    (run / "lora").mkdir(parents=True)
+    (run / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    (run / "args.json").write_text(json.dumps({"model": task.MODEL}))
+    calls = []
+    monkeypatch.setattr(task, "load", lambda *a, lora=None: calls.append(("load", a[1:] or lora)) or "pipe")
+    monkeypatch.setattr(task, "evaluate", lambda pipe, *a: calls.append(("evaluate", pipe)) or {"judge_accuracy": 0.5})
+    monkeypatch.setattr(task, "grid", lambda run_dir, out, **k: calls.append(("grid", run_dir, out)) or {"after": 0.5})
+    evaluate = ["evaluate", str(run / "lora")] if task is nano else ["evaluate", "--lora", str(run / "lora")]
+    for argv in (evaluate, ["grid", str(run / "lora")]):
+        task.main(argv)
+    lora, printed = str(run / "lora"), capsys.readouterr().out
+    assert ("load", (lora,)) in calls or ("load", lora) in calls, calls
+    assert calls[-1] == ("grid", str(run / "lora"), str(run / "before_after.png")) and '"after": 0.5' in printed, calls
+    (run / "args.json").write_text(json.dumps({"model": "tiny"}))
+    for argv in (evaluate, ["grid", str(run)]):
+        assert said(task.main, argv, capsys).endswith(f"{run} is a run of --model tiny, not {task.MODEL}: give a "
+                                                     f"{task.MODEL} run")
+
+
 def test_a_flag_the_parser_refuses_is_one_line(tmp_path):
     """A typo'd flag, a bad value, a missing one, a model that does not exist: tyro's box of 9 to 16 lines before; now
     the message, and the flag it suggests, in one line like every other refusal. Through the CLI for the typo."""
