@@ -118,9 +118,9 @@ def read_prompt_file(path: str | Path, size: tuple[int, int] | None = None) -> l
         raise ValueError(f"--prompts: {path} is {path.stat().st_size} bytes, more than {MAX_FILE_BYTES}: split it")
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8-sig")  # an editor's byte-order mark is not part of the first prompt
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # an editor's byte-order mark is not part of the first prompt
+    except UnicodeDecodeError as e:  # its line numbered as below (e.start counts the mark: "utf-8-sig"'s did not)
+        line = raw[:e.start].replace(b"\r\n", b"\n").replace(b"\r", b"\n").count(b"\n") + 1
         raise ValueError(f"--prompts: {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file "
                          "as UTF-8") from None
     # lines end at "\n", "\r\n" or a lone "\r" (an old Mac editor's; never inside a prompt, nor raw in a JSON string)

@@ -51,17 +51,17 @@ def _open(path: str):
 
 def check_png(f, max_chunks: int = MAX_CHUNKS) -> None:
     """A PNG's chunks walked from their headers (their data skipped, not read): ValueError if its text chunks hold more
-    than TEXT_BYTES or it has more than `max_chunks` chunks (Pillow parses each in Python and keeps every unknown one:
-    a million empty ones took 33 s and 222 MiB). Anything but a PNG passes (Pillow reads the rest). Also the reward
-    server's check of each image it is sent."""
+    than TEXT_BYTES, it has more than `max_chunks` chunks (Pillow parses each in Python and keeps every unknown one:
+    a million empty ones took 33 s and 222 MiB) or it ends before its IEND chunk. Anything but a PNG passes (Pillow
+    reads the rest). Also the reward server's check of each image it is sent."""
     if f.read(8) == PNG:
         text = 0
         for n in range(max_chunks + 1):
             head = f.read(8)
-            if len(head) < 8 or head[4:] == b"IEND":
+            if head[4:] == b"IEND":
                 break
-            if n == max_chunks:
-                raise ValueError(f"has more than {max_chunks} PNG chunks")
+            if len(head) < 8 or n == max_chunks:  # a partial copy: its header reads, its pixels fail only when decoded
+                raise ValueError("is cut short: no IEND" if len(head) < 8 else f"has more than {max_chunks} PNG chunks")
             length = int.from_bytes(head[:4], "big")
             text += length if head[4:] in TEXT_CHUNKS else 0
             if text > TEXT_BYTES:

@@ -144,3 +144,14 @@ def test_a_lone_carriage_return_ends_a_line(tmp_path):
     assert got == [("a cat", {}), ("a dog", {}), ("a bird", {})], f"{len(got)} prompts read, 3 written: {got}"
     (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "a cat"}\r{"prompt": "a dog"}\r')
     assert prompts.read_prompt_file(tmp_path / "p.jsonl") == [("a cat", {}), ("a dog", {})]
+
+
+def test_a_byte_that_is_not_utf8_is_named_at_its_line_after_a_bom_or_lone_carriage_returns(tmp_path):
+    """A file saved "UTF-8 with BOM" (or with an old Mac editor's lone "\\r" line ends) with one Latin-1 line: the error
+    named the wrong line (2 or 1, not 3) and, after a mark, a byte 3 short of the bad one (offsets counted after the
+    mark, lines at "\\n" only). Now the line as the reader numbers its prompts, and the byte in the file."""
+    for name, raw in [("bom.txt", b"\xef\xbb\xbfa cat\na dog\n\xe9t\xe9\n"), ("mac.txt", b"a cat\ra dog\ra caf\xe9\r"),
+                      ("both.jsonl", b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r{"prompt": "caf\xe9"}\n')]:
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(ValueError, match=rf"{name}:3: not UTF-8 text \(.* at byte {raw.index(0xe9)}\)"):
+            prompts.read_prompt_file(tmp_path / name)

@@ -179,3 +179,18 @@ def test_a_source_is_read_upright_as_its_exif_orientation_says(tmp_path, orienta
     line = {"prompt": "make it green", "image": "phone.png"}
     (tmp_path / "p.jsonl").write_text(json.dumps(line) + "\n")
     assert prompt_sets.read_prompt_file(tmp_path / "p.jsonl", shown.shape[:2])[0][1]["image"].endswith("phone.png")
+
+
+def test_a_source_cut_short_is_refused_at_start_up_not_mid_run(tmp_path):
+    """A PNG cut short (a copy or download stopped part way) keeps a whole header: start-up took it, and the run failed
+    only where its pixels were first decoded, mid-run, saying it "was readable when the run started". Refused at
+    start-up now, from its chunks' headers (nothing decoded): cut within its pixels, or just before its IEND chunk."""
+    prompts, source = edit_prompts(tmp_path), tmp_path / "sources" / "1.png"
+    raw = source.read_bytes()
+    for cut in (len(raw) // 2, len(raw) - 12):
+        source.write_bytes(raw[:cut])
+        said = start(prompts)
+        assert said == f"--prompts: {prompts}:2: source image sources/1.png is cut short: no IEND (paths are relative " \
+                       "to the prompt file)", said
+    source.write_bytes(raw)
+    assert start(prompts) is None
