@@ -73,8 +73,9 @@ def old_weights(engine, a, iteration: int):
 
 # ---- advantages, and how they become weights (tests/test_loop.py checks them by hand) ----------------------------
 
-def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: float) -> tuple[torch.Tensor, float]:
-    """A_i = (r_i − mean of i's group) / (σ + 1e-4), clipped; σ = std of the whole batch or of i's group (÷ n; ÷ n − 1
+def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: float,
+                     eps: float = 1e-4) -> tuple[torch.Tensor, float]:
+    """A_i = (r_i − mean of i's group) / (σ + eps), clipped; σ = std of the whole batch or of i's group (÷ n; ÷ n − 1
     for global-unbiased). r, group: (N,) over the iteration (all ranks). Returns (A (N,), fraction of zero-std groups)."""
     r = r.double()
     adv, zero = torch.zeros_like(r), 0
@@ -84,7 +85,7 @@ def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: fl
         # equal rewards have A = 0 exactly: their mean can miss them by an ulp (1 − 1/7 over 24 images: A ~ 1e-12, which
         # --zero-advantage drop kept and zero_std_ratio missed)
         spread = r[idx].max() > r[idx].min()
-        adv[idx] = (r[idx] - r[idx].mean()) / (sigma + 1e-4) * spread
+        adv[idx] = (r[idx] - r[idx].mean()) / (sigma + eps) * spread
         zero += int(not spread)
     return adv.clamp(-clip, clip).float(), zero / len(group.unique())
 
@@ -92,7 +93,8 @@ def group_advantages(r: torch.Tensor, group: torch.Tensor, *, std: str, clip: fl
 def advantages(algo: Algorithm, r_all: torch.Tensor, a, **iteration) -> tuple[torch.Tensor, float]:
     """The iteration's advantages (N,) by image id and the fraction of zero-std groups, as the row computes them."""
     if algo.advantages is None:
-        return group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std, clip=a.adv_clip)
+        return group_advantages(r_all, torch.arange(len(r_all)) // a.group_size, std=a.std, clip=a.adv_clip,
+                                eps=a.adv_eps)
     return algo.advantages(r_all, a, **iteration)
 
 
@@ -410,7 +412,8 @@ def check_sde(a) -> None:
 # 2e-6 to 2e-3). Beyond, every optimizer step is skipped (the gradient norm not finite), the loss is NaN, or it is 0.
 FLAG_RANGES = {"nft_beta": (1e-6, 1e6), "old_kl": (0.0, 1e6), "kl_beta": (0.0, 1e6), "adv_clip": (1e-6, 1e4),
                "clip_range": (0.0, 1e6), "dppo_threshold": (0.0, 1e6), "dgpo_beta": (0.0, 1e6), "dpo_beta": (0.0, 1e6),
-               "normguard": (0.0, 1e6), "normguard_margin": (0.0, 1e3), "gardo_kl_threshold": (0.0, 1e6)}
+               "normguard": (0.0, 1e6), "normguard_margin": (0.0, 1e3), "gardo_kl_threshold": (0.0, 1e6),
+               "adv_eps": (1e-12, 1.0)}  # 0: a group of equal rewards is 0/0
 
 
 def check_flags(a, recipe) -> None:

@@ -129,6 +129,8 @@ class UpdateArgs:
     std: Literal["global", "group", "global-unbiased"] = "global"
     """normalise advantages by the whole batch's reward std or by each group's (population std); global-unbiased: the
     batch's with Bessel's n − 1, as miles_diffusion divides"""
+    adv_eps: float = 1e-4
+    """ε in A = (r − the group's mean) / (std + ε): Flow-GRPO's 1e-4; UniRL's Flow-DPPO 1e-8"""
     zero_advantage: Literal["drop", "keep"] = "drop"
     """images whose advantage is exactly 0: left out of their optimizer step's loss mean, or trained with A = 0"""
     clip_range: float = 1e-3
@@ -283,6 +285,7 @@ COMPANIONS = {"lora_rank": LORA, "lora_alpha": LORA, "lora_targets": LORA, "ema_
               "ode_solver": ("ODE steps after a window (--window > 0) or --algorithm nft, awm or dgpo",
                              lambda a: a.algorithm in ("nft", "awm", "dgpo") or a.window > 0 and a.algorithm != "dpo"),
               "std": ("--algorithm grpo, nft, awm or dgpo", lambda a: a.algorithm not in ("gardo", "dpo")),
+              "adv_eps": ("--algorithm grpo, nft, awm or dgpo", lambda a: a.algorithm not in ("gardo", "dpo")),
               "adv_clip": ("--algorithm grpo, gardo, nft, awm or dgpo", lambda a: a.algorithm != "dpo"),  # DPO: rewards
               "gardo_kl_threshold": GARDO_KL, "gardo_reset_every": GARDO_KL, "old_decay": OLD, "old_every": OLD,
               "eval_images": EVAL, "eval_steps": EVAL, "allow_change": ("--resume", lambda a: a.resume),

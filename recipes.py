@@ -128,15 +128,16 @@ RECIPES: dict[str, dict] = {
                                    lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True,
                                    ema_decay=0.9, ema_every=8, ema_repeat=8, checkpoint_every=60, eval_every=60),
     # Flow-DPPO as UniRL's public recipe examples/diffusion/sd3/sd3_flowdppo.yaml trains SD3.5-M (its FlowDPPO/
-    # config.yaml annotates it): Flow-GRPO's rollout and advantages, the clip replaced by the KL-and-advantage mask,
-    # 3 trained steps in the first half, 2 optimizer steps a batch; every sample trained (its loss has no zero-advantage
-    # filter). Departure: its 3 steps are drawn anywhere in [0, 5), here a contiguous window (docs/algorithm.md §8, 19)
+    # config.yaml annotates it): Flow-GRPO's rollout, the clip replaced by the KL-and-advantage mask, 3 trained steps in
+    # the first half, 2 optimizer steps a batch; every sample trained (its loss has no zero-advantage filter); its
+    # advantages over the batch's n − 1 std + 1e-8, unclipped (1e4 clips none: |A| ≤ sqrt(N − 1)). Departure: its 3 steps
+    # are drawn anywhere in [0, 5), here a contiguous window (docs/algorithm.md §8, 19)
     "sd3.5-medium-dppo": dict(model="sd3.5-medium", iterations=300, prompts="general", reward="pickscore",
                               group_size=16, prompts_per_iteration=48, micro_batch=8, optimizer_steps=2, height=512,
                               width=512, num_steps=10, eval_steps=40, cfg_scale=1.0, noise_level=0.7, window=3,
                               window_range=(0, 5), trust_region="dppo", dppo_threshold=1e-5, zero_advantage="keep",
-                              lr=3e-4, weight_decay=0.0, lora_rank=32, lora_alpha=64,
-                              lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True),
+                              std="global-unbiased", adv_eps=1e-8, adv_clip=1e4, lr=3e-4, weight_decay=0.0, lora_rank=32,
+                              lora_alpha=64, lora_targets=LORA_TARGETS["tiny-sd3"], mixed_precision=True),
     # forward-process algorithms (docs/algorithm.md §12): DiffusionNFT's public configs sd3_ocr and sd3_pickscore
     # (config/nft.py), ODE rollouts of its all-steps DPM-Solver++(2M), 9 of the 10 steps trained per image
     "sd3.5-medium-nft-ocr": dict(SD3_FORWARD, algorithm="nft", prompts="ocr", reward="ocr", prompts_per_iteration=48,

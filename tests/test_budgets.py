@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # above the design's target says why beside it.
 BUDGETS = {
     "flowgrpo.py": 450,  # the loop: batch arithmetic, the rollout phase (`draw`), evaluation, an iteration's phases
-    "args.py": 300,  # every flag of the loop, documented once, in a dataclass per phase (a section of --help each)
+    # every flag of the loop, documented once, in a dataclass per phase (a section of --help each); 303 since 2026-12-08
+    # for --adv-eps, the advantages' ε, with which the Flow-DPPO recipe divides as UniRL's does (1e-8, not 1e-4)
+    "args.py": 303,
     "offpolicy.py": 200,  # an iteration's rollout phase now or one iteration ahead of the update; its checkpointed batch
     "rollout_ranks.py": 250,  # a local rollout on torchrun ranks of its own: the split world, weights out, images back
     # what a run checks before anything expensive starts: each refusal in one line; 155 since 2026-12-06 for the
@@ -21,12 +23,14 @@ BUDGETS = {
     # the command line read over a recipe's values, in Args' groups (a section of --help each), tyro's errors in one line
     "cli.py": 100,
     # the named configurations, each value with its source; raised from 200 for the 2026 families' recipes (nine:
-    # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys)
-    "recipes.py": 225,
+    # Flow-Factory's four Z-Image and FLUX.2 [klein] configs, Qwen-Image 2.1's two, three toys); 226 since 2026-12-08:
+    # the Flow-DPPO recipe's advantages as UniRL's (n − 1 std + 1e-8, unclipped), said beside it
+    "recipes.py": 226,
     # the --algorithm table, what its rows share, and Flow-GRPO's loss with its variants' tables; 465 since 2026-12-06:
     # the decoupled correction's means, its metrics over all ranks, GARDO's refusal of a kept rollout forward (the next
-    # growth splits Flow-GRPO's loss into a file of its own)
-    "algorithms.py": 465,
+    # growth splits Flow-GRPO's loss into a file of its own); 468 since 2026-12-08 for --adv-eps (its range, and the ε
+    # passed to group_advantages), which the Flow-DPPO recipe needs to compute UniRL's advantages
+    "algorithms.py": 468,
     "algorithms_forward.py": 450,  # the forward-process family: DiffusionNFT, AWM, their update and old policy
     "algorithms_preference.py": 450,  # the preference family: DGPO and online DPO, on the forward-process update
     # against reward hacking: NormGuard's velocity-norm hinge, GARDO's gate, advantages, state; raised from 200 for

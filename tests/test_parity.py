@@ -147,6 +147,15 @@ def unirl_sigma_t(sigmas, steps, eta):
     return std_dev_t * torch.sqrt(-(s_next - s))
 
 
+def unirl_advantages(rewards, branch, eps=1e-8):
+    """UNIRL unirl/types/rollout_resp.py (`RolloutTrack.compute_advantages`, normalize and use_global_std true, as
+    unirl/trainer/diffusion.py calls it for the Flow-DPPO recipe's `adv_use_global_std: true`): float32, each group's
+    (branch consecutive samples) r − its mean, over the whole batch's torch std (n − 1) + eps; no clip."""
+    rewards = torch.as_tensor(rewards).to(torch.float32)
+    reshaped = rewards.view(-1, branch)
+    return ((reshaped - reshaped.mean(dim=1, keepdim=True)) / (rewards.std() + eps)).flatten()
+
+
 def unirl_dppo_loss(new_logp, old_logp, new_means, old_means, adv, sigma_t, threshold):
     """UNIRL unirl/algorithms/flowdppo.py (`_gaussian_kl_div`, `_flowdppo_kl_adv_loss`, and the `.mean()` of its
     caller `compute_loss_and_backward`) on one micro-batch: log-probs and advantages (B, S'), means (B, S', ...),
@@ -470,6 +479,21 @@ def test_flow_dppo_recipe_computes_unirls_loss_its_mask_and_gradient():
     fraction = torch.cat(removed).float().mean().item()
     print(f"\nFlow-DPPO: {fraction:.2f} of the (image, step) pairs removed")
     assert 0.1 < fraction < 0.5, f"the inputs should remove some pairs and keep others (removed {fraction:.2f})"
+
+
+def test_flow_dppo_recipe_computes_unirls_advantages():
+    """The sd3.5-medium-dppo recipe's advantages on its 48 × 16 images (one group of equal rewards among them) against
+    UniRL's: per group r − its mean over the batch's n − 1 std + 1e-8, unclipped. Before, the recipe took Flow-GRPO's
+    population std + 1e-4 and a clip at 5: 0.6% smaller advantages at PickScore's spread (std 0.015), not rounding."""
+    a = flowgrpo.RECIPES["sd3.5-medium-dppo"]
+    n = a.prompts_per_iteration * a.group_size
+    r = 0.2 + 0.015 * torch.randn(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    r[:a.group_size] = 0.25  # a group whose advantages are all exactly 0 (its float32 mean exact: theirs 0 too)
+    theirs = unirl_advantages(r, a.group_size)
+    ours, zero = algorithms.advantages(algorithms.ALGORITHMS[a.algorithm], r, a)
+    # theirs in float32: its group means of rewards near 0.2 round by an ulp (1.5e-8), 1e-6 of A at σ 0.015
+    close("sd3.5-medium-dppo", "advantage", ours, theirs, atol=1e-5)
+    assert zero == 1 / a.prompts_per_iteration and torch.equal(ours[:a.group_size], torch.zeros(a.group_size))
 
 
 # ---- the KL forms -------------------------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ GARDO = "--algorithm gardo --reward brightness=1,jpeg_compressibility=0 --gardo-
      f"{CPS} --guard full --cps-density exact --stale-correction decoupled"),
     # GARDO's advantages divide by no std; DPO pairs each group's best and worst reward, its advantages unread
     (f"{GARDO} --kl-beta 0.04 --std group", "--std acts only with --algorithm grpo, nft, awm or dgpo", "--std group"),
+    ("--algorithm dpo --micro-batch 8 --adv-eps 1e-8", "--adv-eps acts only with --algorithm grpo, nft, awm or dgpo",
+     "--adv-eps 1e-8"),
     ("--algorithm dpo --micro-batch 8 --adv-clip 1", "--adv-clip acts only with --algorithm grpo, gardo, nft, awm",
      "--algorithm dgpo --micro-batch 8 --adv-clip 1"),
     (f"{GARDO} --gardo-kl-threshold 1e-5 --gardo-reset-every 3", "--gardo-kl-threshold acts only with --kl-beta > 0; "
