@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import checkpoint
 import engine as eng
 import reward_http
 import rollout
@@ -144,8 +145,10 @@ class Rollouts:
         self.pending = (got.it, done(got))
         tensors = {k: getattr(got.batch, k).contiguous().cpu() for k in SAVED if getattr(got.batch, k) is not None}
         tensors |= {"scores": torch.tensor(got.scores)} | {f"info.{k}": torch.tensor(v) for k, v in got.info.items()}
+        tensors |= {"span": torch.tensor(got.span, dtype=torch.float64)}  # its time/rollout_* (before: 0 on resume)
         save_file(tensors, os.path.join(directory, INFLIGHT.format(self.engine.rank)),
-                  metadata={"iteration": str(got.it), "version": str(got.version), "sigma_max": repr(got.batch.sigma_max)})
+                  metadata={"iteration": str(got.it), "version": str(got.version), "sigma_max": repr(got.batch.sigma_max),
+                            "plan": planned(got)})
 
     def load(self, directory: str, plan) -> None:
         """Take the rollout in flight that `directory` holds for this rank (--off-policy 1): `plan(it)` gives its
@@ -160,11 +163,19 @@ class Rollouts:
             meta = f.metadata()
         t = load_file(path, device=str(self.engine.device))
         got = plan(int(meta["iteration"]))
+        # A flag changed with --allow-change (--prompts, --seed, --group-size, a window) plans other images: the file's
+        # latents and scores would be trained with another plan's prompts (before: silently). Sampled again, on every
+        # rank alike (each publishes the weights): an older file, without its plan, is taken as it is.
+        if not self.engine.all_gather(torch.tensor([float(meta.get("plan", planned(got)) == planned(got))])).all():
+            print(f"warning: the rollout in flight in {directory} was sampled for another plan of iteration {got.it} "
+                  "(flags changed with --allow-change): it is sampled again, on the weights held now (staleness 0)",
+                  file=sys.stderr, flush=True)
+            return
         got.batch.latents, got.batch.log_probs, got.batch.images = t["latents"], t["log_probs"], t["images"].cpu()
         got.batch.x0, got.batch.sigmas, got.batch.sigma_max = t.get("x0"), t["sigmas"].cpu(), float(meta["sigma_max"])
         got.scores = t["scores"].cpu().numpy()
         got.info = {k.removeprefix("info."): v.cpu().numpy() for k, v in t.items() if k.startswith("info.")}
-        got.version = int(meta["version"])
+        got.version, got.span = int(meta["version"]), tuple(t["span"].tolist()) if "span" in t else got.span
         self.pending = (got.it, done(got))
 
     def close(self) -> None:
@@ -172,6 +183,12 @@ class Rollouts:
             self.pending[1].cancel()
         if self.worker is not None:
             self.worker.close()
+
+
+def planned(got: Sampled) -> str:
+    """What a rollout was sampled for, as a digest: this rank's image ids, the trained steps, prompts and metadata."""
+    return checkpoint.json_sha256([got.mine.tolist(), [int(s) for s in got.steps], got.batch.prompts,
+                                   got.batch.metadata])
 
 
 def done(value):

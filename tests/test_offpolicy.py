@@ -151,8 +151,10 @@ class Recorder:
         yield
 
 
-def engine_stub():
-    return SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+def engine_stub(others=()):
+    """Rank 0 of a world of one; `others`: what the other ranks' all_gather adds (say, 0: a rank that disagrees)."""
+    return SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"),
+                           all_gather=lambda x: torch.cat([torch.as_tensor(x), torch.tensor(others, dtype=x.dtype)]))
 
 
 def test_one_ahead_samples_the_next_iteration_under_the_weights_before_the_update():
@@ -237,3 +239,43 @@ def test_a_stop_while_the_next_iteration_is_published_checkpoints_the_rollout_in
     other.load(str(tmp_path), fake_sampled)
     assert other.get(0).version == 0 and "the rollout in flight is iteration 1's, not 0's" in capsys.readouterr().err
     other.close()
+
+
+def test_a_rollout_in_flight_resumes_with_its_sampling_times(tmp_path):
+    """time/rollout_start and /rollout_end of the first iteration after a resume are the batch's own sampling times
+    (its span, in the file): before, 0.0 and 0.0, as if it had been sampled in 1970."""
+    rollouts = offpolicy.Rollouts(Recorder().draw, Recorder().publish, None, engine_stub(), ahead=1, iterations=5)
+    rollouts.get(0)
+    span = rollouts.pending[1].result().span
+    rollouts.save(str(tmp_path))
+    rollouts.close()
+    resumed = offpolicy.Rollouts(Recorder().draw, Recorder().publish, None, engine_stub(), ahead=1, iterations=5)
+    resumed.load(str(tmp_path), fake_sampled)
+    got = resumed.get(1)
+    resumed.close()
+    assert span[0] > 0 and got.span == span, (got.span, span)
+
+
+@pytest.mark.parametrize("change", ["prompts", "another rank's plan"])
+def test_a_rollout_in_flight_planned_otherwise_is_sampled_again(tmp_path, capsys, change):
+    """A resume whose flags plan iteration 1 otherwise (--allow-change prompts, seed, group size...): the file's latents
+    and scores belong to other prompts, so iteration 1 is sampled again on the weights held now (staleness 0), said;
+    before, the batch paired the new prompts' conditioning with the old prompts' images and scores, silently. Every
+    rank decides alike: one whose plan is unchanged samples again too when another's changed (they publish together)."""
+    rec = Recorder()
+    rollouts = offpolicy.Rollouts(rec.draw, rec.publish, None, engine_stub(), ahead=1, iterations=5)
+    rollouts.get(0)
+    rollouts.save(str(tmp_path))
+    rollouts.close()
+
+    def replanned(it):
+        s = fake_sampled(it)
+        s.batch.prompts = ["another prompt"] * 2
+        return s
+    engine = engine_stub(others=(0.0,) if change == "another rank's plan" else ())
+    resumed = offpolicy.Rollouts(rec.draw, rec.publish, None, engine, ahead=1, iterations=5)
+    resumed.load(str(tmp_path), replanned if change == "prompts" else fake_sampled)
+    got = resumed.get(1)
+    resumed.close()
+    assert got.version == 1 and rec.events.count(("draw", 1, False)) == 2, (got.version, rec.events)
+    assert "was sampled for another plan of iteration 1" in capsys.readouterr().err
