@@ -67,7 +67,7 @@ BUDGETS = {
     "sequence_parallel.py": 100,  # Ulysses through diffusers' context parallelism
     # the checkpoint format and its checks: meta.json, its manifest, resume; 255 since 2026-12-06: a run directory
     # given to --resume named as one, with the two commands that resume it
-    "checkpoint.py": 255,
+    "checkpoint.py": 257,  # 257 since 2026-12-08: a --resume that names no checkpoint lists those beside it
     "atomic_files.py": 100,  # files written atomically (a temporary name, renamed) and read back without a link
     "rollout.py": 450,  # trajectories with log-probs: the data contract, the trainer's own sampler (the local backend)
     # who samples, chosen by --rollout: the trainer's own model, or vLLM-Omni servers through their HTTP client

@@ -281,8 +281,12 @@ def test_bad_resume_input(straight, tmp_path):
     good = os.path.join(straight, "checkpoints", "iter_000001")
     fp = startup.fingerprint(cli.parse_args(flowgrpo.Args, SMALL))
     assert checkpoint.resolve_resume("auto", str(straight), fp)[0] == good
-    with pytest.raises(FileNotFoundError, match="no checkpoint directory /no/such"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory /no/such$"):
         checkpoint.resolve_resume("/no/such", None, fp)
+    typo = os.path.join(straight, "checkpoints", "iter_000009")  # an iteration never checkpointed: those there named
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no checkpoint directory {typo}; {os.path.dirname(typo)} "
+                                                          "holds iter_000000, iter_000001")):
+        checkpoint.resolve_resume(typo, None, fp)
     with pytest.raises(ValueError, match="--lora-rank: checkpoint 8, this run 4"):
         checkpoint.resolve_resume(good, None, fp | {"lora_rank": 4})
     with pytest.raises(ValueError, match="--model: checkpoint 'tiny', this run 'qwen-image'"):
