@@ -191,7 +191,7 @@ def evaluate(model, engine, reward_fn, evalset, a: Args, it: int, log: runlog.Ru
 # ---- the loop --------------------------------------------------------------------------------------
 
 def main(a: Args) -> list[dict]:
-    resume = startup.check_args(a)  # before any model is built or process group joined
+    prompt_set, resume = startup.check_args(a)  # before any model is built or process group joined
     world = int(os.environ.get("WORLD_SIZE", 1)) - a.rollout_ranks  # training ranks: checked before any group is joined
     arith = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))
     algo = algorithms.ALGORITHMS[a.algorithm]  # what the rollout records, how advantages weigh, the update
@@ -207,7 +207,7 @@ def main(a: Args) -> list[dict]:
     # The run directory is made ours on rank 0 (a new run never writes into another run's), before anything is built.
     run = eng.on_main(rundir.claim_run_dir, a.run_dir, f"{a.model}-{a.reward}", ckpt, meta,
                       dataclasses.asdict(a) | {"batch_arithmetic": arith})  # a rundir.Claim
-    run_dir, prompt_set = run.run_dir, prompt_sets.load_prompts(a.prompts)
+    run_dir = run.run_dir
     trainset, evalset = prompt_set.train, [prompt_set.eval[i % len(prompt_set.eval)] for i in range(a.eval_images)]
     if rank == 0:
         startup.warn(a)

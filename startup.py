@@ -34,9 +34,9 @@ HOW_FLAGS = {"recipe", "run_dir", "resume", "allow_change", "iterations", "wandb
 SHAPE_FLAGS = {"model", "full_finetune", "lora_rank", "lora_targets"}  # the checkpoint's tensors: never changeable
 
 
-def check_args(a) -> tuple[str, dict] | None:
-    """Reject impossible configurations before anything is built; each message names the flag. Returns the
-    checkpoint to resume from and its meta.json, if any."""
+def check_args(a) -> tuple[prompt_sets.PromptSet, tuple[str, dict] | None]:
+    """Reject impossible configurations before anything is built; each message names the flag. Returns the prompts
+    (read once: a long edit set's images hashed in one pass) and the checkpoint to resume with its meta.json, or None."""
     for f in dataclasses.fields(a):  # inf or nan in any float flag
         need(not isinstance(getattr(a, f.name), float) or math.isfinite(getattr(a, f.name)),
              f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(a, f.name)}")
@@ -121,7 +121,7 @@ def check_args(a) -> tuple[str, dict] | None:
     rollout_backends.probe(rollout_backends.check_backend(a.rollout, a.rollout_url))  # the servers asked once, and
     rewards.probe(a.reward)  # the reward's, before the model loads
     if not a.resume:
-        return None
+        return prompts, None
     ckpt, meta = checkpoint.resolve_resume(a.resume, a.run_dir, fingerprint(a), allowed(a),
                                            fingerprint(type(a)()))
     offpolicy.check_resume(a, meta, int(os.environ.get("WORLD_SIZE", 1)) - a.rollout_ranks)
@@ -138,7 +138,7 @@ def check_args(a) -> tuple[str, dict] | None:
     need(meta["loop"]["prompts_sha256"] == checkpoint.json_sha256(prompts.train) or "prompts" in allowed(a),
          f"--prompts {a.prompts}: its training prompts differ from those of {ckpt} (their SHA-256): resume with "
          "those, or name prompts in --allow-change")
-    return ckpt, meta
+    return prompts, (ckpt, meta)
 
 
 def warn(a) -> None:

@@ -203,7 +203,7 @@ def test_a_shadow_the_checkpoint_lacks_is_refused_up_front(saved, change, needle
 def test_an_nft_checkpoint_resumes_as_grpo_dropping_the_old_policy(saved):
     """The other direction is sound: grpo does not use the old policy; the weights and AdamW state carry over."""
     args = dataclasses.replace(TINY, resume=saved["nft"], allow_change=("algorithm",))
-    assert startup.check_args(args)[0] == saved["nft"]
+    assert startup.check_args(args)[1][0] == saved["nft"]  # (the prompts, (the checkpoint, its meta))
     model = models.load_model("tiny", None, "cpu", seed=0)
     engine = eng.Engine(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
                         lr=args.lr, weight_decay=0, max_grad_norm=1.0, seed=0)

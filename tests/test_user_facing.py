@@ -537,6 +537,17 @@ def test_each_laptop_task_grades_and_draws_a_run_given_by_its_directory_or_its_l
                                                      f"{task.MODEL} run")
 
 
+def test_a_runs_prompt_file_is_read_once(tmp_path, monkeypatch):
+    """Start-up's check read the file (a long edit set's every image hashed, behind a bar "checking …") and the loop
+    read it again: two bars and twice the time. Now once."""
+    (tmp_path / "p.txt").write_text("".join(f"a photo of {i} cats\n" for i in range(20)))
+    calls, read = [], prompts.read_prompt_file
+    monkeypatch.setattr(prompts, "read_prompt_file", lambda *x, **k: calls.append(x) or read(*x, **k))
+    rows = main_here("--model", "tiny", "--prompts", tmp_path / "p.txt", "--iterations", 1, "--group-size", 2,
+                     "--prompts-per-iteration", 2, "--micro-batch", 2, "--eval-every", 0, "--run-dir", tmp_path / "run")
+    assert len(rows) == 1 and len(calls) == 1, calls
+
+
 def test_a_flag_the_parser_refuses_is_one_line(tmp_path):
     """A typo'd flag, a bad value, a missing one, a model that does not exist: tyro's box of 9 to 16 lines before; now
     the message, and the flag it suggests, in one line like every other refusal. Through the CLI for the typo."""
