@@ -70,9 +70,9 @@ def check(a) -> None:
          f"{a.is_cap}, {a.reject_band}")
     need(a.reject_band == 0 or a.stale_correction == "decoupled", "--reject-band needs --stale-correction decoupled: "
          "the staleness log-ratio it bounds is measured by that correction's proximal pass")
-    need(a.algorithm == "grpo" or a.off_policy == 0, f"--off-policy 1: --algorithm {a.algorithm} trains on no "
-         "behaviour log-probs to correct staleness with, and its old policy already lags on a schedule of its own: use "
-         "it with grpo")
+    need(a.algorithm == "grpo" or a.off_policy == 0, f"--off-policy 1: --algorithm {a.algorithm} keeps an old policy "
+         "that lags on a schedule of its own (and but for gardo, its loss takes no behaviour log-probs to correct "
+         "staleness with): use it with grpo")
     need(a.off_policy == 0 or a.rollout == "vllm-omni" or a.rollout_ranks, "--off-policy 1 needs someone else to "
          "sample while this process trains: --rollout vllm-omni (servers) or --rollout-ranks R (torchrun ranks)")
     need(a.off_policy == 0 or not a.shard_text_encoder, "--off-policy 1 with --shard-text-encoder: the prompts are "

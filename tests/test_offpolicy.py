@@ -27,7 +27,7 @@ URL = ("--rollout", "vllm-omni", "--rollout-url", "http://127.0.0.1:9")  # check
 @pytest.mark.parametrize("flags,needle", [
     (("--off-policy", "1"), "--off-policy 1 needs someone else to sample"),
     (("--off-policy", "2", *URL), "--off-policy must be 0 (synchronous) or 1"),
-    (("--off-policy", "1", "--algorithm", "nft", *URL), "--off-policy 1: --algorithm nft trains on no"),
+    (("--off-policy", "1", "--algorithm", "nft", *URL), "--off-policy 1: --algorithm nft keeps an old policy"),
     (("--off-policy", "1", "--shard-text-encoder", *URL), "--shard-text-encoder"),
     (("--reject-band", "0.5"), "--reject-band needs --stale-correction decoupled"),
     (("--stale-correction", "decoupled", "--is-cap", "0.5"), "--is-cap must be >= 1"),
