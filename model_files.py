@@ -1,8 +1,9 @@
 """A model directory's files, read within bounds before anything is built from them: a file is opened only if it is a
 regular file of bounded size (a FIFO never blocks, a link to /dev/zero is refused), a config.json's repeated stacks are
 bounded, a safetensors file's header is read alone and checked against the file's size, and a config is built
-weightless (meta device) to compare its tensors with the weights'. models.py checks `--model-path` with these at
-start-up; each ValueError says what is wrong, the caller names the file and the fix."""
+weightless (meta device) to compare its tensors with the weights'. model_checks.py checks `--model-path` with these at
+start-up, and models_base.from_pretrained a pipeline directory's parts before diffusers loads them; each ValueError
+says what is wrong, the caller names the file and the fix."""
 import json
 import os
 import re
@@ -71,6 +72,32 @@ def weight_shapes(path: str) -> dict[str, list[int]]:
     if end > size:
         raise ValueError(f"is truncated: {size} bytes, where its header places {end}")
     return shapes
+
+
+def check_pipeline_parts(path: str, given=()) -> None:
+    """A local pipeline directory holds each part its model_index.json names (`given`: parts passed in instead): a
+    folder per part, and each tokenizer's vocabulary (`tokenizer.json`, or every file its class's slow form reads).
+    diffusers fails to load any other missing part, but transformers builds a tokenizer from no files without a word:
+    FLUX.1's T5 read each prompt as <unk> and trained on it, Qwen-Image's crashed at its first prompt."""
+    import transformers
+    try:
+        config = read_config(os.path.join(path, "model_index.json"))
+    except ValueError as e:
+        raise ValueError(f"its model_index.json {e}") from None
+    missing = []
+    for name, entry in config.items():
+        if name.startswith("_") or name in given or not isinstance(entry, list) or len(entry) != 2 or not entry[0]:
+            continue
+        tokenizer = entry[0] == "transformers" and "Tokenizer" in str(entry[1])
+        names = getattr(getattr(transformers, str(entry[1]), None), "vocab_files_names", None) if tokenizer else None
+        vocabulary = [f for k, f in (names or {}).items() if k != "tokenizer_file"]
+        files = [os.path.isfile(os.path.join(path, name, f)) for f in ["tokenizer.json", *vocabulary]]
+        if not os.path.isdir(os.path.join(path, name)):
+            missing.append(f"{name}/")
+        elif vocabulary and not files[0] and not all(files[1:]):
+            missing.append(f"{name}/tokenizer.json or {name}/{' + '.join(vocabulary)}")
+    if missing:
+        raise ValueError(f"it lacks {', '.join(missing)}, which its model_index.json names")
 
 
 def build_weightless(config: dict) -> torch.nn.Module:

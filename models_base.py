@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+import model_files
 import scheduler as sch
 
 # diffusers' SD3 and FLUX pipelines import transformers' CLIP and Siglip image processors (for IP-adapters, unused
@@ -40,6 +41,8 @@ def from_pretrained(pipeline_class: str, model: str, path: str, **kwargs):
     hub_notice = logging.getLogger("diffusers.pipelines.pipeline_utils")
     hub_notice.addFilter(_not_hub_notice)  # "Couldn't connect to the Hub ... will try the cache": our error says more
     try:
+        if os.path.isfile(os.path.join(path, "model_index.json")):  # a tokenizer without its files loads unasked
+            model_files.check_pipeline_parts(path, kwargs)
         return getattr(diffusers, pipeline_class).from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:  # hub, offline and missing-file errors are OSError or ValueError subclasses
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")

@@ -2,6 +2,7 @@
 one-line loading errors."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -130,6 +131,29 @@ def test_weights_that_cannot_be_reached_are_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="--model sd3.5-medium: cannot load .*--model-path") as e:
         models.load_model("sd3.5-medium", str(tmp_path / "missing"), "cpu")
     assert "\n" not in str(e.value)
+
+
+def test_a_pipeline_directory_without_a_tokenizers_files_is_refused_in_one_line(tmp_path):
+    """Before: diffusers loaded it, transformers building the tokenizer from no files without a word: tiny-flux's T5
+    read "a red cat" as <unk>s ([3, 2, 3, 2, 3, 2, 1]) and trained on that; tiny's Qwen2 had 1 token and its first
+    prompt crashed in the text encoder. Any other part missing fails to load. Each case: (model, part, the files left
+    in its folder; None: no folder)."""
+    saved = {name: models.save_tiny_pipeline(str(tmp_path / name), 0, name) for name in ("tiny-flux", "tiny")}
+    for i, (name, part, keep) in enumerate([("tiny-flux", "tokenizer_2", None), ("tiny-flux", "tokenizer_2", []),
+                                            ("tiny-flux", "tokenizer", ["tokenizer_config.json"]),
+                                            ("tiny", "tokenizer", None)]):
+        path = shutil.copytree(saved[name], str(tmp_path / f"case{i}"))
+        for file in os.listdir(os.path.join(path, part)):
+            if keep is not None and file not in keep:
+                os.remove(os.path.join(path, part, file))
+        if keep is None:
+            shutil.rmtree(os.path.join(path, part))
+        refusal = rf"^--model {name}: cannot load a \w+Pipeline from '{path}' \(it lacks {part}/.*which its " \
+                  r"model_index.json names\); not a complete pipeline"
+        with pytest.raises(ValueError, match=refusal) as e:
+            models.load_model(name, path, "cpu")
+        assert "\n" not in str(e.value)
+    models.load_model("tiny-flux", saved["tiny-flux"], "cpu")  # whole, it loads
 
 
 def test_z_image_stacks_are_bounded_before_a_weightless_copy_is_built(tmp_path):
