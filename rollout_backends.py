@@ -328,7 +328,7 @@ class OmniBackend:
             except reward_http.ReplyTooLarge as e:  # the same request would get the same answer: not retried
                 raise reward_http.PeerError(f"vLLM-Omni server {url} answered {what} with {e}") from None
             except TimeoutError as e:  # a generation past the deadline still runs there: asked again, it would run twice
-                if body is None:
+                if body is None or not str(e).startswith("no complete answer"):  # or connecting timed out: never sent
                     last = f"{type(e).__name__}: {e}"
                     continue
                 raise reward_http.PeerError(f"vLLM-Omni server {url}, {what}: {e} (FLOWGRPO_ROLLOUT_TIMEOUT), and "

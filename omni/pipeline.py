@@ -113,8 +113,9 @@ def place(path, root: str | None, pipeline: str) -> tuple[str, str]:
 
 
 def parse_knobs(extra_args: dict | None, n: int, num_steps: int | None, root: str | None,
-                pipeline: str) -> dict | None:
-    """This request's knobs from extra_params["flowgrpo"], checked (None: not a FlowGRPO request)."""
+                pipeline: str, known: tuple = ()) -> dict | None:
+    """This request's knobs from extra_params["flowgrpo"], checked (None: not a FlowGRPO request); `known`: those the
+    pipeline reads besides the sampler's (an edit family's source)."""
     knobs = (extra_args or {}).get(KEY)
     if knobs is None:
         return None
@@ -122,6 +123,10 @@ def parse_knobs(extra_args: dict | None, n: int, num_steps: int | None, root: st
     missing = [k for k in ("trajectory", "seeds", *SAMPLER_KNOBS) if k not in knobs]
     if missing:
         raise ValueError(f"extra_params.{KEY} lacks {missing}")
+    unread = sorted(set(knobs) - {"trajectory", "seeds", *SAMPLER_KNOBS, *known})
+    if unread:  # else dropped: an edit model's source sent to a text-to-image class, its rollout taken as an edit's
+        raise ValueError(f"extra_params.{KEY} has {unread}, which {pipeline} does not read: serve the class of the "
+                         "trainer's --model (its adapter's omni_pipeline_class, docs/vllm-omni.md)")
     if not num_steps:  # the pipelines' defaults differ (50, 28): the trainer's σ schedule needs its own count
         raise ValueError("a FlowGRPO request must set num_inference_steps")
     where, steps = place(knobs["trajectory"], root, pipeline), list(knobs["steps"])
@@ -149,6 +154,7 @@ class FlowGRPOSampler:
     parent's `diffuse` makes it."""
     # Step mode (prepare_encode/denoise_step/...) would bypass `diffuse` and record nothing: request mode only.
     supports_step_execution = False
+    extra_knobs: tuple = ()  # the knobs a family reads besides the sampler's (an edit family's source)
     _run: dict | None = None  # the pass in progress: generators, knobs, then the recorded tensors
 
     def __init__(self, *, od_config, prefix: str = ""):
@@ -160,7 +166,8 @@ class FlowGRPOSampler:
         params = req.sampling_params_list
         n = params[0].num_outputs_per_prompt if params[0].num_outputs_per_prompt > 0 else 1
         name = f"{type(self).__module__}.{type(self).__name__}"
-        knobs = [parse_knobs(sp.extra_args, n, sp.num_inference_steps, self.trajectory_root, name) for sp in params]
+        knobs = [parse_knobs(sp.extra_args, n, sp.num_inference_steps, self.trajectory_root, name, self.extra_knobs)
+                 for sp in params]
         # vLLM-Omni batches requests that agree on size/steps/n/LoRA but not on our knobs: a mixed batch
         # is sampled one request at a time (each request's outputs stay in its own order).
         if len({json.dumps(k and [k[s] for s in SAMPLER_KNOBS]) for k in knobs}) > 1:

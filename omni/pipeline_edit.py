@@ -57,6 +57,7 @@ def decode_source(text) -> Image.Image:
 class FlowGRPOFluxKontextPipeline(FlowGRPOSampler, FluxKontextPipeline):
     """vLLM-Omni's FluxKontextPipeline (FLUX.1 Kontext) with this project's sampler (models_kontext.FluxKontext's
     twin): the source image comes in the knobs; the velocity is FLUX's on [x, source] (B·n, 2S, 4C), its first S."""
+    extra_knobs = ("source",)
 
     def __init__(self, *, od_config, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
@@ -95,6 +96,7 @@ class FlowGRPOQwenImageEditPlusPipeline(FlowGRPOSampler, QwenImageEditPlusPipeli
     """vLLM-Omni's QwenImageEditPlusPipeline (Qwen-Image-Edit-2511) with this project's sampler
     (models_qwen_edit.QwenImageEdit's twin): the source comes in the knobs and is prepared here as vLLM-Omni's
     pre-processing prepares an uploaded image, at the trainer's areas; the velocity is Qwen-Image's on [x, source]."""
+    extra_knobs = ("source", "source_areas")
 
     def forward(self, req: DiffusionRequestBatch, **kwargs):
         request = req.requests[0]  # one request a pass: the parent takes the first prompt of a batch only

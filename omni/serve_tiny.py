@@ -76,6 +76,8 @@ def main() -> None:
     s.add_argument("--trajectory-root", help="the directory beneath which the pipeline may write trajectories (the "
                    "trainer's FLOWGRPO_ROLLOUT_DIR or run directory must lie beneath it); without it, it writes none")
     args, extra = ap.parse_known_args()
+    if args.cmd == "build" and extra:  # only `serve` hands unknown flags on (to vLLM): a mistyped one built the default
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "build":
         print(build_tiny_pipeline(args.dir, args.seed, args.model))
     else:

@@ -91,6 +91,8 @@ def main() -> None:
     s.add_argument("--port", type=int, default=8092)
     s.add_argument("--venv", default=DEFAULT_VENV)
     args, extra = ap.parse_known_args()
+    if args.cmd == "build" and extra:  # only `serve` hands unknown flags on (to vLLM): a mistyped one built the default
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "build":
         print(build(args.dir, args.seed))
     else:

@@ -7,6 +7,7 @@ landed where, or leaves something broken or hostile at the trajectory path (`mod
 files match the local backend is tests/omni/'s job.
 """
 import base64
+import importlib
 import io
 import json
 import os
@@ -581,6 +582,30 @@ def test_a_generation_past_the_deadline_is_not_asked_again():
         httpd.server_close()
 
 
+def test_a_connection_never_made_is_asked_again_and_said_down():
+    """A POST whose connection timed out (a server's host dropping packets; here a listener whose queue is full)
+    never reached the server: before, it was said to be past FLOWGRPO_ROLLOUT_TIMEOUT and "may still be generating
+    it", and not asked again. It is asked again, then the server said down."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        url, queued = f"http://127.0.0.1:{listener.getsockname()[1]}", []
+        for _ in range(64):  # fill the queue of connections never accepted: the kernel drops the next one's SYN
+            try:
+                queued.append(socket.create_connection(("127.0.0.1", listener.getsockname()[1]), timeout=0.2))
+            except TimeoutError:
+                break
+        me = SimpleNamespace(retries=1, backoff=0.0, timeout=0.3)
+        try:
+            with pytest.raises(RuntimeError, match="stayed down for the request for 'p': 2 attempts failed "
+                                                   r"\(last: TimeoutError: timed out\)"):
+                rollout_backends.OmniBackend._call(me, url, "/v1/images/generations", {"prompt": "p"},
+                                                   "the request for 'p'")
+        finally:
+            for s in queued:
+                s.close()
+
+
 def test_sample_needs_sync_first_and_takes_the_local_arguments(tmp_path, standin, model):
     backend = make(standin.url, tmp_path)
     with pytest.raises(RuntimeError, match="before sync"):
@@ -595,3 +620,15 @@ def test_sample_needs_sync_first_and_takes_the_local_arguments(tmp_path, standin
 def test_the_main_modules_never_import_vllm_omni():
     import flowgrpo  # noqa: F401
     assert "vllm_omni" not in sys.modules and "omni.pipeline" not in sys.modules
+
+
+@pytest.mark.parametrize("module,builder", [("serve_tiny", "build_tiny_pipeline"), ("tiny_vl", "build")])
+def test_a_build_flag_it_does_not_know_is_refused(module, builder, monkeypatch, tmp_path, capsys):
+    """`omni/serve_tiny.py build DIR --models tiny-sd3` (a typo of --model) built the default tiny Qwen-Image, the flag
+    unread: only `serve` hands the flags it does not know on, to vLLM."""
+    tool, built = importlib.import_module(f"omni.{module}"), []
+    monkeypatch.setattr(tool, builder, lambda *args: built.append(args))
+    monkeypatch.setattr(sys, "argv", [f"{module}.py", "build", str(tmp_path / "x"), "--models", "tiny-sd3"])
+    with pytest.raises(SystemExit):
+        tool.main()
+    assert not built and "unrecognized arguments: --models tiny-sd3" in capsys.readouterr().err

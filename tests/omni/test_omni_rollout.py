@@ -255,6 +255,20 @@ def test_a_bad_request_is_an_error_and_the_server_stays_up(omni_server, tmp_path
     assert http("GET", omni_server.url + "/health")[0] == 200
 
 
+def test_a_knob_the_pipeline_does_not_read_is_refused(omni_server, tmp_path):
+    """An edit model's source sent to a text-to-image class (the wrong pipeline_class over the edit model's weights)
+    was dropped: the server sampled without it, and the trainer, its σ and shapes alike, took the rollout as the edit
+    model's (measured: tiny-flux-kontext served by FlowGRPOFluxPipeline, latents 2.5e-2 off the local backend's,
+    accepted). A knob the class does not read is refused, named."""
+    knobs = dict(trajectory=str(tmp_path / "t.safetensors"), seeds=[1], steps=[0], noise_level=0.7, sde_type="sde",
+                 max_sequence_length=1024, source="iVBORw0KGgo=", source_areas=[1024, 1024])
+    status, resp = http("POST", omni_server.url + "/v1/images/generations",
+                        dict(prompt="x", size=f"{W}x{H}", num_inference_steps=4, extra_params={"flowgrpo": knobs}))
+    assert status == 500 and ("['source', 'source_areas'], which omni.pipeline.FlowGRPOQwenImagePipeline does not "
+                              "read: serve the class of the trainer's --model") in resp["error"]["message"], resp
+    assert not (tmp_path / "t.safetensors").exists()
+
+
 def test_served_sigmas_equal_the_trainers_to_the_bit(omni_server, trainer, tmp_path):
     """The client requires the file's σ and σ_max to equal the trainer's exactly. The server's come from
     vLLM-Omni's prepare_timesteps on its own diffusers' scheduler, the trainer's from scheduler.sigma_schedule:
