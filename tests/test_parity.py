@@ -668,3 +668,77 @@ def test_flash_count_and_points_are_mixgrpo_flashs():
             same_points += 1
     assert same_points >= 3 and sch.ode_calls("dpm2", 21) == 7  # the window at 0–3: 7 calls where Euler takes 21
     sch.check_variants(N, W, (0, 23), sde_type="sde", noise_level=0.7, window_schedule="sliding", ode_solver="dpm2")
+
+
+# ---- the public recipes' batch arithmetic, from each public config's own formulas --------------------------------
+
+def fg_batches(gpus, per_gpu, group, prompts):
+    """FG config/grpo.py (general_ocr_sd3 and alike): num_batches_per_epoch = int(prompts / (gpus·per_gpu / group)),
+    gradient_accumulation_steps = num_batches_per_epoch // 2; the EMA steps once per micro-batch (M = accumulation)."""
+    batches = int(prompts / (gpus * per_gpu / group))
+    return dict(images=gpus * per_gpu * batches, group=group, micro=per_gpu, steps=batches // (batches // 2),
+                ema_repeat=batches // 2)
+
+
+def nft_batches(gpus, grad_steps):
+    """NVlabs/DiffusionNFT config/nft.py _get_config: 48 groups of 24, the largest per-GPU batch ≤ 9 that divides them
+    over the GPUs in whole groups and batches; accumulation = batches / gradient_step_per_epoch (EMA once a step)."""
+    bsz = next(b for b in range(9, 0, -1) if 48 * 24 % (gpus * b) == 0 and b * gpus % 24 == 0
+               and 48 * 24 // (gpus * b) % grad_steps == 0)
+    return dict(images=48 * 24, group=24, micro=bsz, steps=grad_steps, ema_repeat=1)
+
+
+def awm_batches(groups_per_24gpus):
+    """scxue/advantage_weighted_matching config/dgx_awm.py *_sd3_no_cfg_1node: 8 GPUs, per-GPU sampling batch 6,
+    num_batches_per_epoch = groups·24 // 8 // 2, every batch accumulated into one optimizer step."""
+    return dict(images=8 * 6 * (groups_per_24gpus * 24 // 8 // 2), group=24, micro=6, steps=1, ema_repeat=1)
+
+
+RECIPE_BATCHES = {  # images an iteration (all GPUs), group size, per-GPU micro-batch, optimizer steps, EMA repeat M
+    "sd3.5-medium": fg_batches(32, 9, 24, 48),  # FG general_ocr_sd3: 4 batches, accumulation 2
+    "flux.1-dev": fg_batches(32, 3, 24, 48),  # FG pickscore_flux: 12 batches, accumulation 6
+    "flux.1-kontext-dev": fg_batches(28, 3, 21, 48),  # FG counting_flux_kontext: 12 batches, accumulation 6
+    "qwen-image": dict(fg_batches(32, 4, 16, 32), ema_repeat=1),  # FG pickscore_qwenimage: 4 batches; no EMA
+    "sd3.5-medium-guard": fg_batches(16, 9, 24, 48),  # FG config/grpo_guard.py general_ocr_sd3_rationorm: 8, 4
+    "sd3.5-medium-gardo-ocr": fg_batches(8, 9, 24, 48),  # config/grpo_gardo.py general_ocr_sd3 at 94e23ee: 16, 8
+    # FG general_ocr_wan2_1 on one GPU (its README): 2 batches of 8, 4 a prompt, accumulation 2 // 2 = 1: 2 steps
+    "wan2.1-t2v-1.3b": dict(images=16, group=4, micro=8, steps=2, ema_repeat=1),
+    "sd3.5-medium-nft-ocr": nft_batches(8, 2),  # sd3_ocr: 9 a GPU, 16 batches, 2 gradient steps
+    "sd3.5-medium-nft-pickscore": nft_batches(8, 1),  # sd3_pickscore: 1 gradient step
+    "sd3.5-medium-awm-ocr": awm_batches(24),  # 36 batches: 1728 images, 72 prompts
+    "sd3.5-medium-awm-pickscore": awm_batches(8),  # 12 batches: 576 images, 24 prompts
+    # Luo-Yihong/DGPO config/dgpo.py general_ocr_sd3_4gpu: 4 GPUs × 16 × int(8 / (4·16 / 16)) = 2 batches, one step
+    # (accumulation = batches); its EMA steps once per micro-batch: M = 2
+    "sd3.5-medium-dgpo-ocr": dict(images=4 * 16 * 2, group=16, micro=16, steps=1, ema_repeat=2),
+    # FG config/dpo.py (ac4c86e) on one GPU: one batch of 24 per prompt, one step; EMA once per optimizer step
+    "sd3.5-medium-dpo-pickscore": dict(images=24, group=24, micro=24, steps=1, ema_repeat=1),
+    # UNIRL examples/diffusion/sd3_flowdppo.yaml: batch_size 48 prompts (global), samples_per_prompt 16,
+    # micro_batch_size 8, num_updates_per_batch 2
+    "sd3.5-medium-dppo": dict(images=48 * 16, group=16, micro=8, steps=2, ema_repeat=1),
+    # MILES: --rollout-batch-size 16 --n-samples-per-prompt 16 --micro-batch-size-sample 4 --num-steps-per-rollout 2
+    "qwen-image-2.1": dict(images=16 * 16, group=16, micro=4, steps=2, ema_repeat=1),
+    # verl-omni a1139ba, qwen_image_edit/run_qwen_image_edit_lora.sh: train_batch_size 32, rollout.n 16,
+    # ppo_mini_batch_size 16 (2 steps), ppo_micro_batch_size_per_gpu 16
+    "qwen-image-edit": dict(images=32 * 16, group=16, micro=16, steps=2, ema_repeat=1),
+    # verl-omni diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh: train_batch_size 24, n 16, mini-batch 12
+    # (its micro-batch, 12 a GPU, is a how-flag here: the recipe's 4 changes float rounding only)
+    "qwen-image-nft-ocr": dict(images=24 * 16, group=16, micro=4, steps=2, ema_repeat=1),
+}
+# Flow-Factory a0b2bc5 examples/grpo/lora/*/default.yaml (qwen_image_2_1 at 5f6cda1): unique_sample_num_per_epoch 48,
+# group_size 16, per_device_batch_size 1, gradient_step_per_epoch 2
+RECIPE_BATCHES.update({r: dict(images=48 * 16, group=16, micro=1, steps=2, ema_repeat=1) for r in
+                       ("z-image", "z-image-turbo", "flux.2-klein-base", "flux.2-klein", "qwen-image-2.1-edit")})
+
+
+def test_public_recipes_batches_are_the_public_configs():
+    """Each public recipe's images an iteration (P·G = the public run's global batch: per-GPU batch × GPUs × batches),
+    group size, micro-batch (the public per-GPU batch), optimizer steps an iteration (batches / gradient accumulation)
+    and EMA repeat M (micro-batches per optimizer step per GPU where its EMA steps once per micro-batch), computed
+    from each public config's own formulas (docs/algorithm.md §7)."""
+    wrong = {}
+    for recipe, pub in RECIPE_BATCHES.items():
+        a = flowgrpo.RECIPES[recipe]
+        ours = dict(images=a.prompts_per_iteration * a.group_size, group=a.group_size, micro=a.micro_batch,
+                    steps=a.optimizer_steps, ema_repeat=a.ema_repeat)
+        wrong.update({recipe: f"{ours} where its public config has {pub}"} if ours != pub else {})
+    assert not wrong, wrong
