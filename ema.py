@@ -51,18 +51,19 @@ class EMA:
 
     @contextlib.contextmanager
     def swapped(self):
-        """The EMA weights in the model for the duration; the trained ones come back bit for bit. (FSDP2 gathers the
-        shards at every forward, so the swap needs no resharding.)"""
-        with torch.no_grad():
-            backup = [local_shard(p).clone() for p in self.params]
-            for ema, p in zip(self.shadow, self.params):
-                local_shard(p).copy_(local_shard(ema))
+        """The EMA weights in the model for the duration; the trained ones come back bit for bit. (FSDP2 keeps its root
+        module's shards gathered after a forward: engine._swapped reshards it around the swap.)"""
+        # Ctrl-C stops a rollout at once (rundir.Stop), and the loop then saves and exports the weights: a signal
+        # half-way through a swap or its restore left some of them the shadow's. So the swap is inside the try, and
+        # each copy is one call (a signal's handler runs between calls), into detached views (no autograd to turn off;
+        # their version is the parameter's, which the bf16 working copies and merged weights watch).
+        targets = [local_shard(p).detach() for p in self.params]
+        backup = [t.clone() for t in targets]
         try:
+            torch._foreach_copy_(targets, [local_shard(ema) for ema in self.shadow])
             yield
         finally:
-            with torch.no_grad():
-                for saved, p in zip(backup, self.params):
-                    local_shard(p).copy_(saved)
+            torch._foreach_copy_(targets, backup)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint holds (DTensors under FSDP2): dcp.save writes them beside the weights, and dcp.load

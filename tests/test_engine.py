@@ -489,6 +489,39 @@ def test_exit_process_ends_as_sys_exit_would_but_skips_the_teardown(exits, statu
     assert exits[status] == [code, "out", err], exits[status]
 
 
+def test_a_signal_during_a_shadow_swap_leaves_the_trained_weights(monkeypatch):
+    """Ctrl-C stops a rollout at once, and the loop then checkpoints and exports the weights it holds; DiffusionNFT's
+    rollout runs on its old policy swapped in (engine.old_weights). A signal's handler runs as the call it arrived in
+    returns: here, after each copy of the swap or its restore in turn. The trained weights are whole afterwards, bit
+    for bit (before, a signal after the first parameter's copy left it the old policy's, and the run saved that)."""
+    from ema import OldPolicy
+    params = [torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    old = OldPolicy([(f"p{i}", p) for i, p in enumerate(params)])
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)  # trained on: the old policy differs from every weight
+    trained, copies, at = [p.detach().clone() for p in params], [], [0]
+
+    def interrupted(copy):
+        def copy_then_signal(*args, **kwargs):
+            result = copy(*args, **kwargs)
+            copies.append(1)
+            if len(copies) == at[0]:
+                raise KeyboardInterrupt("SIGINT")
+            return result
+        return copy_then_signal
+    monkeypatch.setattr(torch.Tensor, "copy_", interrupted(torch.Tensor.copy_))
+    monkeypatch.setattr(torch, "_foreach_copy_", interrupted(torch._foreach_copy_))
+    for at[0] in range(1, 8):  # 3 weights: at most 6 copies, the last round uninterrupted
+        copies.clear()
+        try:
+            with old.swapped():
+                assert all(torch.equal(p, s) for p, s in zip(params, old.shadow))  # within: the old policy's weights
+        except KeyboardInterrupt:
+            pass
+        assert all(torch.equal(p, t) for p, t in zip(params, trained)), f"a signal after copy {at[0]} of the swap"
+
+
 def test_full_finetune_steps_fp32_master_weights_of_a_model_loaded_in_bf16():
     """A GPU loads the model in bf16 (models_base), where --full-finetune's AdamW stepped the bf16 weights themselves:
     one step of lr 1e-5 moved 16% of weights of std 0.02, by 1.9e-6 on average (found by reading, 2026-12-07; the CPU
