@@ -223,11 +223,11 @@ def main(a: Args) -> list[dict]:
                         shard_text_encoder=a.shard_text_encoder, ema_decay=a.ema_decay, ema_every=a.ema_every,
                         ema_repeat=a.ema_repeat, ema_form=a.ema_form, sp=a.sp, old_policy=algo.keeps_old,
                         merged_lora=a.merged_lora, fp8_rollout=a.fp8_rollout)
+    reward_fn = rewards.make_reward(a.reward)  # before the fit: a reward model on the GPU (PickScore's) takes its room
     if not a.micro_batch:  # --micro-batch 0: the largest that fits this device's memory, measured (memory.py)
         a = dataclasses.replace(a, micro_batch=memory.fit(model, engine, a, arith["images_per_rank"] // a.optimizer_steps,
                                                           trainset))
         arith = run.args["batch_arithmetic"] = batch_arithmetic(a, eng.data_parallel_size(world, a.sp))  # args.json's
-    reward_fn = rewards.make_reward(a.reward)
     scorer = rewards.AsyncRewards(reward_fn)  # scores rollout chunks in a thread while the next ones sample
     sampler = prompt_sets.PromptSampler(len(trainset), a.seed)  # (--seed, iteration): nothing of it to resume
     start = 0

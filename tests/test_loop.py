@@ -19,11 +19,12 @@ import engine as eng
 import flowgrpo
 import memory
 import models
+import rewards
 import rollout
 import rundir
 import scheduler as sch
 import startup
-from tiny_setup import tiny_setup
+from tiny_setup import main_here, tiny_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = flowgrpo.RECIPES["tiny"]
@@ -184,6 +185,17 @@ def test_micro_batch_0_takes_a_whole_share_the_algorithm_accepts_and_on_a_cpu_at
     written = json.loads((tmp_path / "run" / "args.json").read_text())
     assert written["micro_batch"] == 0 and written["batch_arithmetic"]["micro_batch"] == 6, written["batch_arithmetic"]
     assert written["batch_arithmetic"]["micro_batches_per_rank"] == 2, written["batch_arithmetic"]
+
+
+def test_micro_batch_0_is_fitted_with_the_reward_model_already_in_memory(tmp_path, monkeypatch):
+    """The fit measures the allocator's peaks beside what is already there: a reward model on the GPU (PickScore's CLIP)
+    built after it took room the chosen micro-batch had counted on (before: built after the fit)."""
+    order, make, fit = [], rewards.make_reward, memory.fit
+    monkeypatch.setattr(rewards, "make_reward", lambda *x, **k: order.append("reward") or make(*x, **k))
+    monkeypatch.setattr(memory, "fit", lambda *x, **k: order.append("fit") or fit(*x, **k))
+    main_here("--model", "tiny", "--micro-batch", 0, "--iterations", 1, "--eval-every", 0, "--prompts-per-iteration", 2,
+              "--group-size", 2, "--run-dir", tmp_path / "run")
+    assert order == ["reward", "fit"], order
 
 
 def test_micro_batch_0_on_a_gpu_measures_what_it_foretells_and_leaves_room_for_the_kept_graphs():
