@@ -167,8 +167,9 @@ def read_checkpoint_meta(directory: str) -> dict:
     iteration against the directory's name, its world size against the RNG files of its manifest."""
     path = os.path.join(directory, "meta.json")
     if not os.path.isdir(directory):  # a typo'd iteration: the ones beside it named (the newest last)
-        there = [os.path.basename(p) for p in list_checkpoints(os.path.dirname(os.path.normpath(directory)))]
-        held = f"; {os.path.dirname(os.path.normpath(directory))} holds {', '.join(there[-5:])}" if there else ""
+        parent = os.path.dirname(os.path.normpath(directory))
+        there = [os.path.basename(p) for p in list_checkpoints(parent)]
+        held = f"; {parent} holds {', '.join(there[-5:])}" if there else ""
         raise FileNotFoundError(f"--resume: no checkpoint directory {directory}{held}")
     for needed in (path, os.path.join(directory, "dcp", ".metadata")):
         if not os.path.lexists(needed):

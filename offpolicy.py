@@ -166,7 +166,8 @@ class Rollouts:
         # A flag changed with --allow-change (--prompts, --seed, --group-size, a window) plans other images: the file's
         # latents and scores would be trained with another plan's prompts (before: silently). Sampled again, on every
         # rank alike (each publishes the weights): an older file, without its plan, is taken as it is.
-        if not self.engine.all_gather(torch.tensor([float(meta.get("plan", planned(got)) == planned(got))])).all():
+        now = planned(got)
+        if not self.engine.all_gather(torch.tensor([float(meta.get("plan", now) == now)])).all():
             print(f"warning: the rollout in flight in {directory} was sampled for another plan of iteration {got.it} "
                   "(flags changed with --allow-change): it is sampled again, on the weights held now (staleness 0)",
                   file=sys.stderr, flush=True)
